@@ -1,0 +1,83 @@
+"""Kernel families and kernel specs: which template instantiation a launch needs.
+
+A ``KernelFamily`` names one HIP C++ kernel template (its source file under ``kernels/``, its
+qualified name, the order of its template parameters and its parameter struct). A ``KernelSpec``
+is a frozen choice of template arguments for one family; together with a ``Target`` it names one
+binary. Specs serialise canonically (sorted JSON), and that text, never a pickle, goes into the
+cache key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .params import ParamsStruct
+from .target import Target
+
+# Element types as template arguments: hipattn's own 16-bit types (kernels/common/types.h), so that
+# neither compiler needs a vendor header.
+CPP_DTYPES = {"fp16": "hipattn::half_t", "bf16": "hipattn::bf16_t", "fp32": "float"}
+
+TemplateValue = int | bool | str
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    name: str
+    source: str  # path relative to kernels/
+    template: str  # qualified C++ name of the __global__ template
+    template_params: tuple[str, ...]  # in template order; a parameter named "dtype" takes a CPP_DTYPES key
+    params: ParamsStruct
+    # The instantiations hipattn ships for a target: what `hipattn warm` compiles and CI checks.
+    shipped: Callable[[Target], Iterable[KernelSpec]] = lambda target: ()
+
+    def spec(self, **template_args: TemplateValue) -> KernelSpec:
+        unknown = set(template_args) - set(self.template_params)
+        missing = [p for p in self.template_params if p not in template_args]
+        if unknown or missing:
+            raise TypeError(
+                f"{self.name} takes template parameters {list(self.template_params)}; "
+                f"missing {missing}, unknown {sorted(unknown)}"
+            )
+        return KernelSpec(self.name, tuple((p, template_args[p]) for p in self.template_params))
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    family: str
+    template_args: tuple[tuple[str, TemplateValue], ...]
+
+    def arg(self, name: str) -> TemplateValue:
+        return dict(self.template_args)[name]
+
+    def canonical(self) -> str:
+        return json.dumps({"family": self.family, "args": [list(a) for a in self.template_args]}, sort_keys=True)
+
+    @classmethod
+    def from_canonical(cls, text: str) -> KernelSpec:
+        data = json.loads(text)
+        return cls(data["family"], tuple((name, value) for name, value in data["args"]))
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{name}={value}" for name, value in self.template_args)
+        return f"{self.family}[{args}]"
+
+
+def cpp_template_argument(name: str, value: TemplateValue) -> str:
+    if name == "dtype":
+        if value not in CPP_DTYPES:
+            raise ValueError(f"dtype template argument {value!r}; expected one of {sorted(CPP_DTYPES)}")
+        return CPP_DTYPES[value]
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    raise TypeError(f"template argument {name}={value!r}: only ints, bools and dtype names are supported")
+
+
+def name_expression(family: KernelFamily, spec: KernelSpec) -> str:
+    """``hipattn::smallseq_forward<hipattn::bf16_t, 128, 17, false>``: what the compiler instantiates."""
+    args = ", ".join(cpp_template_argument(n, v) for n, v in spec.template_args)
+    return f"{family.template}<{args}>"
