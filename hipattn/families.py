@@ -6,6 +6,7 @@ lives in hipattn/ops/; the C++ templates in kernels/.
 
 from __future__ import annotations
 
+from .params import ParamsStruct
 from .spec import KernelFamily, KernelSpec
 from .target import Target
 
@@ -29,3 +30,136 @@ def family(name: str) -> KernelFamily:
 def shipped_specs(target: Target) -> list[KernelSpec]:
     """All instantiations hipattn ships for ``target``, in a stable order."""
     return [spec for name in sorted(FAMILIES) for spec in FAMILIES[name].shipped(target)]
+
+
+_OUTPUTS = {"o", "dq", "dk", "dv", "dq_accum"}
+
+
+def _strided(name: str) -> tuple[tuple[str, str], ...]:
+    """A [batch, token, head, dim] tensor: its pointer and three element strides (dim is contiguous)."""
+    kind = "ptr" if name in _OUTPUTS else "const_ptr"
+    return ((name, kind), (f"{name}_batch_stride", "i64"), (f"{name}_token_stride", "i64"), (f"{name}_head_stride", "i64"))
+
+
+DTYPES = ("fp16", "bf16")
+
+# ---- backward pre-processing: D = rowsum(dO * O), and dq_accum (fp32) -> dq ----------------------
+
+PREPROCESS_HEAD_DIMS = (64, 96, 128, 256)
+
+BWD_DOT_DO_O = _register(
+    KernelFamily(
+        name="bwd_dot_do_o",
+        source="flash/bwd_dot_do_o.hip",
+        template="hipattn::bwd_dot_do_o",
+        template_params=("dtype", "head_dim"),
+        params=ParamsStruct(
+            "DotDoOParams",
+            _strided("o")
+            + _strided("dout")
+            + (
+                ("d", "ptr"),
+                ("d_batch_stride", "i64"),
+                ("d_head_stride", "i64"),
+                ("batch", "i32"),
+                ("seqlen", "i32"),
+                ("heads", "i32"),
+            ),
+        ),
+        shipped=lambda target: [
+            BWD_DOT_DO_O.spec(dtype=t, head_dim=d) for t in DTYPES for d in PREPROCESS_HEAD_DIMS
+        ],
+    )
+)
+
+BWD_CONVERT_DQ = _register(
+    KernelFamily(
+        name="bwd_convert_dq",
+        source="flash/bwd_convert_dq.hip",
+        template="hipattn::bwd_convert_dq",
+        template_params=("dtype", "head_dim"),
+        params=ParamsStruct(
+            "ConvertDqParams",
+            _strided("dq_accum")
+            + _strided("dq")
+            + (("scale", "f32"), ("batch", "i32"), ("seqlen", "i32"), ("heads", "i32")),
+        ),
+        shipped=lambda target: [
+            BWD_CONVERT_DQ.spec(dtype=t, head_dim=d) for t in DTYPES for d in PREPROCESS_HEAD_DIMS
+        ],
+    )
+)
+
+# ---- small-sequence attention (every sequence <= SMALLSEQ_TILE tokens) ---------------------------
+
+# The longest sequence the small-seq kernels handle, on either side: the tile every problem fits in.
+# This is the one definition; it reaches the kernels as their TILE template argument.
+SMALLSEQ_TILE = 17
+SMALLSEQ_HEAD_DIMS = (64, 128, 256)
+SMALLSEQ_SHIPPED_HEADS = (8, 16, 32)
+
+_SEQUENCE_FIELDS = (
+    ("cu_seqlens_q", "const_ptr"),
+    ("cu_seqlens_k", "const_ptr"),
+    ("seqused_q", "const_ptr"),
+    ("seqused_k", "const_ptr"),
+    ("batch", "i32"),
+    ("heads_kv", "i32"),
+    ("max_seqlen_q", "i32"),
+    ("max_seqlen_k", "i32"),
+    ("total_q", "i32"),
+    ("total_k", "i32"),
+    ("softmax_scale", "f32"),
+    ("causal", "i32"),
+)
+
+
+def _smallseq_specs(fam: KernelFamily) -> list[KernelSpec]:
+    return [
+        fam.spec(dtype=t, head_dim=d, heads=h, tile=SMALLSEQ_TILE)
+        for t in DTYPES
+        for d in SMALLSEQ_HEAD_DIMS
+        for h in SMALLSEQ_SHIPPED_HEADS
+    ]
+
+
+SMALLSEQ_FORWARD = _register(
+    KernelFamily(
+        name="smallseq_forward",
+        source="smallseq/forward.hip",
+        template="hipattn::smallseq_forward",
+        template_params=("dtype", "head_dim", "heads", "tile"),
+        params=ParamsStruct(
+            "SmallSeqForwardParams",
+            _strided("q")
+            + _strided("k")
+            + _strided("v")
+            + _strided("o")
+            + (("lse", "ptr"), ("lse_batch_stride", "i64"), ("lse_head_stride", "i64"))
+            + _SEQUENCE_FIELDS,
+        ),
+        shipped=lambda target: _smallseq_specs(SMALLSEQ_FORWARD),
+    )
+)
+
+SMALLSEQ_BACKWARD = _register(
+    KernelFamily(
+        name="smallseq_backward",
+        source="smallseq/backward.hip",
+        template="hipattn::smallseq_backward",
+        template_params=("dtype", "head_dim", "heads", "tile"),
+        params=ParamsStruct(
+            "SmallSeqBackwardParams",
+            _strided("q")
+            + _strided("k")
+            + _strided("v")
+            + _strided("dout")
+            + _strided("dq")
+            + _strided("dk")
+            + _strided("dv")
+            + (("lse", "const_ptr"), ("lse_batch_stride", "i64"), ("lse_head_stride", "i64"))
+            + _SEQUENCE_FIELDS,
+        ),
+        shipped=lambda target: _smallseq_specs(SMALLSEQ_BACKWARD),
+    )
+)

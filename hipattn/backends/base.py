@@ -9,10 +9,13 @@ raises ``DriverError`` naming the call; compile failures raise ``CompileError`` 
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..errors import CompileError
 from ..target import Target
 
 
@@ -23,6 +26,40 @@ class CompiledKernel:
     binary: bytes  # CUBIN (NVIDIA) or code object ELF (AMD) for exactly the target arch
     lowered_name: str  # the mangled symbol to look up in the loaded module
     log: str  # compiler warnings, kept for `hipattn warm -v`
+
+
+def compile_error(spec_text: str, target: Target, options: tuple[str, ...], log: str, source: str) -> CompileError:
+    """The CompileError both backends raise; the instantiated source rides along under HIPATTN_DUMP_SOURCE=1."""
+    dump = os.environ.get("HIPATTN_DUMP_SOURCE", "") not in ("", "0")
+    return CompileError(spec_text, str(target), options, log, source if dump else None)
+
+
+class LoadedFunction:
+    """A loaded kernel: the runtime's function handle ``launch`` passes, and the module that must outlive it."""
+
+    __slots__ = ("handle", "module", "name")
+
+    def __init__(self, handle: Any, module: Any, name: str) -> None:
+        self.handle = handle
+        self.module = module
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"LoadedFunction({self.name})"
+
+
+class KernelArgumentSlot(threading.local):
+    """A per-thread ``void*[1]`` holding the address of the one by-value kernel argument.
+
+    Both launch APIs want ``void** kernelParams``. Reusing one cell per thread saves the ctypes
+    allocation a fresh array would cost on every launch; it must be per thread because the bindings
+    release the GIL inside the launch call, while the driver is still reading the cell.
+    """
+
+    def __init__(self) -> None:
+        cell = ctypes.c_void_p()
+        # (cell, address of cell): one attribute read on the hot path gives both.
+        self.cell_and_address = (cell, ctypes.addressof(cell))
 
 
 class Backend(ABC):
@@ -105,6 +142,10 @@ class Backend(ABC):
 
     @abstractmethod
     def free_async(self, ptr: int, stream: int) -> None: ...
+
+    @abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the current device: leak tests compare ``free`` before and after."""
 
     @abstractmethod
     def host_alloc(self, nbytes: int) -> int:

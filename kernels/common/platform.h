@@ -26,23 +26,38 @@ constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
 constexpr int kWarpSize = 32;
 #endif
 
-// Butterfly exchange among groups of `width` lanes (a power of two up to kWarpSize). Every lane of
-// the warp must take part: teams are whole warps or aligned fractions of one.
-HIPATTN_DEVICE float shfl_xor(float value, int lane_mask, int width) {
+// The lanes of the calling lane's aligned group of `width` lanes, as a warp mask. NVIDIA needs the
+// mask to name exactly the lanes that take part: two teams sharing a warp may branch apart.
+HIPATTN_DEVICE unsigned int group_mask(int width) {
 #if defined(HIPATTN_AMD)
+  (void)width;
+  return 0u;  // AMD's cross-lane reads take no mask
+#else
+  if (width >= 32) return 0xffffffffu;
+  const unsigned int lane = threadIdx.x % 32;
+  return ((1u << width) - 1u) << (lane & ~static_cast<unsigned int>(width - 1));
+#endif
+}
+
+// Butterfly exchange within the aligned group of `width` lanes (a power of two up to 32); every
+// lane of `mask` (from group_mask(width)) must take part.
+HIPATTN_DEVICE float shfl_xor(float value, int lane_mask, int width, unsigned int mask) {
+#if defined(HIPATTN_AMD)
+  (void)mask;
   return __shfl_xor(value, lane_mask, width);
 #else
-  return __shfl_xor_sync(0xffffffffu, value, lane_mask, width);
+  return __shfl_xor_sync(mask, value, lane_mask, width);
 #endif
 }
 
 HIPATTN_DEVICE float bits_to_float(unsigned int bits) { return __uint_as_float(bits); }
 HIPATTN_DEVICE unsigned int float_to_bits(float value) { return __float_as_uint(value); }
+HIPATTN_DEVICE float infinity() { return bits_to_float(0x7f800000u); }
 
 // exp2 with the hardware's fast approximation: softmax is computed in base 2 (scale folded with log2 e).
 HIPATTN_DEVICE float fast_exp2(float x) {
 #if defined(HIPATTN_AMD)
-  return __builtin_amdgcn_exp2f(x);
+  return exp2f(x);  // lowers to v_exp_f32
 #else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -52,7 +67,7 @@ HIPATTN_DEVICE float fast_exp2(float x) {
 
 HIPATTN_DEVICE float fast_log2(float x) {
 #if defined(HIPATTN_AMD)
-  return __builtin_amdgcn_logf(x);
+  return log2f(x);  // lowers to v_log_f32
 #else
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -1,0 +1,329 @@
+"""The ``hipattn`` command: fill, list and clear the compile cache; show what this machine has.
+
+    hipattn warm [--arch ARCH ...] [--family NAME ...] [--jobs N] [-v]
+    hipattn list
+    hipattn clear
+    hipattn info
+
+``warm`` needs no GPU when an arch is named. Each kernel compiles in a worker process (spawned, so
+no GPU context or lock is inherited), which keeps a compiler crash from taking the command down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__, families
+from .cache import DiskCache, default_cache_dir
+from .errors import CompileError, HipattnError
+from .spec import KernelSpec
+from .target import Target
+
+# The exit codes: 0 everything worked, 1 something failed (named on stderr), 2 bad arguments.
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+# ---- warm ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WarmResult:
+    spec: str  # canonical text
+    arch: str
+    compiled: bool  # False: it was already in the cache
+    seconds: float
+    log: str
+
+
+def _warm_one(spec_text: str, arch: str, cache_dir: str) -> WarmResult:
+    """Worker: compile one spec into the cache. Runs in a spawned process; returns or raises picklable things."""
+    from .backends import compiler_backend
+    from .registry import fetch_or_compile
+
+    start = time.perf_counter()
+    target = Target.parse(arch)
+    try:
+        compiled, fresh = fetch_or_compile(
+            KernelSpec.from_canonical(spec_text), target, compiler_backend(target), DiskCache(cache_dir)
+        )
+    except CompileError:
+        raise
+    except Exception as error:
+        # Anything else is re-raised as a plain HipattnError: an arbitrary exception might not
+        # pickle, and the parent only needs its text.
+        raise HipattnError(f"{type(error).__name__}: {error}") from None
+    return WarmResult(spec_text, arch, fresh, time.perf_counter() - start, compiled.log)
+
+
+def _local_targets() -> list[Target]:
+    from .backends import get_backend
+
+    backend = get_backend()
+    return sorted({backend.device_target(i) for i in range(backend.device_count())}, key=lambda t: t.arch)
+
+
+def _warm(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    if args.family:
+        unknown = [name for name in args.family if name not in families.FAMILIES]
+        if unknown:
+            print(
+                f"hipattn warm: unknown kernel family {unknown}; known: {sorted(families.FAMILIES)}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+    if args.arch:
+        targets = args.arch
+    else:
+        try:
+            targets = _local_targets()
+        except Exception as error:
+            print(
+                f"hipattn warm: no local GPU found ({error}); name one with --arch, e.g. --arch sm_90",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        if not targets:
+            print(
+                "hipattn warm: no local GPU found; name one with --arch, e.g. --arch gfx942", file=sys.stderr
+            )
+            return EXIT_USAGE
+
+    cache = DiskCache(args.cache_dir)
+    if not cache.writable:
+        print(
+            f"hipattn warm: cache dir {cache.directory} is not usable (see the warning above)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+
+    # Decide in the parent which (spec, target) pairs can be compiled: an old hiprtc aborts the
+    # process on a target it does not know, so such targets are reported, never attempted.
+    work: list[tuple[KernelSpec, Target]] = []
+    failed = 0
+    for target in targets:
+        specs = [s for s in families.shipped_specs(target) if not args.family or s.family in args.family]
+        try:
+            from .backends import compiler_backend
+
+            backend = compiler_backend(target)
+            compilable = backend.can_compile_for(target)
+            identity = backend.compiler_identity()
+        except Exception as error:
+            print(f"hipattn warm: no compiler for {target.arch}: {error}", file=sys.stderr)
+            failed += len(specs) or 1
+            continue
+        if not compilable:
+            print(
+                f"hipattn warm: {identity} cannot compile for {target.arch}; skipped {len(specs)} kernels "
+                "(a newer compiler is needed for this target)",
+                file=sys.stderr,
+            )
+            failed += len(specs) or 1
+            continue
+        work.extend((spec, target) for spec in specs)
+
+    counts = {"compiled": 0, "cached": 0, "failed": failed}
+    if work:
+        jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(work)))
+        with tqdm(total=len(work), unit="kernel", desc="hipattn warm", disable=None) as progress:
+
+            def report(spec: KernelSpec, target: Target, outcome: WarmResult | BaseException) -> None:
+                progress.update(1)
+                if isinstance(outcome, WarmResult):
+                    counts["compiled" if outcome.compiled else "cached"] += 1
+                    if args.verbose:
+                        how = f"compiled in {outcome.seconds:.2f} s" if outcome.compiled else "already cached"
+                        progress.write(f"{spec} for {target.arch}: {how}")
+                        if outcome.log.strip():
+                            progress.write(outcome.log.rstrip())
+                    return
+                counts["failed"] += 1
+                separator = "\n" if isinstance(outcome, CompileError) else " "
+                progress.write(f"FAILED {spec} for {target.arch}:{separator}{outcome}", file=sys.stderr)
+
+            crashed = _run_pool(work, jobs, str(cache.directory), report)
+            # A compiler that kills its process (hiprtc aborting on a target it does not know)
+            # breaks the whole pool; retry the kernels it took down one process each, so the
+            # culprit is named and the innocent ones still get compiled.
+            for item in crashed:
+                for spec, target in _run_pool([item], 1, str(cache.directory), report):
+                    report(spec, target, HipattnError("the compiler killed its process (crashed or aborted)"))
+
+    archs = ", ".join(t.arch for t in targets)
+    print(
+        f"hipattn warm ({archs}): {counts['compiled']} compiled, {counts['cached']} already cached, {counts['failed']} failed; cache {cache.directory}"
+    )
+    return EXIT_FAILED if counts["failed"] else 0
+
+
+def _run_pool(
+    work: list[tuple[KernelSpec, Target]],
+    jobs: int,
+    cache_dir: str,
+    report: Callable[[KernelSpec, Target, WarmResult | BaseException], None],
+) -> list[tuple[KernelSpec, Target]]:
+    """Compile ``work`` in ``jobs`` spawned processes, reporting each outcome; returns the items
+    lost to a dead worker (not reported), to be retried in isolation."""
+    crashed = []
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {
+            pool.submit(_warm_one, spec.canonical(), target.arch, cache_dir): (spec, target)
+            for spec, target in work
+        }
+        for future in concurrent.futures.as_completed(futures):
+            spec, target = futures[future]
+            try:
+                outcome = future.result()
+            except concurrent.futures.process.BrokenProcessPool:
+                crashed.append((spec, target))
+                continue
+            except Exception as error:
+                outcome = error
+            report(spec, target, outcome)
+    return crashed
+
+
+# ---- list / clear / info ----------------------------------------------------------------------
+def _human_size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _human_age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _list(args: argparse.Namespace) -> int:
+    cache = DiskCache(args.cache_dir)
+    entries = sorted(cache.entries(), key=lambda e: (e.arch, e.family, str(e.spec)))
+    if entries:
+        rows = [
+            (str(e.spec), e.arch, e.compiler, _human_size(e.size), _human_age(e.age_seconds)) for e in entries
+        ]
+        header = ("SPEC", "ARCH", "COMPILER", "SIZE", "AGE")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    print(f"{len(entries)} entries, {_human_size(cache.total_size())} in {cache.directory}")
+    return 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    cache = DiskCache(args.cache_dir)
+    removed = cache.clear()
+    print(f"removed {removed} entries from {cache.directory}")
+    return 0
+
+
+def _probe(fn: Callable[[], object]) -> str:
+    """fn()'s text, or why it is unavailable: info must report, never fail."""
+    try:
+        return str(fn())
+    except Exception as error:
+        return f"unavailable ({type(error).__name__}: {error})".replace("\n", " ")
+
+
+def _info(args: argparse.Namespace) -> int:
+    print(f"hipattn {__version__} (Python {sys.version.split()[0]})")
+
+    def compiler(arch: str):
+        from .backends import compiler_backend
+
+        return compiler_backend(Target.parse(arch)).compiler_identity()
+
+    print(f"nvrtc:   {_probe(lambda: compiler('sm_90'))}")
+    print(f"hiprtc:  {_probe(lambda: compiler('gfx90a'))}")
+
+    def devices() -> str:
+        from .backends import get_backend
+
+        backend = get_backend()
+        lines = [f"{backend.name} ({backend.compiler_identity()})"]
+        for i in range(backend.device_count()):
+            lines.append(f"  device {i}: {backend.device_name(i)} ({backend.device_target(i).arch})")
+        if len(lines) == 1:
+            lines.append("  no devices")
+        return "\n".join(lines)
+
+    print(f"backend: {_probe(devices)}")
+    cache = DiskCache(args.cache_dir)
+    state = "writable" if cache.writable else "read-only" if cache.readable else "unusable (memory only)"
+    entries = len(cache.entries())
+    print(f"cache:   {cache.directory} ({state}; {entries} entries, {_human_size(cache.total_size())})")
+    return 0
+
+
+# ---- entry point --------------------------------------------------------------------------------
+def _arch(text: str) -> Target:
+    try:
+        return Target.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _jobs(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--jobs {value}: expected a count >= 1 (or 0 for one per CPU)")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hipattn", description="hipattn's kernel compile cache and environment."
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help=f"cache directory (default: $HIPATTN_CACHE_DIR, else the XDG cache dir; now {default_cache_dir()})",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    warm = commands.add_parser("warm", help="compile the shipped kernels into the cache")
+    warm.add_argument(
+        "--arch",
+        type=_arch,
+        action="append",
+        help="target to compile for, without needing that GPU: gfx90a, gfx942, gfx950, sm_80, sm_90, sm_90a, "
+        "or with features (gfx90a:xnack-); repeatable. Default: every local GPU's arch",
+    )
+    warm.add_argument("--family", action="append", help="only this kernel family; repeatable")
+    warm.add_argument(
+        "--jobs", "-j", type=_jobs, default=0, help="parallel compile processes (default: CPU count)"
+    )
+    warm.add_argument(
+        "--verbose", "-v", action="store_true", help="name each kernel and show compiler warnings"
+    )
+    warm.set_defaults(run=_warm)
+
+    commands.add_parser("list", help="list cached kernels (spec, arch, size, age)").set_defaults(run=_list)
+    commands.add_parser("clear", help="delete every cached kernel").set_defaults(run=_clear)
+    commands.add_parser("info", help="show backend, devices, compilers and the cache").set_defaults(run=_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = os.environ.get("HIPATTN_LOG", "warning").upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.WARNING), format="%(name)s %(levelname)s: %(message)s"
+    )
+    return args.run(args)

@@ -1,0 +1,77 @@
+// Shared by the small-sequence forward and backward kernels: team geometry and sequence bounds.
+//
+// One attention problem is one (sequence, head) pair of at most TILE query and TILE key tokens. A
+// team of HEAD_DIM/4 lanes owns a problem: each lane holds 4 consecutive elements of every row, so
+// a row is read with one 8-byte access per lane, coalesced across the team. Q·Kᵀ dot products are
+// summed across the team with reduce_scatter; P·V style products need no communication at all.
+#pragma once
+#include "common/team.h"
+#include "common/types.h"
+
+namespace hipattn {
+namespace smallseq {
+
+constexpr int kElementsPerLane = 4;
+constexpr int kBlockThreads = 128;
+
+template <int HEAD_DIM, int TILE>
+struct Geometry {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "small-seq head_dim is 64, 128 or 256");
+  static constexpr int kTeamLanes = HEAD_DIM / kElementsPerLane;                // 16, 32 or 64
+  static constexpr int kReduceLanes = kTeamLanes < 32 ? kTeamLanes : 32;        // shuffle width
+  static constexpr int kSlices = kTeamLanes / kReduceLanes;                     // partial sums per entry
+  static constexpr int kTeamsPerBlock = kBlockThreads / kTeamLanes;
+  static constexpr int kTilePad = (TILE + 3) / 4 * 4;                           // row pitch of score tiles
+  static constexpr int kEntries = TILE * TILE;                                  // score entries, key-major
+  static constexpr int kGroups = (kEntries + kReduceLanes - 1) / kReduceLanes;  // reduce_scatter rounds
+  static_assert(kBlockThreads % kTeamLanes == 0, "a block holds whole teams");
+};
+
+struct Sequence {
+  int start;   // token index of the sequence's first row (THD: cu_seqlens[b]; BSHD: 0)
+  int length;  // rows, clamped to what the host promised
+};
+
+HIPATTN_DEVICE int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Varlen (cu_seqlens), per-sequence lengths (seqused) or plain padded batches. Lengths are clamped
+// to min(max_seqlen, TILE) and the sequence to [0, total): a malformed cu_seqlens gives wrong
+// numbers for that sequence but never an out-of-bounds access.
+HIPATTN_DEVICE Sequence sequence_bounds(const int* cu_seqlens, const int* seqused, int batch_index, int max_seqlen,
+                                        int total, int tile) {
+  int start = 0;
+  int length = max_seqlen;
+  if (cu_seqlens != nullptr) {
+    start = cu_seqlens[batch_index];
+    length = cu_seqlens[batch_index + 1] - start;
+  }
+  if (seqused != nullptr) length = seqused[batch_index];
+  start = clamp_int(start, 0, total);
+  const int limit = max_seqlen < tile ? max_seqlen : tile;
+  length = clamp_int(length, 0, limit < total - start ? limit : total - start);
+  return {start, length};
+}
+
+// Bottom-right aligned causal mask (flash-attn's convention for unequal lengths): query i sees key j
+// when j <= i + length_k - length_q.
+HIPATTN_DEVICE bool key_visible(int i, int j, int length_q, int length_k, bool causal) {
+  return !causal || j <= i + length_k - length_q;
+}
+
+// Address of this lane's 4 elements of row `token` of a [batch, token, head, dim] tensor.
+template <typename T>
+HIPATTN_DEVICE const T* row_pointer(const void* base, long long batch_stride, long long token_stride,
+                                    long long head_stride, int batch_index, int token, int head, int lane) {
+  return static_cast<const T*>(base) + batch_index * batch_stride + token * token_stride + head * head_stride +
+         lane * kElementsPerLane;
+}
+
+template <typename T>
+HIPATTN_DEVICE T* row_pointer(void* base, long long batch_stride, long long token_stride, long long head_stride,
+                              int batch_index, int token, int head, int lane) {
+  return static_cast<T*>(base) + batch_index * batch_stride + token * token_stride + head * head_stride +
+         lane * kElementsPerLane;
+}
+
+}  // namespace smallseq
+}  // namespace hipattn

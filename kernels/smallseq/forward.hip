@@ -1,0 +1,149 @@
+// Small-sequence attention forward: O = softmax(scale * Q Kᵀ + mask) V and the fp32 log-sum-exp,
+// for problems of at most TILE query and TILE key tokens (cross-attention with short sequences).
+//
+// The work is bound by memory traffic: each team reads its Q, K and V rows once, keeps them in
+// registers (Q as fp32, K and V as packed 16-bit), and writes O and LSE once. Score tiles live in
+// shared memory. Rows beyond the sequence's real length are skipped with team-uniform branches, so
+// a 9-token sequence costs about a quarter of a 17-token one.
+#pragma once
+#include "smallseq/common.h"
+
+namespace hipattn {
+
+template <typename T, int HEAD_DIM, int HEADS, int TILE>
+__global__ void __launch_bounds__(smallseq::kBlockThreads) smallseq_forward(const SmallSeqForwardParams p) {
+  using G = smallseq::Geometry<HEAD_DIM, TILE>;
+  using Row = Vec<T, smallseq::kElementsPerLane>;
+  constexpr int E = smallseq::kElementsPerLane;
+
+  // Partial score sums, one tile per slice of the team; slice 0 is reused for the probabilities.
+  __shared__ float scores[G::kTeamsPerBlock][G::kSlices][TILE * G::kTilePad];
+
+  const int team = threadIdx.x / G::kTeamLanes;
+  const int team_lane = threadIdx.x % G::kTeamLanes;
+  const int slice = team_lane / G::kReduceLanes;
+  const int reduce_lane = team_lane % G::kReduceLanes;
+  const long long problem = static_cast<long long>(blockIdx.x) * G::kTeamsPerBlock + team;
+  // Teams past the last problem stay to take part in the block's barriers.
+  const bool active = problem < static_cast<long long>(p.batch) * HEADS;
+  const int batch_index = active ? static_cast<int>(problem / HEADS) : 0;
+  const int head = static_cast<int>(problem % HEADS);
+  const int head_kv = head / (HEADS / p.heads_kv);
+
+  smallseq::Sequence seq_q{0, 0}, seq_k{0, 0};
+  if (active) {
+    seq_q = smallseq::sequence_bounds(static_cast<const int*>(p.cu_seqlens_q), static_cast<const int*>(p.seqused_q),
+                                      batch_index, p.max_seqlen_q, p.total_q, TILE);
+    seq_k = smallseq::sequence_bounds(static_cast<const int*>(p.cu_seqlens_k), static_cast<const int*>(p.seqused_k),
+                                      batch_index, p.max_seqlen_k, p.total_k, TILE);
+  }
+  const int len_q = seq_q.length;
+  const int len_k = seq_k.length;
+
+  // ---- load: every row this lane needs, issued before any use ----
+  float q[TILE][E];
+  Row k[TILE], v[TILE];
+#pragma unroll
+  for (int i = 0; i < TILE; ++i) {
+    if (i < len_q) {
+      load_as_float<T, E>(smallseq::row_pointer<T>(p.q, p.q_batch_stride, p.q_token_stride, p.q_head_stride,
+                                                   batch_index, seq_q.start + i, head, team_lane),
+                          q[i]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < TILE; ++j) {
+    if (j < len_k) {
+      k[j] = *reinterpret_cast<const Row*>(smallseq::row_pointer<T>(
+          p.k, p.k_batch_stride, p.k_token_stride, p.k_head_stride, batch_index, seq_k.start + j, head_kv, team_lane));
+      v[j] = *reinterpret_cast<const Row*>(smallseq::row_pointer<T>(
+          p.v, p.v_batch_stride, p.v_token_stride, p.v_head_stride, batch_index, seq_k.start + j, head_kv, team_lane));
+    }
+  }
+
+  // ---- scores: S[j][i] = q_i · k_j, summed across the team ----
+  float* my_scores = scores[team][slice];
+#pragma unroll
+  for (int g = 0; g < G::kGroups; ++g) {
+    if (g * G::kReduceLanes < len_k * TILE) {
+      float partial[G::kReduceLanes];
+#pragma unroll
+      for (int e = 0; e < G::kReduceLanes; ++e) {
+        const int entry = g * G::kReduceLanes + e;
+        const int j = entry / TILE;
+        const int i = entry % TILE;
+        partial[e] = 0.0f;
+        if (entry < G::kEntries && i < len_q && j < len_k) {
+#pragma unroll
+          for (int x = 0; x < E; ++x) partial[e] += q[i][x] * to_float(k[j].elements[x]);
+        }
+      }
+      const float total = reduce_scatter<G::kReduceLanes>(partial, reduce_lane);
+      const int entry = g * G::kReduceLanes + reduce_lane;
+      if (entry < G::kEntries) my_scores[(entry / TILE) * G::kTilePad + entry % TILE] = total;
+    }
+  }
+  __syncthreads();
+
+  // ---- softmax over keys, one lane per query row; probabilities overwrite slice 0 ----
+  float* probs = scores[team][0];
+  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  for (int i = team_lane; i < len_q; i += G::kTeamLanes) {
+    float row_max = -infinity();
+    for (int j = 0; j < len_k; ++j) {
+      float s = 0.0f;
+#pragma unroll
+      for (int sl = 0; sl < G::kSlices; ++sl) s += scores[team][sl][j * G::kTilePad + i];
+      s = smallseq::key_visible(i, j, len_q, len_k, p.causal) ? s * scale_log2 : -infinity();
+      probs[j * G::kTilePad + i] = s;
+      row_max = s > row_max ? s : row_max;
+    }
+    float row_sum = 0.0f;
+    for (int j = 0; j < len_k; ++j) {
+      const float e = row_max == -infinity() ? 0.0f : fast_exp2(probs[j * G::kTilePad + i] - row_max);
+      probs[j * G::kTilePad + i] = e;
+      row_sum += e;
+    }
+    // A row that sees no key (no keys at all, or all masked) gets O = 0 and LSE = +inf, as in
+    // flash-attn: the backward then recomputes P = exp(S - inf) = 0, so its gradients are zero.
+    const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    for (int j = 0; j < len_k; ++j) probs[j * G::kTilePad + i] *= inv_sum;
+    float* lse = static_cast<float*>(p.lse) + batch_index * p.lse_batch_stride + head * p.lse_head_stride +
+                 seq_q.start + i;
+    *lse = row_sum > 0.0f ? (row_max + fast_log2(row_sum)) * 0.6931471805599453f : infinity();
+  }
+  __syncthreads();
+
+  // ---- O[i] = sum_j P[j][i] v_j: each lane its own 4 columns, no communication ----
+  float o[TILE][E];
+#pragma unroll
+  for (int i = 0; i < TILE; ++i)
+#pragma unroll
+    for (int x = 0; x < E; ++x) o[i][x] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < TILE; ++j) {
+    if (j < len_k) {
+      float vj[E];
+#pragma unroll
+      for (int x = 0; x < E; ++x) vj[x] = to_float(v[j].elements[x]);
+#pragma unroll
+      for (int i = 0; i < TILE; ++i) {
+        if (i < len_q) {
+          const float pij = probs[j * G::kTilePad + i];
+#pragma unroll
+          for (int x = 0; x < E; ++x) o[i][x] += pij * vj[x];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < TILE; ++i) {
+    if (i < len_q) {
+      T* out = smallseq::row_pointer<T>(p.o, p.o_batch_stride, p.o_token_stride, p.o_head_stride,
+                                                        batch_index, seq_q.start + i, head, team_lane));
+      store_from_float<T, E>(out, o[i]);
+    }
+  }
+}
+
+}  // namespace hipattn
