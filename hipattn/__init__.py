@@ -1,5 +1,20 @@
-"""hipattn: fused-attention kernels for AMD and NVIDIA GPUs, compiled at run time."""
+"""hipattn: fused-attention kernels for AMD and NVIDIA GPUs, compiled at run time.
+
+    import hipattn
+    out = hipattn.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+``flash_attn_func`` / ``flash_attn_varlen_func`` mirror flash-attn's API; ``forward`` and ``backward``
+are the low-level entry points that take caller-provided outputs. Set ``HIPATTN_LOG=debug`` to log
+dispatch decisions and compiles.
+"""
 
 from __future__ import annotations
 
+from .api import flash_attn_func, flash_attn_varlen_func
+from .attention import backward, forward
+from .log import configure_from_environment
+
 __version__ = "0.1.0"
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "forward", "backward", "__version__"]
+
+configure_from_environment()

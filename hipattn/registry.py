@@ -140,14 +140,14 @@ def fetch_or_compile(
     inputs = compile_inputs(spec, target, backend)
     compiled = cache.get(inputs.key, arch=target.arch)
     if compiled is not None:
-        logger.debug("hipattn: disk cache hit %s for %s (%s)", spec, target.arch, inputs.key[:12])
+        logger.debug("disk cache hit %s for %s (%s)", spec, target.arch, inputs.key[:12])
         return compiled, False
     start = time.perf_counter()
     compiled = backend.compile(
         inputs.source, inputs.headers, inputs.name_expression, target, inputs.options, spec.canonical()
     )
     seconds = time.perf_counter() - start
-    logger.debug("hipattn: compiled %s for %s in %.3f s (%s)", spec, target.arch, seconds, inputs.key[:12])
+    logger.debug("compiled %s for %s in %.3f s (%s)", spec, target.arch, seconds, inputs.key[:12])
     cache.put(
         inputs.key,
         compiled,
@@ -236,7 +236,7 @@ class Registry:
             start = time.perf_counter()
             function = backend.load_function(compiled.binary, compiled.lowered_name)
             logger.debug(
-                "hipattn: loaded %s on device %d (%s) in %.3f s",
+                "loaded %s on device %d (%s) in %.3f s",
                 spec,
                 device,
                 target.arch,

@@ -107,7 +107,6 @@ class FakeBackend(Backend):
         self.launches.append((function, grid, block, shared_bytes, stream, params))
 
 
-
 def _unused(self, *args, **kwargs):
     raise AssertionError("the fake backend has no memory, streams or events")
 

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from hipattn import arrays
-from hipattn.arrays import DeviceArray, as_device_array, element_size, empty, is_contiguous_last_dim, raw_array
+from hipattn.arrays import (
+    DeviceArray,
+    as_device_array,
+    element_size,
+    empty,
+    is_contiguous_last_dim,
+    raw_array,
+)
 from hipattn.streams import launch_device
 
 # ---- CAI producers ------------------------------------------------------------------------------
@@ -333,13 +340,24 @@ class DLPackProducer:
 
     def __init__(self, shape, strides=None, code=2, bits=16, device_type=2, device_id=0,
                  byte_offset=0, versioned=False, readonly=False, knows_max_version=True, has_device=True):  # fmt: skip
-        self.deleted = 0
         self.stream_seen = "not called"
         self.max_version_seen = None
         self._shape = (ctypes.c_int64 * len(shape))(*shape)
         self._strides = (ctypes.c_int64 * len(strides))(*strides) if strides else None
-        self._deleter = _VOIDP(self._delete)
-        self._destructor = _VOIDP(self._capsule_destructor)
+        # The callbacks close over plain locals, not self: the capsule may be destroyed while the
+        # garbage collector is tearing this producer down.
+        deleted = self._deleted = [0]
+        name = b"dltensor_versioned" if versioned else b"dltensor"
+
+        def delete(address):
+            deleted[0] += 1
+
+        def capsule_destructor(capsule_address):
+            if _is_valid_raw(capsule_address, name):  # not renamed: nobody consumed it
+                deleted[0] += 1
+
+        self._deleter = _VOIDP(delete)
+        self._destructor = _VOIDP(capsule_destructor)
         self.versioned, self.readonly, self.knows_max_version = versioned, readonly, knows_max_version
         self.device = (device_type, device_id)
         if not has_device:
@@ -353,13 +371,9 @@ class DLPackProducer:
         else:
             self.managed = Managed(t, None, ctypes.cast(self._deleter, ctypes.c_void_p).value)
 
-    def _delete(self, address):
-        self.deleted += 1
-
-    def _capsule_destructor(self, capsule_address):
-        name = b"dltensor_versioned" if self.versioned else b"dltensor"
-        if _is_valid_raw(capsule_address, name):
-            self._delete(None)
+    @property
+    def deleted(self):
+        return self._deleted[0]
 
     def __dlpack_device__(self):
         return self.device
@@ -435,3 +449,22 @@ def test_dlpack_rejected_after_consuming_runs_the_deleter_once():
         as_device_array(wrong_device, "q")
     gc.collect()
     assert wrong_device.deleted == 1
+
+
+def test_dlpack_reader_with_numpy_as_a_real_producer_releases_its_reference():
+    """NumPy is a real C producer (CPU only): a wrapper claims a GPU so the reader consumes the
+    capsule, finds a CPU tensor, refuses it, and must hand NumPy's reference back exactly once."""
+    host = np.arange(6, dtype=np.float16).reshape(2, 3)
+
+    class ClaimsGPU:
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, stream=None, max_version=None):
+            return host.__dlpack__(max_version=max_version) if max_version else host.__dlpack__()
+
+    before = sys.getrefcount(host)
+    with pytest.raises(ValueError, match="CPU"):
+        as_device_array(ClaimsGPU(), "q")
+    gc.collect()
+    assert sys.getrefcount(host) == before

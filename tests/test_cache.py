@@ -72,7 +72,12 @@ def test_miss_then_hit(cache, backend):
     assert backend.compiles == 1
     assert second == first
     (entry,) = cache.entries()
-    assert (entry.spec, entry.family, entry.arch, entry.compiler) == (SPEC, "fake_copy", "sm_90", "fakecc 1.0")
+    assert (entry.spec, entry.family, entry.arch, entry.compiler) == (
+        SPEC,
+        "fake_copy",
+        "sm_90",
+        "fakecc 1.0",
+    )
     assert entry.size == cache.total_size() > len(first.binary)
     assert 0 <= entry.age_seconds < 60
 
@@ -122,14 +127,20 @@ def test_key_changes_when_an_input_changes(change):
 
 
 def test_key_is_stable_otherwise():
-    same = dict(KEY_INPUTS, headers=dict(reversed(list(KEY_INPUTS["headers"].items()))), options=list(KEY_INPUTS["options"]))
+    same = dict(
+        KEY_INPUTS,
+        headers=dict(reversed(list(KEY_INPUTS["headers"].items()))),
+        options=list(KEY_INPUTS["options"]),
+    )
     assert cache_key(**same) == cache_key(**KEY_INPUTS)
     assert cache_key(**KEY_INPUTS, format_version=CACHE_FORMAT_VERSION) == cache_key(**KEY_INPUTS)
 
 
 def test_key_fields_do_not_run_into_each_other():
     # The same bytes moved from one field to its neighbour must not hash alike.
-    moved = dict(KEY_INPUTS, source=KEY_INPUTS["source"] + "x", name_expression="x" + KEY_INPUTS["name_expression"])
+    moved = dict(
+        KEY_INPUTS, source=KEY_INPUTS["source"] + "x", name_expression="x" + KEY_INPUTS["name_expression"]
+    )
     assert cache_key(**moved) != cache_key(**dict(KEY_INPUTS, source=KEY_INPUTS["source"] + "xx"))
     assert cache_key(**dict(KEY_INPUTS, options=("-O3 --std=c++17",))) != cache_key(**KEY_INPUTS)
 
@@ -181,7 +192,14 @@ def corrupt_version(path):
 
 @pytest.mark.parametrize(
     "corrupt",
-    [corrupt_flip_a_byte, corrupt_truncate, corrupt_truncate_into_header, corrupt_empty, corrupt_magic, corrupt_version],
+    [
+        corrupt_flip_a_byte,
+        corrupt_truncate,
+        corrupt_truncate_into_header,
+        corrupt_empty,
+        corrupt_magic,
+        corrupt_version,
+    ],
 )
 def test_bad_entry_is_detected_warned_and_rebuilt(cache, backend, caplog, corrupt):
     good = compile_spec(SPEC, SM90, backend, cache)
@@ -242,7 +260,9 @@ def test_unusable_directory_degrades_to_memory(tmp_path, backend, caplog):
     assert cache.entries() == [] and cache.total_size() == 0
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only directories")
+@pytest.mark.skipif(
+    hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only directories"
+)
 def test_read_only_directory_serves_entries_and_keeps_new_ones_in_memory(tmp_path, backend, caplog):
     directory = tmp_path / "cache"
     compile_spec(SPEC, SM90, backend, DiskCache(directory))
@@ -299,7 +319,8 @@ def test_two_processes_writing_the_same_key_leave_a_valid_entry(tmp_path, caplog
     context = multiprocessing.get_context("spawn")
     start = context.Barrier(3)
     writers = [
-        context.Process(target=put_same_key, args=(str(directory), key, byte, start, 10)) for byte in (0x11, 0x22)
+        context.Process(target=put_same_key, args=(str(directory), key, byte, start, 10))
+        for byte in (0x11, 0x22)
     ]
     for writer in writers:
         writer.start()

@@ -110,7 +110,9 @@ def test_different_specs_do_not_wait_for_each_other(cache):
 def test_target_the_compiler_cannot_handle_is_a_clear_error(cache):
     backend = FakeBackend(compilable=False)
     registry = Registry(backend, cache)
-    with pytest.raises(HipattnError, match=r"cannot compile fake_copy\[dtype=bf16, head_dim=64\] for sm_90.*fakecc"):
+    with pytest.raises(
+        HipattnError, match=r"cannot compile fake_copy\[dtype=bf16, head_dim=64\] for sm_90.*fakecc"
+    ):
         registry.get_kernel(SPEC, 0)
     assert backend.compiles == 0
     with pytest.raises(HipattnError, match="amd target gfx90a"):

@@ -49,6 +49,8 @@ class CudaBackend(Backend):
 
     def __init__(self, driver_module: Any = None, nvrtc_module: Any = None) -> None:
         """``driver_module``/``nvrtc_module`` default to cuda-bindings; tests may pass stand-ins."""
+        # The dlopen probe guards the real cuda-bindings only; an injected stand-in needs no libcuda.
+        self._probe_driver_library = driver_module is None
         if driver_module is None or nvrtc_module is None:
             try:
                 from cuda.bindings import driver, nvrtc
@@ -192,7 +194,7 @@ class CudaBackend(Backend):
         with self._init_lock:
             if self._initialized:
                 return
-            if not driver_library_present():
+            if self._probe_driver_library and not driver_library_present():
                 raise BackendUnavailableError(
                     "the NVIDIA driver library (libcuda) is not installed or not on the loader path; "
                     "the cuda backend needs an NVIDIA GPU with its driver"

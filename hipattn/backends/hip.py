@@ -284,7 +284,11 @@ class HipBackend(Backend):
         return properties
 
     def device_count(self) -> int:
-        return int(self._check("hipGetDeviceCount", self._hip.hipGetDeviceCount()))
+        try:
+            returned = self._hip.hipGetDeviceCount()
+        except Exception as error:  # hip-python loads libamdhip64 lazily; a missing runtime shows here
+            raise BackendUnavailableError(f"the HIP runtime could not be loaded ({error}); {_INSTALL_HINT}") from None
+        return int(self._check("hipGetDeviceCount", returned))
 
     def device_target(self, device: int) -> Target:
         properties = self._device_properties(device)

@@ -174,13 +174,13 @@ __global__ void __launch_bounds__(smallseq::kBlockThreads) smallseq_backward(con
             dv_accum[(j * G::kTeamLanes + team_lane) * E + x] += dv[x];
           }
         } else {
-          store_from_float<T, E>((smallseq::row_pointer<T>(p.dk, p.dk_batch_stride, p.dk_token_stride,
+          store_from_float<T, E>(smallseq::row_pointer<T>(p.dk, p.dk_batch_stride, p.dk_token_stride,
                                                                           p.dk_head_stride, batch_index,
-                                                                          seq_k.start + j, head_kv, team_lane)),
+                                                                          seq_k.start + j, head_kv, team_lane),
                                  dk);
-          store_from_float<T, E>((smallseq::row_pointer<T>(p.dv, p.dv_batch_stride, p.dv_token_stride,
+          store_from_float<T, E>(smallseq::row_pointer<T>(p.dv, p.dv_batch_stride, p.dv_token_stride,
                                                                           p.dv_head_stride, batch_index,
-                                                                          seq_k.start + j, head_kv, team_lane)),
+                                                                          seq_k.start + j, head_kv, team_lane),
                                  dv);
         }
       }
@@ -201,9 +201,9 @@ __global__ void __launch_bounds__(smallseq::kBlockThreads) smallseq_backward(con
         }
 #pragma unroll
         for (int x = 0; x < E; ++x) dq[x] *= scale;
-        store_from_float<T, E>((smallseq::row_pointer<T>(p.dq, p.dq_batch_stride, p.dq_token_stride,
+        store_from_float<T, E>(smallseq::row_pointer<T>(p.dq, p.dq_batch_stride, p.dq_token_stride,
                                                                         p.dq_head_stride, batch_index,
-                                                                        seq_q.start + i, head, team_lane)),
+                                                                        seq_q.start + i, head, team_lane),
                                dq);
       }
     }
@@ -218,13 +218,13 @@ __global__ void __launch_bounds__(smallseq::kBlockThreads) smallseq_backward(con
         dk[x] = dk_accum[(j * G::kTeamLanes + team_lane) * E + x];
         dv[x] = dv_accum[(j * G::kTeamLanes + team_lane) * E + x];
       }
-      store_from_float<T, E>((smallseq::row_pointer<T>(p.dk, p.dk_batch_stride, p.dk_token_stride,
+      store_from_float<T, E>(smallseq::row_pointer<T>(p.dk, p.dk_batch_stride, p.dk_token_stride,
                                                                       p.dk_head_stride, batch_index, seq_k.start + j,
-                                                                      head_kv, team_lane)),
+                                                                      head_kv, team_lane),
                              dk);
-      store_from_float<T, E>((smallseq::row_pointer<T>(p.dv, p.dv_batch_stride, p.dv_token_stride,
+      store_from_float<T, E>(smallseq::row_pointer<T>(p.dv, p.dv_batch_stride, p.dv_token_stride,
                                                                       p.dv_head_stride, batch_index, seq_k.start + j,
-                                                                      head_kv, team_lane)),
+                                                                      head_kv, team_lane),
                              dv);
     }
   }

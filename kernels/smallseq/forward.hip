@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(smallseq::kBlockThreads) smallseq_forward(cons
 #pragma unroll
   for (int i = 0; i < TILE; ++i) {
     if (i < len_q) {
-      T* out = smallseq::row_pointer<T>(p.o, p.o_batch_stride, p.o_token_stride, p.o_head_stride,
-                                                        batch_index, seq_q.start + i, head, team_lane));
+      T* out = smallseq::row_pointer<T>(p.o, p.o_batch_stride, p.o_token_stride, p.o_head_stride, batch_index,
+                                        seq_q.start + i, head, team_lane);
       store_from_float<T, E>(out, o[i]);
     }
   }

@@ -1,0 +1,91 @@
+"""flash-attn's functional API, so that users switch by changing the import.
+
+Argument names and order follow flash-attn 2's ``flash_attn_func`` and ``flash_attn_varlen_func``.
+Arguments hipattn does not support raise ValueError naming them: dropout, sliding windows, softcap,
+ALiBi and paged KV (``block_table``) are out of scope for now.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import attention
+
+
+def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table=None) -> None:
+    unsupported = []
+    if dropout_p != 0.0:
+        unsupported.append(f"dropout_p={dropout_p} (hipattn has no dropout; pass 0.0)")
+    if tuple(window_size) != (-1, -1):
+        unsupported.append(f"window_size={tuple(window_size)} (only (-1, -1), no sliding window)")
+    if softcap != 0.0:
+        unsupported.append(f"softcap={softcap} (only 0.0)")
+    if alibi_slopes is not None:
+        unsupported.append("alibi_slopes (ALiBi is not supported)")
+    if block_table is not None:
+        unsupported.append("block_table (paged KV is not supported)")
+    if unsupported:
+        raise ValueError("hipattn does not support: " + "; ".join(unsupported))
+
+
+def flash_attn_varlen_func(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Any = None,
+    *,
+    stream: Any = None,
+):
+    """Varlen attention forward, as flash-attn's.
+
+    q: [total_q, nheads, headdim]; k, v: [total_k, nheads_k, headdim] with nheads a multiple of
+    nheads_k; cu_seqlens_q/k: int32 [batch + 1] on the device; max_seqlen_q/k: host ints, upper
+    bounds of the sequence lengths (any larger value gives the same result). causal aligns the mask
+    to the bottom-right corner, as flash-attn 2.1+ does for unequal lengths; for
+    len_q = 2, len_k = 5 (1 = kept):
+        1 1 1 1 0
+        1 1 1 1 1
+    Returns out [total_q, nheads, headdim]; with return_attn_probs=True, (out, softmax_lse, None)
+    where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key). No gradients: use
+    hipattn.torch for autograd, or hipattn.backward.
+    """
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    out, lse = attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+                                 causal=causal, stream=stream)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(
+    q: Any,
+    k: Any,
+    v: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    stream: Any = None,
+):
+    """Batch attention forward, as flash-attn's: q [batch, seqlen_q, nheads, headdim], k, v
+    [batch, seqlen_k, nheads_k, headdim]. Returns out (and (out, softmax_lse [batch, nheads,
+    seqlen_q], None) with return_attn_probs=True)."""
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    out, lse = attention.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, stream=stream)
+    return (out, lse, None) if return_attn_probs else out

@@ -1,0 +1,134 @@
+"""Low-level forward and backward on device arrays, with optional caller-provided outputs.
+
+The path of one call (DESIGN.md): describe and validate on the host; make the arrays' device
+current, *then* take the stream; dispatch; allocate missing outputs in the inputs' framework;
+enqueue. Nothing synchronizes, so the call can be captured into a CUDA/HIP graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import arrays, dispatch
+from . import problem as problem_mod
+from .backends import get_backend
+from .ops import smallseq
+from .streams import on_device, resolve_stream
+
+
+def _array(obj: Any, name: str) -> arrays.DeviceArray | None:
+    return None if obj is None else arrays.as_device_array(obj, name)
+
+
+def _output(given: Any, name: str, like: arrays.DeviceArray, shape, dtype, problem, inputs, stream):
+    """(object to return, DeviceArray) for an output: the caller's buffer checked, or a new one."""
+    if given is None:
+        return arrays.empty(like, shape, dtype, stream=stream)
+    described = arrays.as_device_array(given, name)
+    problem_mod.check_output(described, name, shape, dtype, problem, inputs)
+    return given, described
+
+
+def forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    out: Any = None,
+    lse: Any = None,
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k: Any = None,
+    seqused_q: Any = None,
+    seqused_k: Any = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    stream: Any = None,
+) -> tuple[Any, Any]:
+    """Attention forward. Returns ``(out, lse)``: out like q, lse fp32 in flash-attn's layout.
+
+    Varlen (THD) when cu_seqlens are given: q [total_q, Hq, D], k/v [total_k, Hkv, D], int32
+    cu_seqlens [batch + 1] and host-int upper bounds max_seqlen_q/k. Batch (BSHD) otherwise:
+    q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D], optional int32 seqused_q/k [B] (per-sequence lengths
+    of a padded batch). Rows beyond a sequence's length are not written.
+    """
+    qa, ka, va = (arrays.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
+    used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
+    problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
+                                   seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                   causal=causal, softmax_scale=softmax_scale)
+    dispatch.choose_path(problem, "forward")
+    inputs = ((qa, "q"), (ka, "k"), (va, "v"))
+    backend = get_backend()
+    with on_device(backend, problem.device):
+        launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
+        out_obj, out_a = _output(out, "out", qa, qa.shape, qa.dtype, problem, inputs, launch_stream)
+        lse_obj, lse_a = _output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, inputs,
+                                 launch_stream)
+        if lse_a.strides and lse_a.strides[-1] != 1:
+            raise ValueError(f"lse has strides {lse_a.strides}; its last dimension must be contiguous")
+        smallseq.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                         seqused_q=used_q, seqused_k=used_k)
+    return out_obj, lse_obj
+
+
+def backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k: Any = None,
+    seqused_q: Any = None,
+    seqused_k: Any = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    deterministic: bool = False,
+    stream: Any = None,
+) -> tuple[Any, Any, Any]:
+    """Attention backward: ``(dq, dk, dv)`` from the forward's inputs, ``out``, ``lse`` and ``dout``.
+
+    Same layouts and arguments as ``forward``. dK and dV are summed over the query heads of each
+    KV group (GQA/MQA). The small-seq path is deterministic whatever ``deterministic`` says.
+    """
+    qa, ka, va = (arrays.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    douta, outa, lsea = (arrays.as_device_array(x, n) for x, n in ((dout, "dout"), (out, "out"), (lse, "lse")))
+    cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
+    used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
+    problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
+                                   seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                   causal=causal, softmax_scale=softmax_scale)
+    for a, name in ((douta, "dout"), (outa, "out")):
+        if tuple(a.shape) != tuple(qa.shape) or a.dtype != qa.dtype:
+            raise ValueError(f"{name} has shape {a.shape} and dtype {a.dtype}; expected q's {qa.shape} and {qa.dtype}")
+        if a.device != problem.device:
+            raise ValueError(f"{name} is on device {a.device} but q is on device {problem.device}")
+        problem_mod.check_alignment(a, name, problem.layout)
+    problem_mod.check_dtype(lsea, "lse", ("fp32",))
+    if tuple(lsea.shape) != problem_mod.lse_shape(problem) or lsea.strides[-1] != 1:
+        raise ValueError(f"lse has shape {lsea.shape}; expected {problem_mod.lse_shape(problem)} fp32, last dimension contiguous")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    dispatch.choose_path(problem, "backward")
+    inputs = ((qa, "q"), (ka, "k"), (va, "v"), (douta, "dout"), (outa, "out"), (lsea, "lse"))
+    backend = get_backend()
+    with on_device(backend, problem.device):
+        launch_stream = resolve_stream((qa, ka, va, douta), stream, device=problem.device)
+        dq_obj, dqa = _output(dq, "dq", qa, qa.shape, qa.dtype, problem, inputs, launch_stream)
+        dk_obj, dka = _output(dk, "dk", ka, ka.shape, ka.dtype, problem, inputs, launch_stream)
+        dv_obj, dva = _output(dv, "dv", va, va.shape, va.dtype, problem, inputs, launch_stream)
+        for a, name in ((dqa, "dq"), (dka, "dk"), (dva, "dv")):
+            problem_mod.check_alignment(a, name, problem.layout)
+        smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, cu_seqlens_q=cu_q,
+                          cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+    return dq_obj, dk_obj, dv_obj

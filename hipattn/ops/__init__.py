@@ -1,0 +1,1 @@
+"""Launchers: one module per kernel family group, turning a validated Problem into launches."""

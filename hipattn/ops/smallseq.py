@@ -1,0 +1,120 @@
+"""Launch the small-sequence kernels (every sequence <= SMALLSEQ_TILE tokens on both sides).
+
+The caller has validated the problem (problem.describe), made the device current and resolved the
+stream; everything here is enqueued on that stream, nothing synchronizes, and the grid is sized
+from host-known facts only (batch and heads), so a call can be captured into a graph.
+"""
+
+from __future__ import annotations
+
+from ..arrays import DeviceArray
+from ..families import SMALLSEQ_BACKWARD, SMALLSEQ_FORWARD, SMALLSEQ_HEAD_DIMS, SMALLSEQ_TILE
+from ..problem import Problem, lse_strides, strides_bthd
+from ..registry import get_kernel
+
+BLOCK_THREADS = 128  # smallseq::kBlockThreads
+ELEMENTS_PER_LANE = 4  # smallseq::kElementsPerLane
+
+
+def ineligibility(problem: Problem) -> str | None:
+    """Why the small-seq path cannot take ``problem``, or None when it can."""
+    if problem.head_dim not in SMALLSEQ_HEAD_DIMS:
+        return f"head_dim {problem.head_dim} is not one of {SMALLSEQ_HEAD_DIMS}"
+    if problem.max_seqlen_q > SMALLSEQ_TILE or problem.max_seqlen_k > SMALLSEQ_TILE:
+        return (
+            f"max_seqlen_q={problem.max_seqlen_q}, max_seqlen_k={problem.max_seqlen_k}: "
+            f"a sequence may be longer than {SMALLSEQ_TILE} tokens"
+        )
+    return None
+
+
+def _teams_per_block(head_dim: int) -> int:
+    return BLOCK_THREADS // (head_dim // ELEMENTS_PER_LANE)
+
+
+def _sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:
+    return {
+        "cu_seqlens_q": cu_seqlens_q.ptr if cu_seqlens_q is not None else 0,
+        "cu_seqlens_k": cu_seqlens_k.ptr if cu_seqlens_k is not None else 0,
+        "seqused_q": seqused_q.ptr if seqused_q is not None else 0,
+        "seqused_k": seqused_k.ptr if seqused_k is not None else 0,
+        "batch": problem.batch,
+        "heads_kv": problem.heads_kv,
+        "max_seqlen_q": problem.max_seqlen_q,
+        "max_seqlen_k": problem.max_seqlen_k,
+        "total_q": problem.total_q,
+        "total_k": problem.total_k,
+        "softmax_scale": problem.softmax_scale,
+        "causal": int(problem.causal),
+    }
+
+
+def _tensor_fields(name: str, a: DeviceArray, problem: Problem) -> dict:
+    batch_stride, token_stride, head_stride = strides_bthd(a, problem.layout)
+    return {
+        name: a.ptr,
+        f"{name}_batch_stride": batch_stride,
+        f"{name}_token_stride": token_stride,
+        f"{name}_head_stride": head_stride,
+    }
+
+
+def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
+            seqused_q=None, seqused_k=None) -> None:
+    """Enqueue O and LSE for every (sequence, query head) problem: one team each."""
+    problems = problem.batch * problem.heads_q
+    if problems == 0:
+        return  # batch 0: nothing to read or write
+    spec = SMALLSEQ_FORWARD.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
+                                 tile=SMALLSEQ_TILE)
+    kernel = get_kernel(spec, problem.device)
+    lse_batch_stride, lse_head_stride = lse_strides(lse, problem)
+    params = kernel.params.new(
+        **_tensor_fields("q", q, problem),
+        **_tensor_fields("k", k, problem),
+        **_tensor_fields("v", v, problem),
+        **_tensor_fields("o", out, problem),
+        lse=lse.ptr,
+        lse_batch_stride=lse_batch_stride,
+        lse_head_stride=lse_head_stride,
+        **_sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
+    )
+    teams = _teams_per_block(problem.head_dim)
+    # The (sequence, head) count goes on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
+    kernel.launch(((problems + teams - 1) // teams, 1, 1), (BLOCK_THREADS, 1, 1), 0, stream, params)
+
+
+def backward_shared_bytes(problem: Problem) -> int:
+    """Dynamic shared memory of one backward block: the per-team dK/dV sums of a GQA group."""
+    if problem.heads_q == problem.heads_kv:
+        return 0  # each team writes its dK/dV straight out
+    return _teams_per_block(problem.head_dim) * 2 * SMALLSEQ_TILE * problem.head_dim * 4
+
+
+def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
+             cu_seqlens_k=None, seqused_q=None, seqused_k=None) -> None:
+    """Enqueue dQ, dK, dV: one team per (sequence, KV head), walking the query heads of its group."""
+    problems = problem.batch * problem.heads_kv
+    if problems == 0:
+        return
+    spec = SMALLSEQ_BACKWARD.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
+                                  tile=SMALLSEQ_TILE)
+    kernel = get_kernel(spec, problem.device)
+    shared = backward_shared_bytes(problem)
+    kernel.reserve_dynamic_shared_memory(shared)
+    lse_batch_stride, lse_head_stride = lse_strides(lse, problem)
+    params = kernel.params.new(
+        **_tensor_fields("q", q, problem),
+        **_tensor_fields("k", k, problem),
+        **_tensor_fields("v", v, problem),
+        **_tensor_fields("dout", dout, problem),
+        **_tensor_fields("dq", dq, problem),
+        **_tensor_fields("dk", dk, problem),
+        **_tensor_fields("dv", dv, problem),
+        lse=lse.ptr,
+        lse_batch_stride=lse_batch_stride,
+        lse_head_stride=lse_head_stride,
+        **_sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
+    )
+    teams = _teams_per_block(problem.head_dim)
+    kernel.launch(((problems + teams - 1) // teams, 1, 1), (BLOCK_THREADS, 1, 1), shared, stream, params)

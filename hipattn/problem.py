@@ -1,0 +1,206 @@
+"""Validate one attention call on the host and describe it: everything dispatch and launch need.
+
+Every check here runs before anything is enqueued and raises TypeError (wrong kind of thing) or
+ValueError (right kind, wrong value) with a message that says what was given and what is expected.
+Nothing reads device memory: what only the device knows (cu_seqlens contents) is clamped by the
+kernels instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .arrays import DeviceArray, element_size
+
+SUPPORTED_DTYPES = ("fp16", "bf16")
+THD = "thd"  # varlen: q [total_q, Hq, D], k/v [total_k, Hkv, D], int32 cu_seqlens of length batch+1
+BSHD = "bshd"  # batch: q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D], optional int32 seqused of length B
+# Kernels read rows with 16-byte accesses: pointers and row strides must allow that.
+ALIGNMENT_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Problem:
+    layout: str
+    dtype: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    max_seqlen_q: int  # upper bound on every query length (exact for BSHD: the padded length)
+    max_seqlen_k: int
+    total_q: int  # rows a sequence may reach: THD total tokens; BSHD padded length
+    total_k: int
+    causal: bool
+    softmax_scale: float
+    device: int
+
+
+def _dims(a: DeviceArray, name: str, layout: str) -> tuple[int, int, int, int]:
+    """(batch, tokens, heads, head_dim) of a THD or BSHD tensor."""
+    rank = 3 if layout == THD else 4
+    if len(a.shape) != rank:
+        expected = "[total_tokens, heads, head_dim]" if layout == THD else "[batch, seqlen, heads, head_dim]"
+        raise ValueError(f"{name} has shape {a.shape}; expected {rank} dimensions {expected} ({layout.upper()} layout)")
+    if a.strides[-1] != 1 and a.shape[-1] > 1:
+        raise ValueError(f"{name} has strides {a.strides}; its last dimension (head_dim) must be contiguous (stride 1)")
+    return (1, *a.shape) if layout == THD else tuple(a.shape)
+
+
+def strides_bthd(a: DeviceArray, layout: str) -> tuple[int, int, int]:
+    """(batch, token, head) element strides; THD data is one batch with batch stride 0."""
+    return (0, a.strides[0], a.strides[1]) if layout == THD else (a.strides[0], a.strides[1], a.strides[2])
+
+
+def check_dtype(a: DeviceArray, name: str, expected: tuple[str, ...]) -> None:
+    if a.dtype not in expected:
+        raise TypeError(f"{name} has dtype {a.dtype}; hipattn supports {' and '.join(expected)} here")
+
+
+def check_alignment(a: DeviceArray, name: str, layout: str) -> None:
+    itemsize = element_size(a.dtype)
+    if a.ptr % ALIGNMENT_BYTES:
+        raise ValueError(f"{name}'s data pointer 0x{a.ptr:x} is not {ALIGNMENT_BYTES}-byte aligned; pass a fresh allocation or a copy")
+    for stride in strides_bthd(a, layout):
+        if (stride * itemsize) % ALIGNMENT_BYTES:
+            raise ValueError(
+                f"{name} has strides {a.strides}; every stride must be a multiple of {ALIGNMENT_BYTES // itemsize} "
+                f"elements ({ALIGNMENT_BYTES} bytes) so rows can be read with 16-byte accesses; pass a contiguous copy"
+            )
+
+
+def _check_seqlens(a: DeviceArray | None, name: str, length: int, device: int) -> None:
+    if a is None:
+        return
+    if a.dtype != "int32":
+        raise TypeError(f"{name} has dtype {a.dtype}; expected int32")
+    if len(a.shape) != 1 or a.shape[0] != length:
+        raise ValueError(f"{name} has shape {a.shape}; expected ({length},)")
+    if a.strides[0] != 1:
+        raise ValueError(f"{name} must be contiguous; got strides {a.strides}")
+    if a.device != device:
+        raise ValueError(f"{name} is on device {a.device} but q is on device {device}; move it to device {device}")
+
+
+def _check_max_seqlen(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a host int (flash-attn's varlen convention), got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} is {value}; it must be >= 0 (an upper bound on every sequence length)")
+    return value
+
+
+def describe(
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    *,
+    cu_seqlens_q: DeviceArray | None = None,
+    cu_seqlens_k: DeviceArray | None = None,
+    seqused_q: DeviceArray | None = None,
+    seqused_k: DeviceArray | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> Problem:
+    """Check q, k, v and the sequence description; the layout follows from cu_seqlens being given."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("give both cu_seqlens_q and cu_seqlens_k (varlen) or neither (batch)")
+    layout = THD if cu_seqlens_q is not None else BSHD
+    for a, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_dtype(a, name, SUPPORTED_DTYPES)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    qb, q_tokens, heads_q, head_dim = _dims(q, "q", layout)
+    kb, k_tokens, heads_kv, k_dim = _dims(k, "k", layout)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v has shape {v.shape}; it must match k's {k.shape}")
+    _dims(v, "v", layout)
+    if k_dim != head_dim:
+        raise ValueError(f"k has head_dim {k_dim} but q has {head_dim}; they must be equal")
+    if layout == BSHD and kb != qb:
+        raise ValueError(f"k has batch {kb} but q has batch {qb}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"q has {heads_q} heads and k/v {heads_kv}; the query heads must be a multiple of the key/value heads (GQA/MQA)"
+        )
+    device = q.device
+    for a, name in ((k, "k"), (v, "v")):
+        if a.device != device:
+            raise ValueError(f"{name} is on device {a.device} but q is on device {device}; all inputs must share one device")
+    for a, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_alignment(a, name, layout)
+    if causal not in (True, False):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+
+    if layout == THD:
+        if cu_seqlens_q.shape != cu_seqlens_k.shape or len(cu_seqlens_q.shape) != 1 or cu_seqlens_q.shape[0] < 1:
+            raise ValueError(
+                f"cu_seqlens_q {cu_seqlens_q.shape} and cu_seqlens_k {cu_seqlens_k.shape} must both have shape (batch + 1,)"
+            )
+        batch = cu_seqlens_q.shape[0] - 1
+        _check_seqlens(cu_seqlens_q, "cu_seqlens_q", batch + 1, device)
+        _check_seqlens(cu_seqlens_k, "cu_seqlens_k", batch + 1, device)
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("varlen calls need max_seqlen_q and max_seqlen_k (host ints, upper bounds of the lengths)")
+        max_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+        max_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+        total_q, total_k = q_tokens, k_tokens
+    else:
+        batch = qb
+        # The padded lengths bound every sequence; a caller's smaller bound is honoured.
+        max_q = q_tokens if max_seqlen_q is None else min(_check_max_seqlen(max_seqlen_q, "max_seqlen_q"), q_tokens)
+        max_k = k_tokens if max_seqlen_k is None else min(_check_max_seqlen(max_seqlen_k, "max_seqlen_k"), k_tokens)
+        total_q, total_k = q_tokens, k_tokens
+    _check_seqlens(seqused_q, "seqused_q", batch, device)
+    _check_seqlens(seqused_k, "seqused_k", batch, device)
+    return Problem(layout, q.dtype, batch, heads_q, heads_kv, head_dim, max_q, max_k, total_q, total_k,
+                   bool(causal), float(softmax_scale), device)
+
+
+def lse_shape(problem: Problem) -> tuple[int, ...]:
+    """flash-attn's softmax_lse layout: [Hq, total_q] for varlen, [B, Hq, S_q] for batch."""
+    if problem.layout == THD:
+        return (problem.heads_q, problem.total_q)
+    return (problem.batch, problem.heads_q, problem.total_q)
+
+
+def lse_strides(lse: DeviceArray, problem: Problem) -> tuple[int, int]:
+    """(batch, head) element strides of an LSE array; the token stride must be 1."""
+    return (0, lse.strides[0]) if problem.layout == THD else (lse.strides[0], lse.strides[1])
+
+
+def check_output(out: DeviceArray, name: str, shape: tuple[int, ...], dtype: str, problem: Problem,
+                 inputs: tuple[tuple[DeviceArray, str], ...]) -> None:
+    """A caller-provided output buffer: shape, dtype, device, layout, and no overlap with any input."""
+    if out.dtype != dtype:
+        raise TypeError(f"{name} has dtype {out.dtype}; expected {dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(out.shape)}; expected {tuple(shape)}")
+    if out.device != problem.device:
+        raise ValueError(f"{name} is on device {out.device} but the inputs are on device {problem.device}")
+    if out.strides and out.strides[-1] != 1 and out.shape[-1] > 1:
+        raise ValueError(f"{name} has strides {out.strides}; its last dimension must be contiguous")
+    for a, input_name in inputs:
+        if overlaps(out, a):
+            raise ValueError(f"{name} overlaps {input_name} in memory; outputs must not alias inputs")
+
+
+def _extent(a: DeviceArray) -> tuple[int, int]:
+    """[first byte, one past the last byte] an array can touch (strides assumed non-negative)."""
+    if any(n == 0 for n in a.shape):
+        return a.ptr, a.ptr
+    last = sum((n - 1) * s for n, s in zip(a.shape, a.strides, strict=True))
+    return a.ptr, a.ptr + (last + 1) * element_size(a.dtype)
+
+
+def overlaps(a: DeviceArray, b: DeviceArray) -> bool:
+    a0, a1 = _extent(a)
+    b0, b1 = _extent(b)
+    return a.device == b.device and a0 < b1 and b0 < a1

@@ -1,0 +1,44 @@
+"""A float64 attention reference for varlen (THD) problems, with flash-attn's conventions.
+
+Per sequence: S = scale * q kᵀ, causal masks bottom-right aligned (query i sees key j when
+j <= i + len_k - len_q), a row that sees no key gives O = 0 and LSE = +inf. GQA repeats each KV head
+for its group of query heads. Gradients come from torch autograd on the float64 graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attention_reference(q, k, v, cu_q, cu_k, *, causal: bool, scale: float, dout=None):
+    """Returns (out, lse[, dq, dk, dv]) in float64 for THD inputs and host lists cu_q, cu_k."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(dout is not None) for t in (q, k, v))
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    group = heads_q // heads_kv
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        qs = q64[cu_q[b]:cu_q[b + 1]]  # [Lq, Hq, D]
+        ks = k64[cu_k[b]:cu_k[b + 1]].repeat_interleave(group, dim=1)
+        vs = v64[cu_k[b]:cu_k[b + 1]].repeat_interleave(group, dim=1)
+        len_q, len_k = qs.shape[0], ks.shape[0]
+        scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+        visible = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
+        if causal:
+            i = torch.arange(len_q, device=q.device)[:, None]
+            j = torch.arange(len_k, device=q.device)[None, :]
+            visible = j <= i + len_k - len_q
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where a row sees nothing
+        empty = torch.isinf(lse)
+        probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(~visible, 0.0)
+        probs = probs.masked_fill(empty[..., None], 0.0)
+        outs.append(torch.einsum("hij,jhd->ihd", probs, vs))
+        lses.append(lse.masked_fill(empty, float("inf")).detach())
+    out = torch.cat(outs) if outs else q64[:0]
+    lse = torch.cat(lses, dim=1) if lses else torch.empty(heads_q, 0, dtype=torch.float64, device=q.device)
+    if dout is None:
+        return out.detach(), lse
+    if out.numel():
+        out.backward(dout.double())
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (q64, k64, v64)]
+    return (out.detach(), lse, *grads)

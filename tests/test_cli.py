@@ -1,0 +1,129 @@
+"""The ``hipattn`` command, run as users run it: ``python -m hipattn`` in a fresh process, no GPU needed."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hipattn import families
+from hipattn.cache import DiskCache
+from hipattn.target import Target
+
+REPO = Path(__file__).resolve().parent.parent
+# Debian's ROCm 5.2 hiprtc, linked into a ROCM_PATH-shaped folder (PLATFORM_NOTES.md).
+ROCM52 = Path("/opt/rocm52")
+
+
+def hipattn(*args: str, cache_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HIPATTN_CACHE_DIR=str(cache_dir))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if "ROCM_PATH" not in env and ROCM52.is_dir():
+        env["ROCM_PATH"] = str(ROCM52)
+    return subprocess.run(
+        [sys.executable, "-m", "hipattn", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@functools.cache
+def compilers() -> dict[str, str]:
+    """What `hipattn info` reports for each compiler: its identity, or 'unavailable (...)'."""
+    result = hipattn("info", cache_dir=Path(os.devnull) / "unused")
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(":", 1) for line in result.stdout.splitlines() if ":" in line)
+    return {name: lines.get(name, "unavailable").strip() for name in ("nvrtc", "hiprtc")}
+
+
+def require_compiler(arch: str) -> str:
+    name = "nvrtc" if Target.parse(arch).vendor == "nvidia" else "hiprtc"
+    identity = compilers()[name]
+    if identity.startswith("unavailable"):
+        pytest.skip(f"{name} is {identity}")
+    return identity
+
+
+def test_info_works_without_a_gpu(tmp_path):
+    result = hipattn("info", cache_dir=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for label in ("hipattn ", "nvrtc:", "hiprtc:", "backend:", "cache:"):
+        assert label in out
+    assert f"cache:   {tmp_path / 'cache'} (writable; 0 entries, 0 B)" in out
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx90a"])
+def test_warm_list_clear(tmp_path, arch):
+    require_compiler(arch)
+    target = Target.parse(arch)
+    by_family: dict[str, list] = {}
+    for spec in families.shipped_specs(target):
+        by_family.setdefault(spec.family, []).append(spec)
+    if not by_family:
+        pytest.skip(f"no kernel family ships instantiations for {arch} yet")
+    # The smallest family keeps this quick; tests of the kernels compile all of them.
+    family, specs = min(by_family.items(), key=lambda item: (len(item[1]), item[0]))
+    cache_dir = tmp_path / "cache"
+
+    warm = hipattn("warm", "--arch", arch, "--family", family, "--jobs", "2", cache_dir=cache_dir)
+    assert warm.returncode == 0, warm.stdout + warm.stderr
+    assert f"{len(specs)} compiled, 0 already cached, 0 failed" in warm.stdout
+    cached = {(entry.spec, entry.arch) for entry in DiskCache(cache_dir).entries()}
+    assert cached == {(spec, arch) for spec in specs}
+
+    again = hipattn("warm", "--arch", arch, "--family", family, cache_dir=cache_dir)
+    assert again.returncode == 0, again.stderr
+    assert f"0 compiled, {len(specs)} already cached, 0 failed" in again.stdout
+
+    listing = hipattn("list", cache_dir=cache_dir)
+    assert listing.returncode == 0, listing.stderr
+    rows = [line for line in listing.stdout.splitlines() if f"  {arch}  " in line]
+    assert sorted(row.split("  ")[0] for row in rows) == sorted(str(spec) for spec in specs)
+    assert f"{len(specs)} entries" in listing.stdout
+
+    cleared = hipattn("clear", cache_dir=cache_dir)
+    assert cleared.returncode == 0 and f"removed {len(specs)} entries" in cleared.stdout
+    assert DiskCache(cache_dir).entries() == []
+    assert "0 entries" in hipattn("list", cache_dir=cache_dir).stdout
+
+
+def test_warm_for_a_target_the_compiler_does_not_know_fails_cleanly(tmp_path):
+    identity = require_compiler("gfx90a")
+    if not identity.startswith("hiprtc 5."):
+        pytest.skip(f"{identity} may know gfx942")
+    # hiprtc 5.2 aborts the process on gfx942: warm must report it, not crash or hang.
+    result = hipattn("warm", "--arch", "gfx942", cache_dir=tmp_path / "cache")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "gfx942" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert DiskCache(tmp_path / "cache").entries() == []
+
+
+def test_warm_rejects_an_unknown_family(tmp_path):
+    result = hipattn("warm", "--arch", "sm_90", "--family", "no_such_family", cache_dir=tmp_path / "cache")
+    assert result.returncode == 2
+    assert "no_such_family" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["--arch", "sm90"], ["--arch", "sm_90", "--jobs", "-1"]])
+def test_warm_rejects_bad_arguments(tmp_path, args):
+    result = hipattn("warm", *args, cache_dir=tmp_path / "cache")
+    assert result.returncode == 2
+    assert "usage: hipattn warm" in result.stderr
+
+
+def test_list_and_clear_an_empty_cache(tmp_path):
+    cache_dir = tmp_path / "cache"
+    listing = hipattn("list", cache_dir=cache_dir)
+    assert listing.returncode == 0 and f"0 entries, 0 B in {cache_dir}" in listing.stdout
+    cleared = hipattn("clear", cache_dir=cache_dir)
+    assert cleared.returncode == 0 and f"removed 0 entries from {cache_dir}" in cleared.stdout
