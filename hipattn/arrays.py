@@ -150,6 +150,30 @@ class DeviceArray:
         return self.size * _ELEMENT_SIZE[self.dtype]
 
 
+_new_object = object.__new__
+
+
+def _device_array(
+    ptr: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: str,
+    device: int,
+    framework: str,
+    owner: Any,
+    stream: int | None = None,
+    readonly: bool = False,
+) -> DeviceArray:
+    # The hot-path constructor: the frozen dataclass __init__ sets each field through
+    # object.__setattr__ (~1.5 us); filling __dict__ directly builds the same object in ~0.6 us.
+    array = _new_object(DeviceArray)
+    array.__dict__.update(
+        ptr=ptr, shape=shape, strides=strides, dtype=dtype, device=device,
+        framework=framework, owner=owner, stream=stream, readonly=readonly,
+    )  # fmt: skip
+    return array
+
+
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """C-order strides in elements for ``shape``."""
     strides = [0] * len(shape)
@@ -235,11 +259,19 @@ def as_device_array(
 
 def _classify(cls: type) -> str:
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(getattr(torch, "Tensor", None), type) and issubclass(cls, torch.Tensor):
+    if (
+        torch is not None
+        and isinstance(getattr(torch, "Tensor", None), type)
+        and issubclass(cls, torch.Tensor)
+    ):
         _KIND_BY_TYPE[cls] = "torch"
         return "torch"
     cupy = sys.modules.get("cupy")
-    if cupy is not None and isinstance(getattr(cupy, "ndarray", None), type) and issubclass(cls, cupy.ndarray):
+    if (
+        cupy is not None
+        and isinstance(getattr(cupy, "ndarray", None), type)
+        and issubclass(cls, cupy.ndarray)
+    ):
         _KIND_BY_TYPE[cls] = "cupy"
         return "cupy"
     _KIND_BY_TYPE[cls] = "other"
@@ -264,20 +296,19 @@ def _not_a_device_array(obj: Any, name: str) -> str:
 
 # ---- torch ------------------------------------------------------------------------------------
 
-_torch_dtypes: tuple[Any, dict[Any, str]] = (None, {})
+# (torch module, torch.strided, {torch dtype: hipattn name}), rebuilt if the module object changes.
+_torch_facts: tuple[Any, Any, dict[Any, str]] = (None, None, {})
 
 
-def _torch_dtype_map(torch: Any) -> dict[Any, str]:
-    global _torch_dtypes
-    module, table = _torch_dtypes
-    if module is not torch:
-        table = {}
-        for attr, ours in _TORCH_DTYPE_ATTRS.items():
-            dt = getattr(torch, attr, None)
-            if dt is not None:
-                table[dt] = ours
-        _torch_dtypes = (torch, table)
-    return table
+def _torch_table(torch: Any) -> tuple[Any, Any, dict[Any, str]]:
+    global _torch_facts
+    table = {}
+    for attr, ours in _TORCH_DTYPE_ATTRS.items():
+        dt = getattr(torch, attr, None)
+        if dt is not None:
+            table[dt] = ours
+    _torch_facts = (torch, getattr(torch, "strided", None), table)
+    return _torch_facts
 
 
 def _from_torch(t: Any, name: str) -> DeviceArray:
@@ -288,15 +319,22 @@ def _from_torch(t: Any, name: str) -> DeviceArray:
                 f"{name} is a CPU tensor; hipattn needs device arrays (move it with {name}.cuda() or "
                 f"{name}.to('cuda'), which is also the spelling on ROCm builds of PyTorch)"
             )
-        raise ValueError(f"{name} is a tensor on device '{device}'; hipattn needs a CUDA/ROCm ('cuda') tensor")
-    table = _torch_dtype_map(sys.modules["torch"])
+        raise ValueError(
+            f"{name} is a tensor on device '{device}'; hipattn needs a CUDA/ROCm ('cuda') tensor"
+        )
+    torch = sys.modules["torch"]
+    module, strided, table = _torch_facts
+    if module is not torch:
+        module, strided, table = _torch_table(torch)
+    if strided is not None and t.layout is not strided:
+        raise TypeError(f"{name} has layout {t.layout}; hipattn needs a dense (torch.strided) tensor")
     dtype = table.get(t.dtype)
     if dtype is None:
         raise TypeError(f"{name} has dtype {t.dtype}; hipattn handles {', '.join(_TORCH_DTYPE_ATTRS)}")
     index = device.index
     if index is None:  # a tensor's device always has an index; a bare 'cuda' device would not
         raise ValueError(f"{name} reports device '{device}' without an index")
-    return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, index, "torch", t)
+    return _device_array(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, index, "torch", t)
 
 
 # ---- cupy -------------------------------------------------------------------------------------
@@ -308,7 +346,7 @@ def _from_cupy(a: Any, name: str) -> DeviceArray:
         raise TypeError(f"{name} has dtype {a.dtype.name}; hipattn handles {', '.join(_NUMPY_NAME)}")
     itemsize = a.itemsize
     strides = _byte_strides_to_elements(a.strides, itemsize, name)
-    return DeviceArray(a.data.ptr, tuple(a.shape), strides, dtype, a.device.id, "cupy", a)
+    return _device_array(a.data.ptr, tuple(a.shape), strides, dtype, a.device.id, "cupy", a)
 
 
 # ---- __cuda_array_interface__ -----------------------------------------------------------------
@@ -331,9 +369,7 @@ def _cai_dtype(typestr: Any, name: str) -> str:
     )
 
 
-def _from_cai(
-    obj: Any, cai: Any, name: str, pointer_device: Callable[[int], int] | None
-) -> DeviceArray:
+def _from_cai(obj: Any, cai: Any, name: str, pointer_device: Callable[[int], int] | None) -> DeviceArray:
     if not isinstance(cai, dict):
         raise TypeError(f"{name}.__cuda_array_interface__ is a {type(cai).__name__}, expected a dict")
     try:
@@ -343,7 +379,9 @@ def _from_cai(
     except KeyError as missing:
         raise TypeError(f"{name}.__cuda_array_interface__ has no {missing} entry") from None
     if cai.get("mask") is not None:
-        raise TypeError(f"{name} is a masked array (__cuda_array_interface__ 'mask'); hipattn does not take masks")
+        raise TypeError(
+            f"{name} is a masked array (__cuda_array_interface__ 'mask'); hipattn does not take masks"
+        )
     dtype = _cai_dtype(typestr, name)
     if not (isinstance(data, tuple) and len(data) == 2):
         raise TypeError(f"{name}.__cuda_array_interface__['data'] must be (pointer, readonly); got {data!r}")
@@ -362,7 +400,7 @@ def _from_cai(
     if cai.get("version", 0) >= 3:
         stream = _cai_stream(cai.get("stream"), name)
     device = _cai_device(obj, ptr, pointer_device, shape)
-    return DeviceArray(ptr, shape, strides, dtype, device, "cai", obj, stream, bool(readonly))
+    return _device_array(ptr, shape, strides, dtype, device, "cai", obj, stream, bool(readonly))
 
 
 def _cai_stream(stream: Any, name: str) -> int | None:
@@ -380,7 +418,9 @@ def _cai_stream(stream: Any, name: str) -> int | None:
     return stream
 
 
-def _cai_device(obj: Any, ptr: int, pointer_device: Callable[[int], int] | None, shape: tuple[int, ...]) -> int:
+def _cai_device(
+    obj: Any, ptr: int, pointer_device: Callable[[int], int] | None, shape: tuple[int, ...]
+) -> int:
     if pointer_device is not None and ptr != 0:
         return int(pointer_device(ptr))
     # Some CAI producers carry a device attribute: an int, or an object with .id (CuPy) / .index
@@ -398,8 +438,19 @@ def _cai_device(obj: Any, ptr: int, pointer_device: Callable[[int], int] | None,
 # ---- DLPack -----------------------------------------------------------------------------------
 
 _KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_ROCM = 1, 2, 3, 10
-_DL_DEVICE_NAME = {1: "CPU", 2: "CUDA", 3: "CUDA host (pinned)", 4: "OpenCL", 7: "Vulkan", 8: "Metal",
-                   9: "VPI", 10: "ROCm", 11: "ROCm host (pinned)", 13: "CUDA managed", 14: "oneAPI"}
+_DL_DEVICE_NAME = {
+    1: "CPU",
+    2: "CUDA",
+    3: "CUDA host (pinned)",
+    4: "OpenCL",
+    7: "Vulkan",
+    8: "Metal",
+    9: "VPI",
+    10: "ROCm",
+    11: "ROCm host (pinned)",
+    13: "CUDA managed",
+    14: "oneAPI",
+}
 _DL_FLAG_READ_ONLY = 1
 
 
@@ -444,7 +495,6 @@ class _DLManagedTensorVersioned(ctypes.Structure):
     ]
 
 
-
 def _python_api(name: str, restype: Any, argtypes: list[Any]) -> Any:
     # pythonapi[name] makes a private function object: setting argtypes on the shared attribute
     # (pythonapi.PyCapsule_IsValid) would change it for every other library in the process.
@@ -455,7 +505,9 @@ def _python_api(name: str, restype: Any, argtypes: list[Any]) -> Any:
 
 
 _capsule_is_valid = _python_api("PyCapsule_IsValid", ctypes.c_int, [ctypes.py_object, ctypes.c_char_p])
-_capsule_get_pointer = _python_api("PyCapsule_GetPointer", ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p])
+_capsule_get_pointer = _python_api(
+    "PyCapsule_GetPointer", ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+)
 _capsule_set_name = _python_api("PyCapsule_SetName", ctypes.c_int, [ctypes.py_object, ctypes.c_char_p])
 
 # PyCapsule_SetName stores the pointer, it does not copy the string: these bytes objects are
@@ -606,7 +658,9 @@ def empty(
     )
 
 
-def _empty_torch(like: DeviceArray, shape: tuple[int, ...], dtype: str, stream: int | None) -> tuple[Any, DeviceArray]:
+def _empty_torch(
+    like: DeviceArray, shape: tuple[int, ...], dtype: str, stream: int | None
+) -> tuple[Any, DeviceArray]:
     torch = sys.modules["torch"]
     torch_dtype = getattr(torch, _TO_NUMPY_NAME[dtype])
     device = torch.device("cuda", like.device)
@@ -618,13 +672,17 @@ def _empty_torch(like: DeviceArray, shape: tuple[int, ...], dtype: str, stream: 
     return out, _from_torch(out, "output")
 
 
-def _empty_cupy(like: DeviceArray, shape: tuple[int, ...], dtype: str, stream: int | None) -> tuple[Any, DeviceArray]:
+def _empty_cupy(
+    like: DeviceArray, shape: tuple[int, ...], dtype: str, stream: int | None
+) -> tuple[Any, DeviceArray]:
     cupy = sys.modules["cupy"]
     if dtype == "bf16":
         try:
             import ml_dtypes  # CuPy spells bfloat16 through ml_dtypes, when it supports it at all
         except ImportError:
-            raise TypeError("allocating a bf16 CuPy output needs ml_dtypes; pass an output buffer instead") from None
+            raise TypeError(
+                "allocating a bf16 CuPy output needs ml_dtypes; pass an output buffer instead"
+            ) from None
         np_dtype: Any = ml_dtypes.bfloat16
     else:
         np_dtype = _TO_NUMPY_NAME[dtype]

@@ -27,7 +27,9 @@ from hipattn.streams import launch_device
 class CAIArray:
     """A minimal __cuda_array_interface__ producer (what Numba or a hand-rolled wrapper exports)."""
 
-    def __init__(self, ptr, shape, typestr, strides=None, version=2, stream=None, device=None, readonly=False):
+    def __init__(
+        self, ptr, shape, typestr, strides=None, version=2, stream=None, device=None, readonly=False
+    ):
         self.__cuda_array_interface__ = {
             "shape": shape,
             "typestr": typestr,
@@ -199,7 +201,14 @@ def test_torch_tensor_fast_path_reads_bf16_and_device_index(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", torch)
     t = torch.Tensor(0x5000, (2, 3), (3, 1), torch.bfloat16, torch.device("cuda", 1))
     a = as_device_array(t, "q")
-    assert (a.ptr, a.shape, a.strides, a.dtype, a.device, a.framework) == (0x5000, (2, 3), (3, 1), "bf16", 1, "torch")
+    assert (a.ptr, a.shape, a.strides, a.dtype, a.device, a.framework) == (
+        0x5000,
+        (2, 3),
+        (3, 1),
+        "bf16",
+        1,
+        "torch",
+    )
     assert a.owner is t
 
 
@@ -231,7 +240,14 @@ def test_cupy_array_fast_path_converts_byte_strides(monkeypatch):
     cupy.ndarray = ndarray
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     a = as_device_array(ndarray(), "k")
-    assert (a.ptr, a.shape, a.strides, a.dtype, a.device, a.framework) == (0x9000, (4, 2), (2, 1), "fp16", 3, "cupy")
+    assert (a.ptr, a.shape, a.strides, a.dtype, a.device, a.framework) == (
+        0x9000,
+        (4, 2),
+        (2, 1),
+        "fp16",
+        3,
+        "cupy",
+    )
 
 
 # ---- empty --------------------------------------------------------------------------------------
@@ -328,7 +344,11 @@ class ManagedVersioned(ctypes.Structure):
 
 
 def test_dlpack_struct_layouts_match_the_c_header():
-    assert ctypes.sizeof(DLTensor) == 48 and ctypes.sizeof(Managed) == 64 and ctypes.sizeof(ManagedVersioned) == 80
+    assert (
+        ctypes.sizeof(DLTensor) == 48
+        and ctypes.sizeof(Managed) == 64
+        and ctypes.sizeof(ManagedVersioned) == 80
+    )
     assert ctypes.sizeof(arrays._DLTensor) == 48
     assert ctypes.sizeof(arrays._DLManagedTensor) == 64
     assert ctypes.sizeof(arrays._DLManagedTensorVersioned) == 80
@@ -392,7 +412,14 @@ class DLPackProducer:
 def test_dlpack_reads_bf16_offset_and_contiguous_default_and_owns_the_tensor():
     producer = DLPackProducer((2, 3), code=4, bits=16, device_id=1, byte_offset=64)
     a = as_device_array(producer, "q", stream=0x55)
-    assert (a.ptr, a.shape, a.strides, a.dtype, a.device, a.framework) == (0x10040, (2, 3), (3, 1), "bf16", 1, "dlpack")
+    assert (a.ptr, a.shape, a.strides, a.dtype, a.device, a.framework) == (
+        0x10040,
+        (2, 3),
+        (3, 1),
+        "bf16",
+        1,
+        "dlpack",
+    )
     assert _is_valid(producer.capsule, b"used_dltensor"), "the consumer renames the capsule it consumed"
     assert producer.stream_seen == 0x55 and producer.max_version_seen == (1, 0)
     assert producer.deleted == 0, "the deleter must not run while hipattn holds the array"

@@ -219,7 +219,12 @@ def test_pool_host_function_needs_no_gil_where_a_python_one_deadlocks(backend):
     timed_wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     timed_wait.restype = ctypes.c_int
     pthread_create = _libc["pthread_create"]
-    pthread_create.argtypes = [ctypes.POINTER(ctypes.c_ulong), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    pthread_create.argtypes = [
+        ctypes.POINTER(ctypes.c_ulong),
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
     pthread_join = _libc["pthread_join"]
     pthread_join.argtypes = [ctypes.c_ulong, ctypes.c_void_p]
 
