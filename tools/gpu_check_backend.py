@@ -184,6 +184,24 @@ def run(device: int, launches: int) -> None:
     except DriverError as error:
         check("launch error raises DriverError", "cuLaunchKernel" in error.call and bool(error.name), str(error))
 
+    # Launch overhead: Python time per backend.launch, draining the queue outside the timed calls.
+    times = []
+    for i in range(launches):
+        begin = time.perf_counter_ns()
+        backend.launch(fill, (1, 1, 1), (32, 1, 1), 0, stream, params)
+        times.append(time.perf_counter_ns() - begin)
+        if i % 512 == 511:
+            backend.stream_synchronize(stream)
+    backend.stream_synchronize(stream)
+    median_us = statistics.median(times) / 1000
+    check("launch overhead", median_us < 20.0, f"median {median_us:.2f} us per backend.launch over {launches}")
+    times = []
+    for _ in range(launches):
+        begin = time.perf_counter_ns()
+        backend.set_device(device)
+        times.append(time.perf_counter_ns() - begin)
+    print(f"INFO set_device: median {statistics.median(times) / 1000:.2f} us", flush=True)
+
     # Stream capture: the backend's calls are capturable, and is_capturing sees the capture.
     mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
     (result,) = driver.cuStreamBeginCapture(stream, mode)
@@ -208,24 +226,6 @@ def run(device: int, launches: int) -> None:
     )
     driver.cuGraphExecDestroy(graph_exec)
     driver.cuGraphDestroy(graph)
-
-    # Launch overhead: Python time per backend.launch, draining the queue outside the timed calls.
-    times = []
-    for i in range(launches):
-        begin = time.perf_counter_ns()
-        backend.launch(fill, (1, 1, 1), (32, 1, 1), 0, stream, params)
-        times.append(time.perf_counter_ns() - begin)
-        if i % 512 == 511:
-            backend.stream_synchronize(stream)
-    backend.stream_synchronize(stream)
-    median_us = statistics.median(times) / 1000
-    check("launch overhead", median_us < 20.0, f"median {median_us:.2f} us per backend.launch over {launches}")
-    times = []
-    for _ in range(launches):
-        begin = time.perf_counter_ns()
-        backend.set_device(device)
-        times.append(time.perf_counter_ns() - begin)
-    print(f"INFO set_device: median {statistics.median(times) / 1000:.2f} us", flush=True)
 
     # Clean up, then check nothing leaked from the device's point of view.
     backend.free_async(device_buffer, stream)

@@ -10,6 +10,7 @@ address of a ``void**`` for ``kernelParams``; the int path skips its slow ``(val
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 import threading
@@ -37,6 +38,15 @@ def driver_library_present() -> bool:
     except OSError:
         return False
     return True
+
+
+@functools.cache
+def _libcuda_launch_host_func() -> Any:
+    """libcuda's own ``cuLaunchHostFunc(CUstream, CUhostFn, void*)`` through ctypes."""
+    function = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    function.restype = ctypes.c_int
+    return function
 
 
 def _result_name(result: Any) -> str:
@@ -345,7 +355,16 @@ class CudaBackend(Backend):
             raise TypeError(
                 f"function_address must be the int address of a C function, got {type(function_address).__name__}"
             )
-        (result,) = self._cuLaunchHostFunc(stream, function_address, user_data)
+        if self._probe_driver_library:
+            # Straight into libcuda, not through cuda-bindings: its cuLaunchHostFunc wraps the
+            # function in a heap record that its trampoline frees after the first call (and runs
+            # under the GIL). A graph that captured the host node replays it, and the second
+            # replay then reads freed memory: seen on the H200 as a segfault in the callback
+            # thread. The direct call registers our own C function, which survives every replay.
+            code = _libcuda_launch_host_func()(stream or None, function_address, user_data or None)
+            result = self._driver.CUresult(code)
+        else:
+            (result,) = self._cuLaunchHostFunc(stream, function_address, user_data)
         if result:
             raise self._error("cuLaunchHostFunc", result)
 

@@ -70,13 +70,14 @@ __global__ void __launch_bounds__(smallseq::kBlockThreads) smallseq_forward(cons
 #pragma unroll
       for (int e = 0; e < G::kReduceLanes; ++e) {
         const int entry = g * G::kReduceLanes + e;
-        const int j = entry / TILE;
+        const int j = entry < G::kEntries ? entry / TILE : 0;  // the last round's spare entries stay in bounds
         const int i = entry % TILE;
-        partial[e] = 0.0f;
+        float sum = 0.0f;
         if (entry < G::kEntries && i < len_q && j < len_k) {
 #pragma unroll
-          for (int x = 0; x < E; ++x) partial[e] += q[i][x] * to_float(k[j].elements[x]);
+          for (int x = 0; x < E; ++x) sum += q[i][x] * to_float(k[j].elements[x]);
         }
+        partial[e] = sum;
       }
       const float total = reduce_scatter<G::kReduceLanes>(partial, reduce_lane);
       const int entry = g * G::kReduceLanes + reduce_lane;
