@@ -142,6 +142,33 @@ SMALLSEQ_FORWARD = _register(
     )
 )
 
+# NVIDIA tensor-core variant of the forward (mma.sync, sm_80+): one warp per problem, WARPS
+# problems per block, sized so a block's tiles fit the 48 KiB of static shared memory.
+SMALLSEQ_MMA_WARPS = {64: 3, 128: 2, 256: 1}
+
+
+def _smallseq_mma_specs(fam: KernelFamily, target: Target) -> list[KernelSpec]:
+    if target is None or target.vendor != "nvidia" or target.compute_capability < 80:
+        return []
+    return [
+        fam.spec(dtype=t, head_dim=d, heads=h, tile=SMALLSEQ_TILE, warps=SMALLSEQ_MMA_WARPS[d])
+        for t in DTYPES
+        for d in SMALLSEQ_HEAD_DIMS
+        for h in SMALLSEQ_SHIPPED_HEADS
+    ]
+
+
+SMALLSEQ_FORWARD_MMA = _register(
+    KernelFamily(
+        name="smallseq_forward_mma",
+        source="smallseq/forward_mma.hip",
+        template="hipattn::smallseq_forward_mma",
+        template_params=("dtype", "head_dim", "heads", "tile", "warps"),
+        params=SMALLSEQ_FORWARD.params,
+        shipped=lambda target: _smallseq_mma_specs(SMALLSEQ_FORWARD_MMA, target),
+    )
+)
+
 SMALLSEQ_BACKWARD = _register(
     KernelFamily(
         name="smallseq_backward",

@@ -7,10 +7,26 @@ from host-known facts only (batch and heads), so a call can be captured into a g
 
 from __future__ import annotations
 
+import functools
+import os
+
 from ..arrays import DeviceArray
-from ..families import SMALLSEQ_BACKWARD, SMALLSEQ_FORWARD, SMALLSEQ_HEAD_DIMS, SMALLSEQ_TILE
+from ..backends import get_backend
+from ..families import (
+    SMALLSEQ_BACKWARD,
+    SMALLSEQ_FORWARD,
+    SMALLSEQ_FORWARD_MMA,
+    SMALLSEQ_HEAD_DIMS,
+    SMALLSEQ_MMA_WARPS,
+    SMALLSEQ_TILE,
+)
 from ..problem import Problem, lse_strides, strides_bthd
 from ..registry import get_kernel
+from ..target import NVIDIA
+
+# HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) forward on a GPU
+# that has the tensor-core one; for A/B comparisons and to test both on one machine.
+KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"
 
 BLOCK_THREADS = 128  # smallseq::kBlockThreads
 ELEMENTS_PER_LANE = 4  # smallseq::kElementsPerLane
@@ -59,14 +75,27 @@ def _tensor_fields(name: str, a: DeviceArray, problem: Problem) -> dict:
     }
 
 
+@functools.cache
+def _has_tensor_core_forward(device: int) -> bool:
+    target = get_backend().device_target(device)
+    return target.vendor == NVIDIA and target.compute_capability >= 80
+
+
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None) -> None:
-    """Enqueue O and LSE for every (sequence, query head) problem: one team each."""
+    """Enqueue O and LSE for every (sequence, query head) problem: one team (or warp) each."""
     problems = problem.batch * problem.heads_q
     if problems == 0:
         return  # batch 0: nothing to read or write
-    spec = SMALLSEQ_FORWARD.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
-                                 tile=SMALLSEQ_TILE)
+    if _has_tensor_core_forward(problem.device) and os.environ.get(KERNEL_SWITCH) != "portable":
+        warps = SMALLSEQ_MMA_WARPS[problem.head_dim]
+        spec = SMALLSEQ_FORWARD_MMA.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
+                                         tile=SMALLSEQ_TILE, warps=warps)
+        problems_per_block, block_threads = warps, 32 * warps
+    else:
+        spec = SMALLSEQ_FORWARD.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
+                                     tile=SMALLSEQ_TILE)
+        problems_per_block, block_threads = _teams_per_block(problem.head_dim), BLOCK_THREADS
     kernel = get_kernel(spec, problem.device)
     lse_batch_stride, lse_head_stride = lse_strides(lse, problem)
     params = kernel.params.new(
@@ -79,9 +108,9 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         lse_head_stride=lse_head_stride,
         **_sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
     )
-    teams = _teams_per_block(problem.head_dim)
     # The (sequence, head) count goes on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
-    kernel.launch(((problems + teams - 1) // teams, 1, 1), (BLOCK_THREADS, 1, 1), 0, stream, params)
+    blocks = (problems + problems_per_block - 1) // problems_per_block
+    kernel.launch((blocks, 1, 1), (block_threads, 1, 1), 0, stream, params)
 
 
 def backward_shared_bytes(problem: Problem) -> int:

@@ -1,0 +1,96 @@
+// NVIDIA warp-level tensor-core helpers (sm_80+): ldmatrix, mma.sync m16n8k16, cp.async.
+//
+// Fragment layouts are PTX's for mma.m16n8k16 with .row.col operands. With g = lane / 4 and
+// t = lane % 4, a lane holds: A (16x16) rows g and g+8, columns 2t, 2t+1 and 2t+8, 2t+9;
+// B (16x8) rows (k) 2t, 2t+1, 2t+8, 2t+9 of column g; C (16x8) rows g and g+8, columns 2t, 2t+1.
+#pragma once
+#include "common/types.h"
+
+#if !defined(HIPATTN_NVIDIA)
+#error "mma_nvidia.h is for NVIDIA targets; AMD kernels use the portable path"
+#endif
+
+namespace hipattn {
+namespace mma {
+
+HIPATTN_DEVICE unsigned int shared_address(const void* pointer) {
+  unsigned int address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+  return address;
+}
+
+// Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8.
+HIPATTN_DEVICE void ldmatrix_x4(unsigned int (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row)));
+}
+
+HIPATTN_DEVICE void ldmatrix_x4_trans(unsigned int (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row)));
+}
+
+// Two 8x8 matrices; lanes 0..15 give the row addresses.
+HIPATTN_DEVICE void ldmatrix_x2(unsigned int (&r)[2], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(shared_address(row)));
+}
+
+HIPATTN_DEVICE void ldmatrix_x2_trans(unsigned int (&r)[2], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(shared_address(row)));
+}
+
+// d += a * b for one 16x8x16 tile, fp32 accumulation.
+template <typename T>
+HIPATTN_DEVICE void mma_16816(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1);
+
+template <>
+HIPATTN_DEVICE void mma_16816<bf16_t>(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+HIPATTN_DEVICE void mma_16816<half_t>(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats rounded to one register of two 16-bit values, `low` in the low half.
+template <typename T>
+HIPATTN_DEVICE unsigned int pack2(float low, float high);
+
+template <>
+HIPATTN_DEVICE unsigned int pack2<bf16_t>(float low, float high) {
+  unsigned int r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(high), "f"(low));
+  return r;
+}
+
+template <>
+HIPATTN_DEVICE unsigned int pack2<half_t>(float low, float high) {
+  unsigned int r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(high), "f"(low));
+  return r;
+}
+
+// 16 bytes global -> shared without a register round trip; completes at wait_async_copies().
+HIPATTN_DEVICE void copy_async_16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared)), "l"(global));
+}
+
+HIPATTN_DEVICE void wait_async_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+}  // namespace mma
+}  // namespace hipattn
