@@ -169,6 +169,22 @@ SMALLSEQ_FORWARD_MMA = _register(
     )
 )
 
+# The tensor-core backward covers Hq == Hkv and head_dim <= 128 (its tiles must fit 48 KiB of static
+# shared memory); other calls take the portable backward.
+SMALLSEQ_MMA_BACKWARD_WARPS = {64: 2, 128: 1}
+
+
+def _smallseq_mma_backward_specs(fam: KernelFamily, target: Target) -> list[KernelSpec]:
+    if target is None or target.vendor != "nvidia" or target.compute_capability < 80:
+        return []
+    return [
+        fam.spec(dtype=t, head_dim=d, heads=h, tile=SMALLSEQ_TILE, warps=w)
+        for t in DTYPES
+        for d, w in SMALLSEQ_MMA_BACKWARD_WARPS.items()
+        for h in SMALLSEQ_SHIPPED_HEADS
+    ]
+
+
 SMALLSEQ_BACKWARD = _register(
     KernelFamily(
         name="smallseq_backward",
@@ -188,5 +204,16 @@ SMALLSEQ_BACKWARD = _register(
             + _SEQUENCE_FIELDS,
         ),
         shipped=lambda target: _smallseq_specs(SMALLSEQ_BACKWARD),
+    )
+)
+
+SMALLSEQ_BACKWARD_MMA = _register(
+    KernelFamily(
+        name="smallseq_backward_mma",
+        source="smallseq/backward_mma.hip",
+        template="hipattn::smallseq_backward_mma",
+        template_params=("dtype", "head_dim", "heads", "tile", "warps"),
+        params=SMALLSEQ_BACKWARD.params,
+        shipped=lambda target: _smallseq_mma_backward_specs(SMALLSEQ_BACKWARD_MMA, target),
     )
 )

@@ -14,9 +14,11 @@ from ..arrays import DeviceArray
 from ..backends import get_backend
 from ..families import (
     SMALLSEQ_BACKWARD,
+    SMALLSEQ_BACKWARD_MMA,
     SMALLSEQ_FORWARD,
     SMALLSEQ_FORWARD_MMA,
     SMALLSEQ_HEAD_DIMS,
+    SMALLSEQ_MMA_BACKWARD_WARPS,
     SMALLSEQ_MMA_WARPS,
     SMALLSEQ_TILE,
 )
@@ -81,13 +83,17 @@ def _has_tensor_core_forward(device: int) -> bool:
     return target.vendor == NVIDIA and target.compute_capability >= 80
 
 
+def _tensor_cores(device: int) -> bool:
+    return _has_tensor_core_forward(device) and os.environ.get(KERNEL_SWITCH) != "portable"
+
+
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None) -> None:
     """Enqueue O and LSE for every (sequence, query head) problem: one team (or warp) each."""
     problems = problem.batch * problem.heads_q
     if problems == 0:
         return  # batch 0: nothing to read or write
-    if _has_tensor_core_forward(problem.device) and os.environ.get(KERNEL_SWITCH) != "portable":
+    if _tensor_cores(problem.device):
         warps = SMALLSEQ_MMA_WARPS[problem.head_dim]
         spec = SMALLSEQ_FORWARD_MMA.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
                                          tile=SMALLSEQ_TILE, warps=warps)
@@ -113,6 +119,14 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     kernel.launch((blocks, 1, 1), (block_threads, 1, 1), 0, stream, params)
 
 
+def _backward_on_tensor_cores(problem: Problem) -> bool:
+    return (
+        problem.heads_q == problem.heads_kv
+        and problem.head_dim in SMALLSEQ_MMA_BACKWARD_WARPS
+        and _tensor_cores(problem.device)
+    )
+
+
 def backward_shared_bytes(problem: Problem) -> int:
     """Dynamic shared memory of one backward block: the per-team dK/dV sums of a GQA group."""
     if problem.heads_q == problem.heads_kv:
@@ -126,10 +140,17 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
     problems = problem.batch * problem.heads_kv
     if problems == 0:
         return
-    spec = SMALLSEQ_BACKWARD.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
-                                  tile=SMALLSEQ_TILE)
+    if _backward_on_tensor_cores(problem):
+        warps = SMALLSEQ_MMA_BACKWARD_WARPS[problem.head_dim]
+        spec = SMALLSEQ_BACKWARD_MMA.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
+                                          tile=SMALLSEQ_TILE, warps=warps)
+        problems_per_block, block_threads, shared = warps, 32 * warps, 0
+    else:
+        spec = SMALLSEQ_BACKWARD.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
+                                      tile=SMALLSEQ_TILE)
+        problems_per_block, block_threads = _teams_per_block(problem.head_dim), BLOCK_THREADS
+        shared = backward_shared_bytes(problem)
     kernel = get_kernel(spec, problem.device)
-    shared = backward_shared_bytes(problem)
     kernel.reserve_dynamic_shared_memory(shared)
     lse_batch_stride, lse_head_stride = lse_strides(lse, problem)
     params = kernel.params.new(
@@ -145,5 +166,5 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
         lse_head_stride=lse_head_stride,
         **_sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
     )
-    teams = _teams_per_block(problem.head_dim)
-    kernel.launch(((problems + teams - 1) // teams, 1, 1), (BLOCK_THREADS, 1, 1), shared, stream, params)
+    blocks = (problems + problems_per_block - 1) // problems_per_block
+    kernel.launch((blocks, 1, 1), (block_threads, 1, 1), shared, stream, params)

@@ -79,10 +79,20 @@ def _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, cau
     return errors
 
 
+@pytest.fixture(params=["tensor-core", "portable"])
+def forward_kernel(request, monkeypatch):
+    """Both forward kernels run on the H200: the tensor-core one and the portable one AMD uses."""
+    if request.param == "portable":
+        monkeypatch.setenv("HIPATTN_SMALLSEQ_KERNEL", "portable")
+    else:
+        monkeypatch.delenv("HIPATTN_SMALLSEQ_KERNEL", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
 @pytest.mark.parametrize("heads", SMALLSEQ_SHIPPED_HEADS)
-def test_every_shipped_instantiation_matches_float64(dtype, head_dim, heads, rng):
+def test_every_shipped_instantiation_matches_float64(dtype, head_dim, heads, forward_kernel, rng):
     # Lengths 0, 1 and 17 on both sides, mixed with random ones; Q and KV lengths independent.
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=None)))
     random_q = torch.randint(0, SMALLSEQ_TILE + 1, (21,), generator=gen).tolist()
@@ -91,22 +101,22 @@ def test_every_shipped_instantiation_matches_float64(dtype, head_dim, heads, rng
     lengths_k = [3, 1, 17, 0, 17, 0, 17] + random_k
     for causal in (False, True):
         errors = _run_and_check(lengths_q, lengths_k, heads, heads, head_dim, dtype, causal, rng)
-        _record(f"{dtype} d{head_dim} h{heads} causal={causal}", **errors)
+        _record(f"{dtype} d{head_dim} h{heads} causal={causal} {forward_kernel}", **errors)
         assert max(errors.values()) < TOLERANCE[dtype], errors
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(16, 4), (32, 1), (8, 2)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gqa_and_mqa_sum_kv_gradients_over_the_group(heads_q, heads_kv, causal, rng):
+def test_gqa_and_mqa_sum_kv_gradients_over_the_group(heads_q, heads_kv, causal, forward_kernel, rng):
     lengths_q = [17, 9, 0, 4, 1, 13, 17, 2]
     lengths_k = [17, 3, 6, 0, 1, 16, 8, 17]
     errors = _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, 128, "bf16", causal, rng)
-    _record(f"gqa {heads_q}/{heads_kv} causal={causal}", **errors)
+    _record(f"gqa {heads_q}/{heads_kv} causal={causal} {forward_kernel}", **errors)
     assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
 @pytest.mark.parametrize("lengths", [([], []), ([7], [11]), ([17], [17]), ([0], [0]), ([5], [0])])
-def test_batch_zero_one_and_empty_sequences(lengths, rng):
+def test_batch_zero_one_and_empty_sequences(lengths, forward_kernel, rng):
     lengths_q, lengths_k = lengths
     if sum(lengths_q) == 0 and sum(lengths_k) == 0 and lengths_q:
         pytest.skip("no tokens at all: nothing to compare")
@@ -181,7 +191,7 @@ def test_max_seqlen_is_an_upper_bound_and_graph_replays_new_cu_seqlens(rng):
         assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
-def test_bshd_with_per_sequence_lengths(rng):
+def test_bshd_with_per_sequence_lengths(forward_kernel, rng):
     batch, seqlen, heads, head_dim = 6, SMALLSEQ_TILE, 8, 64
     q = torch.randn(batch, seqlen, heads, head_dim, generator=rng, device="cuda").bfloat16()
     k = torch.randn(batch, seqlen - 4, heads, head_dim, generator=rng, device="cuda").bfloat16()
