@@ -20,12 +20,24 @@ def _array(obj: Any, name: str) -> arrays.DeviceArray | None:
     return None if obj is None else arrays.as_device_array(obj, name)
 
 
-def _output(given: Any, name: str, like: arrays.DeviceArray, shape, dtype, problem, inputs, stream):
+def _input_spans(inputs, *outputs: Any) -> tuple:
+    """The inputs' memory spans when the caller gave any output buffer to check them against.
+
+    Worked out once per call rather than once per (output, input) pair; not at all when every
+    output is allocated here (a fresh allocation cannot alias an input).
+    """
+    for given in outputs:
+        if given is not None:
+            return problem_mod.memory_spans(inputs)
+    return ()
+
+
+def _output(given: Any, name: str, like: arrays.DeviceArray, shape, dtype, problem, input_spans, stream):
     """(object to return, DeviceArray) for an output: the caller's buffer checked, or a new one."""
     if given is None:
         return arrays.empty(like, shape, dtype, stream=stream)
     described = arrays.as_device_array(given, name)
-    problem_mod.check_output(described, name, shape, dtype, problem, inputs)
+    problem_mod.check_output(described, name, shape, dtype, problem, input_spans)
     return given, described
 
 
@@ -53,19 +65,22 @@ def forward(
     q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D], optional int32 seqused_q/k [B] (per-sequence lengths
     of a padded batch). Rows beyond a sequence's length are not written.
     """
-    qa, ka, va = (arrays.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    # Plain calls, not a generator over (array, name) pairs: this runs on every launch.
+    qa = arrays.as_device_array(q, "q")
+    ka = arrays.as_device_array(k, "k")
+    va = arrays.as_device_array(v, "v")
     cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
     used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
     problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
                                    seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale)
     dispatch.choose_path(problem, "forward")
-    inputs = ((qa, "q"), (ka, "k"), (va, "v"))
     backend = get_backend()
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
-        out_obj, out_a = _output(out, "out", qa, qa.shape, qa.dtype, problem, inputs, launch_stream)
-        lse_obj, lse_a = _output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, inputs,
+        spans = _input_spans(((qa, "q"), (ka, "k"), (va, "v")), out, lse)
+        out_obj, out_a = _output(out, "out", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
+        lse_obj, lse_a = _output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, spans,
                                  launch_stream)
         if lse_a.strides and lse_a.strides[-1] != 1:
             raise ValueError(f"lse has strides {lse_a.strides}; its last dimension must be contiguous")
@@ -101,8 +116,12 @@ def backward(
     Same layouts and arguments as ``forward``. dK and dV are summed over the query heads of each
     KV group (GQA/MQA). The small-seq path is deterministic whatever ``deterministic`` says.
     """
-    qa, ka, va = (arrays.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    douta, outa, lsea = (arrays.as_device_array(x, n) for x, n in ((dout, "dout"), (out, "out"), (lse, "lse")))
+    qa = arrays.as_device_array(q, "q")
+    ka = arrays.as_device_array(k, "k")
+    va = arrays.as_device_array(v, "v")
+    douta = arrays.as_device_array(dout, "dout")
+    outa = arrays.as_device_array(out, "out")
+    lsea = arrays.as_device_array(lse, "lse")
     cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
     used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
     problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
@@ -115,8 +134,9 @@ def backward(
             raise ValueError(f"{name} is on device {a.device} but q is on device {problem.device}")
         problem_mod.check_alignment(a, name, problem.layout)
     problem_mod.check_dtype(lsea, "lse", ("fp32",))
-    if tuple(lsea.shape) != problem_mod.lse_shape(problem) or lsea.strides[-1] != 1:
-        raise ValueError(f"lse has shape {lsea.shape}; expected {problem_mod.lse_shape(problem)} fp32, last dimension contiguous")
+    expected_lse = problem_mod.lse_shape(problem)
+    if tuple(lsea.shape) != expected_lse or lsea.strides[-1] != 1:
+        raise ValueError(f"lse has shape {lsea.shape}; expected {expected_lse} fp32, last dimension contiguous")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     dispatch.choose_path(problem, "backward")
@@ -124,9 +144,10 @@ def backward(
     backend = get_backend()
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va, douta), stream, device=problem.device)
-        dq_obj, dqa = _output(dq, "dq", qa, qa.shape, qa.dtype, problem, inputs, launch_stream)
-        dk_obj, dka = _output(dk, "dk", ka, ka.shape, ka.dtype, problem, inputs, launch_stream)
-        dv_obj, dva = _output(dv, "dv", va, va.shape, va.dtype, problem, inputs, launch_stream)
+        spans = _input_spans(inputs, dq, dk, dv)
+        dq_obj, dqa = _output(dq, "dq", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
+        dk_obj, dka = _output(dk, "dk", ka, ka.shape, ka.dtype, problem, spans, launch_stream)
+        dv_obj, dva = _output(dv, "dv", va, va.shape, va.dtype, problem, spans, launch_stream)
         for a, name in ((dqa, "dq"), (dka, "dk"), (dva, "dv")):
             problem_mod.check_alignment(a, name, problem.layout)
         smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, cu_seqlens_q=cu_q,

@@ -21,7 +21,7 @@ FLASH = "flash"
 
 
 def smallseq_enabled() -> bool:
-    return os.environ.get("HIPATTN_SMALLSEQ", "1") != "0"
+    return os.environ.get("HIPATTN_SMALLSEQ", "1") != "0"  # read per call: a change applies at once
 
 
 def choose_path(problem: Problem, direction: str) -> str:

@@ -28,6 +28,7 @@ class ParamsStruct:
     name: str
     fields: tuple[tuple[str, str], ...]
     _ctypes_class: type = field(init=False, repr=False, compare=False, hash=False)
+    _names: frozenset = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
         for field_name, kind in self.fields:
@@ -36,11 +37,17 @@ class ParamsStruct:
         # Natural C alignment on both sides: ctypes.Structure lays fields out as the C++ compiler does.
         cls = type(self.name, (ctypes.Structure,), {"_fields_": [(n, FIELD_KINDS[k][0]) for n, k in self.fields]})
         object.__setattr__(self, "_ctypes_class", cls)
+        object.__setattr__(self, "_names", frozenset(n for n, _ in self.fields))
 
     def new(self, **values) -> ctypes.Structure:
         """A filled struct; every field must be given (a forgotten field would silently be zero)."""
-        missing = [n for n, _ in self.fields if n not in values]
-        if missing:
+        return self.from_dict(values)
+
+    def from_dict(self, values: dict) -> ctypes.Structure:
+        """``new(**values)`` without copying ``values`` into a keyword dict: the launch path's form."""
+        # One C-level subset test per launch; the field-by-field scan only runs to word the error.
+        if not values.keys() >= self._names:
+            missing = [n for n, _ in self.fields if n not in values]
             raise TypeError(f"{self.name}: missing fields {missing}")
         return self._ctypes_class(**values)
 

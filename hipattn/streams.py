@@ -147,7 +147,7 @@ def _default_stream(arrays: Sequence[DeviceArray], device: int) -> int:
     for array in arrays:
         framework = array.framework
         if framework == "torch":
-            return sys.modules["torch"].cuda.current_stream(device).cuda_stream
+            return _torch_current_stream(device)
         if framework == "cupy":
             return _cupy_current_stream(device)
         if producer is None and array.stream is not None:
@@ -155,6 +155,31 @@ def _default_stream(arrays: Sequence[DeviceArray], device: int) -> int:
     if producer is not None:
         return LEGACY_DEFAULT_STREAM if producer == _PROTOCOL_LEGACY_STREAM else producer
     return LEGACY_DEFAULT_STREAM
+
+
+# (torch module, torch._C._cuda_getCurrentRawStream or None), looked up once per module object.
+_torch_raw_stream: tuple[Any, Any] = (None, None)
+
+
+def _torch_current_stream(device: int) -> int:
+    """``torch.cuda.current_stream(device).cuda_stream``, without building a Stream object.
+
+    The public call checks lazy initialisation, normalises the device and constructs a Python
+    ``torch.cuda.Stream`` (several microseconds per launch); ``_cuda_getCurrentRawStream`` (what
+    torch.compile's generated code calls, on CUDA and ROCm builds alike) returns the same handle
+    directly. It is used only once torch's CUDA state is initialised and healthy: otherwise (first
+    use, a forked child, a torch without it) the public call runs, with its own errors.
+    """
+    global _torch_raw_stream
+    torch = sys.modules["torch"]
+    module, raw = _torch_raw_stream
+    if module is not torch:
+        raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+        _torch_raw_stream = (torch, raw)
+    cuda = torch.cuda
+    if raw is not None and cuda.is_initialized():
+        return raw(device)
+    return cuda.current_stream(device).cuda_stream
 
 
 # Whether cupy.cuda.get_current_stream accepts a device id (it does from CuPy 13); probed once.

@@ -7,10 +7,13 @@ and dq_accum are fp32. Everything is enqueued on the given stream, on the curren
 
 from __future__ import annotations
 
+import functools
+
 from ..arrays import DeviceArray
 from ..backends import get_backend
 from ..families import BWD_CONVERT_DQ, BWD_DOT_DO_O
 from ..registry import get_kernel
+from ..spec import KernelSpec
 
 BLOCK_THREADS = 256  # preprocess::kBlockThreads
 TEAM_LANES = 8  # preprocess::kTeamLanes: lanes per row
@@ -25,9 +28,28 @@ def _bshd(a: DeviceArray, name: str) -> tuple[tuple[int, int, int, int], tuple[i
     raise ValueError(f"{name} has shape {a.shape}; expected [total, heads, head_dim] or [batch, seqlen, heads, head_dim]")
 
 
-def _fields(name: str, strides: tuple[int, int, int], a: DeviceArray) -> dict:
-    return {name: a.ptr, f"{name}_batch_stride": strides[0], f"{name}_token_stride": strides[1],
-            f"{name}_head_stride": strides[2]}
+# A tensor's four field names (families._strided), spelled once rather than formatted per launch.
+_FIELD_NAMES = {
+    name: (name, f"{name}_batch_stride", f"{name}_token_stride", f"{name}_head_stride")
+    for name in ("o", "dout", "dq_accum", "dq")
+}
+
+
+def _put(fields: dict, name: str, strides: tuple[int, int, int], a: DeviceArray) -> None:
+    ptr_name, batch_name, token_name, head_name = _FIELD_NAMES[name]
+    fields[ptr_name] = a.ptr
+    fields[batch_name], fields[token_name], fields[head_name] = strides
+
+
+# One frozen spec per (dtype, head_dim), built once: a launch pays a dict hit, not KernelFamily.spec.
+@functools.cache
+def _dot_do_o_spec(dtype: str, head_dim: int) -> KernelSpec:
+    return BWD_DOT_DO_O.spec(dtype=dtype, head_dim=head_dim)
+
+
+@functools.cache
+def _convert_dq_spec(dtype: str, head_dim: int) -> KernelSpec:
+    return BWD_CONVERT_DQ.spec(dtype=dtype, head_dim=head_dim)
 
 
 def _grid(batch: int, seqlen: int, heads: int) -> tuple[int, int, int]:
@@ -48,10 +70,12 @@ def dot_do_o(out: DeviceArray, dout: DeviceArray, d: DeviceArray, stream: int) -
     d_batch_stride, d_head_stride = (0, d.strides[0]) if len(out.shape) == 3 else (d.strides[0], d.strides[1])
     if batch * seqlen * heads == 0:
         return
-    kernel = get_kernel(BWD_DOT_DO_O.spec(dtype=out.dtype, head_dim=head_dim), out.device)
-    params = kernel.params.new(**_fields("o", o_strides, out), **_fields("dout", do_strides, dout), d=d.ptr,
-                               d_batch_stride=d_batch_stride, d_head_stride=d_head_stride, batch=batch,
-                               seqlen=seqlen, heads=heads)
+    kernel = get_kernel(_dot_do_o_spec(out.dtype, head_dim), out.device)
+    fields = {"d": d.ptr, "d_batch_stride": d_batch_stride, "d_head_stride": d_head_stride, "batch": batch,
+              "seqlen": seqlen, "heads": heads}
+    _put(fields, "o", o_strides, out)
+    _put(fields, "dout", do_strides, dout)
+    params = kernel.params.from_dict(fields)
     kernel.launch(_grid(batch, seqlen, heads), (BLOCK_THREADS, 1, 1), 0, stream, params)
 
 
@@ -68,7 +92,9 @@ def convert_dq(dq_accum: DeviceArray, dq: DeviceArray, scale: float, stream: int
         raise ValueError(f"dq_accum must be fp32 with dq's shape {dq.shape}; got {dq_accum.dtype} {dq_accum.shape}")
     if batch * seqlen * heads == 0:
         return
-    kernel = get_kernel(BWD_CONVERT_DQ.spec(dtype=dq.dtype, head_dim=head_dim), dq.device)
-    params = kernel.params.new(**_fields("dq_accum", acc_strides, dq_accum), **_fields("dq", dq_strides, dq),
-                               scale=float(scale), batch=batch, seqlen=seqlen, heads=heads)
+    kernel = get_kernel(_convert_dq_spec(dq.dtype, head_dim), dq.device)
+    fields = {"scale": float(scale), "batch": batch, "seqlen": seqlen, "heads": heads}
+    _put(fields, "dq_accum", acc_strides, dq_accum)
+    _put(fields, "dq", dq_strides, dq)
+    params = kernel.params.from_dict(fields)
     kernel.launch(_grid(batch, seqlen, heads), (BLOCK_THREADS, 1, 1), 0, stream, params)

@@ -22,8 +22,9 @@ from ..families import (
     SMALLSEQ_MMA_WARPS,
     SMALLSEQ_TILE,
 )
-from ..problem import Problem, lse_strides, strides_bthd
+from ..problem import THD, Problem, lse_strides
 from ..registry import get_kernel
+from ..spec import KernelSpec
 from ..target import NVIDIA
 
 # HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) forward on a GPU
@@ -51,6 +52,7 @@ def _teams_per_block(head_dim: int) -> int:
 
 
 def _sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:
+    """The fields every small-seq struct shares; the launch adds its tensors to this dict."""
     return {
         "cu_seqlens_q": cu_seqlens_q.ptr if cu_seqlens_q is not None else 0,
         "cu_seqlens_k": cu_seqlens_k.ptr if cu_seqlens_k is not None else 0,
@@ -67,14 +69,45 @@ def _sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     }
 
 
-def _tensor_fields(name: str, a: DeviceArray, problem: Problem) -> dict:
-    batch_stride, token_stride, head_stride = strides_bthd(a, problem.layout)
-    return {
-        name: a.ptr,
-        f"{name}_batch_stride": batch_stride,
-        f"{name}_token_stride": token_stride,
-        f"{name}_head_stride": head_stride,
-    }
+# A tensor's four field names (families._strided), spelled once rather than formatted per launch.
+_TENSOR_FIELD_NAMES = {
+    name: (name, f"{name}_batch_stride", f"{name}_token_stride", f"{name}_head_stride")
+    for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")
+}
+
+
+def _put_tensor(fields: dict, name: str, a: DeviceArray, layout: str) -> None:
+    """Add ``a``'s pointer and (batch, token, head) strides (problem.strides_bthd) to ``fields``."""
+    ptr_name, batch_name, token_name, head_name = _TENSOR_FIELD_NAMES[name]
+    strides = a.strides
+    fields[ptr_name] = a.ptr
+    if layout == THD:  # one batch of total tokens: batch stride 0
+        fields[batch_name], fields[token_name], fields[head_name] = 0, strides[0], strides[1]
+    else:
+        fields[batch_name], fields[token_name], fields[head_name] = strides[0], strides[1], strides[2]
+
+
+def _put_lse(fields: dict, lse: DeviceArray, problem: Problem) -> None:
+    fields["lse"] = lse.ptr
+    fields["lse_batch_stride"], fields["lse_head_stride"] = lse_strides(lse, problem)
+
+
+# Specs are frozen and few (one per dtype, head_dim and heads in use): each is built once, so a
+# launch pays a dict hit instead of KernelFamily.spec's argument checks.
+@functools.cache
+def _forward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) -> KernelSpec:
+    if tensor_cores:
+        return SMALLSEQ_FORWARD_MMA.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE,
+                                         warps=SMALLSEQ_MMA_WARPS[head_dim])
+    return SMALLSEQ_FORWARD.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE)
+
+
+@functools.cache
+def _backward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) -> KernelSpec:
+    if tensor_cores:
+        return SMALLSEQ_BACKWARD_MMA.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE,
+                                          warps=SMALLSEQ_MMA_BACKWARD_WARPS[head_dim])
+    return SMALLSEQ_BACKWARD.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE)
 
 
 @functools.cache
@@ -95,25 +128,20 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         return  # batch 0: nothing to read or write
     if _tensor_cores(problem.device):
         warps = SMALLSEQ_MMA_WARPS[problem.head_dim]
-        spec = SMALLSEQ_FORWARD_MMA.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
-                                         tile=SMALLSEQ_TILE, warps=warps)
+        spec = _forward_spec(True, problem.dtype, problem.head_dim, problem.heads_q)
         problems_per_block, block_threads = warps, 32 * warps
     else:
-        spec = SMALLSEQ_FORWARD.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
-                                     tile=SMALLSEQ_TILE)
+        spec = _forward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
         problems_per_block, block_threads = _teams_per_block(problem.head_dim), BLOCK_THREADS
     kernel = get_kernel(spec, problem.device)
-    lse_batch_stride, lse_head_stride = lse_strides(lse, problem)
-    params = kernel.params.new(
-        **_tensor_fields("q", q, problem),
-        **_tensor_fields("k", k, problem),
-        **_tensor_fields("v", v, problem),
-        **_tensor_fields("o", out, problem),
-        lse=lse.ptr,
-        lse_batch_stride=lse_batch_stride,
-        lse_head_stride=lse_head_stride,
-        **_sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
-    )
+    fields = _sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    layout = problem.layout
+    _put_tensor(fields, "q", q, layout)
+    _put_tensor(fields, "k", k, layout)
+    _put_tensor(fields, "v", v, layout)
+    _put_tensor(fields, "o", out, layout)
+    _put_lse(fields, lse, problem)
+    params = kernel.params.from_dict(fields)
     # The (sequence, head) count goes on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
     blocks = (problems + problems_per_block - 1) // problems_per_block
     kernel.launch((blocks, 1, 1), (block_threads, 1, 1), 0, stream, params)
@@ -142,29 +170,19 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
         return
     if _backward_on_tensor_cores(problem):
         warps = SMALLSEQ_MMA_BACKWARD_WARPS[problem.head_dim]
-        spec = SMALLSEQ_BACKWARD_MMA.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
-                                          tile=SMALLSEQ_TILE, warps=warps)
+        spec = _backward_spec(True, problem.dtype, problem.head_dim, problem.heads_q)
         problems_per_block, block_threads, shared = warps, 32 * warps, 0
     else:
-        spec = SMALLSEQ_BACKWARD.spec(dtype=problem.dtype, head_dim=problem.head_dim, heads=problem.heads_q,
-                                      tile=SMALLSEQ_TILE)
+        spec = _backward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
         problems_per_block, block_threads = _teams_per_block(problem.head_dim), BLOCK_THREADS
         shared = backward_shared_bytes(problem)
     kernel = get_kernel(spec, problem.device)
     kernel.reserve_dynamic_shared_memory(shared)
-    lse_batch_stride, lse_head_stride = lse_strides(lse, problem)
-    params = kernel.params.new(
-        **_tensor_fields("q", q, problem),
-        **_tensor_fields("k", k, problem),
-        **_tensor_fields("v", v, problem),
-        **_tensor_fields("dout", dout, problem),
-        **_tensor_fields("dq", dq, problem),
-        **_tensor_fields("dk", dk, problem),
-        **_tensor_fields("dv", dv, problem),
-        lse=lse.ptr,
-        lse_batch_stride=lse_batch_stride,
-        lse_head_stride=lse_head_stride,
-        **_sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
-    )
+    fields = _sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    layout = problem.layout
+    for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
+        _put_tensor(fields, name, a, layout)
+    _put_lse(fields, lse, problem)
+    params = kernel.params.from_dict(fields)
     blocks = (problems + problems_per_block - 1) // problems_per_block
     kernel.launch((blocks, 1, 1), (block_threads, 1, 1), shared, stream, params)
