@@ -111,8 +111,6 @@ _SEQUENCE_FIELDS = (
     ("total_k", "i32"),
     ("softmax_scale", "f32"),
     ("causal", "i32"),
-    # Problems ahead whose rows the tensor-core kernels prefetch into L2 (0: none).
-    ("prefetch_problems", "i32"),
 )
 
 

@@ -22,8 +22,7 @@ import sys
 
 WORKLOADS = [(16384, 16, 128), (16384, 32, 128), (8192, 16, 256), (4096, 32, 256)]
 TILE = 17
-PEERS = ["hipattn", "hipattn_portable", "hipattn_no_prefetch", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
-         "varlen_attn"]
+PEERS = ["hipattn", "hipattn_portable", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "varlen_attn"]
 
 
 def _median_ms(fn, warmup: int = 3, repeat: int = 20) -> float:
@@ -85,15 +84,11 @@ def measure(peer: str, batch: int, heads: int, head_dim: int) -> dict:
     dout = torch.randn_like(q)
     result = {"peer": peer, "batch": batch, "heads": heads, "head_dim": head_dim, "total_q": total_q,
               "total_k": total_k}
-    if peer.startswith("hipattn"):
+    if peer in ("hipattn", "hipattn_portable"):
         import hipattn
 
         if peer == "hipattn_portable":  # the kernel AMD targets use, measured on this GPU
             os.environ["HIPATTN_SMALLSEQ_KERNEL"] = "portable"
-        if peer == "hipattn_no_prefetch":  # A/B of the L2 prefetch, in the same run
-            import hipattn.ops.smallseq
-
-            hipattn.ops.smallseq.PREFETCH_PROBLEMS = 0
 
         args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=TILE, max_seqlen_k=TILE)
         out, lse = hipattn.forward(q, k, v, **args)

@@ -27,11 +27,6 @@ from ..registry import get_kernel
 from ..spec import KernelSpec
 from ..target import NVIDIA
 
-# How far ahead (in problems) the tensor-core kernels prefetch rows into L2: about one wave of
-# resident warps on an H200 (132 SMs x 8 warps), whose footprint (7-28 MB) stays well inside its
-# 60 MB L2. The portable kernels ignore it.
-PREFETCH_PROBLEMS = 1024
-
 # HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) forward on a GPU
 # that has the tensor-core one; for A/B comparisons and to test both on one machine.
 KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"
@@ -71,7 +66,6 @@ def _sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         "total_k": problem.total_k,
         "softmax_scale": problem.softmax_scale,
         "causal": int(problem.causal),
-        "prefetch_problems": PREFETCH_PROBLEMS,
     }
 
 

@@ -90,9 +90,6 @@ HIPATTN_DEVICE void copy_async_16(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared)), "l"(global));
 }
 
-// Ask L2 to fetch the 128-byte line holding `global`: no register, no effect on results.
-HIPATTN_DEVICE void prefetch_l2(const void* global) { asm volatile("prefetch.global.L2 [%0];" ::"l"(global)); }
-
 HIPATTN_DEVICE void wait_async_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 }  // namespace mma

@@ -96,30 +96,6 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallS
   smallseq::zero_rows<T, HEAD_DIM>(v_tile, len_k, Tiles::kVRows, lane);
   for (int c = lane; c < 2 * Tiles::kRows * Tiles::kScorePitch / 8; c += 32)
     reinterpret_cast<Vec<T, 8>*>(p_tile)[c] = Vec<T, 8>{};
-  // Warm L2 with the rows of the problem one wave of warps ahead (see forward_mma.hip).
-  const long long ahead = problem + p.prefetch_problems;
-  if (p.prefetch_problems > 0 && ahead < static_cast<long long>(p.batch) * HEADS) {
-    const int ahead_batch = static_cast<int>(ahead / HEADS);
-    const int ahead_head = static_cast<int>(ahead % HEADS);
-    const smallseq::Sequence ahead_q = smallseq::sequence_bounds(
-        static_cast<const int*>(p.cu_seqlens_q), static_cast<const int*>(p.seqused_q), ahead_batch, p.max_seqlen_q,
-        p.total_q, TILE);
-    const smallseq::Sequence ahead_k = smallseq::sequence_bounds(
-        static_cast<const int*>(p.cu_seqlens_k), static_cast<const int*>(p.seqused_k), ahead_batch, p.max_seqlen_k,
-        p.total_k, TILE);
-    smallseq::prefetch_rows<T, HEAD_DIM>(static_cast<const T*>(p.q) + ahead_batch * p.q_batch_stride +
-                                             ahead_q.start * p.q_token_stride + ahead_head * p.q_head_stride,
-                                         p.q_token_stride, ahead_q.length, lane);
-    smallseq::prefetch_rows<T, HEAD_DIM>(static_cast<const T*>(p.dout) + ahead_batch * p.dout_batch_stride +
-                                             ahead_q.start * p.dout_token_stride + ahead_head * p.dout_head_stride,
-                                         p.dout_token_stride, ahead_q.length, lane);
-    smallseq::prefetch_rows<T, HEAD_DIM>(static_cast<const T*>(p.k) + ahead_batch * p.k_batch_stride +
-                                             ahead_k.start * p.k_token_stride + ahead_head * p.k_head_stride,
-                                         p.k_token_stride, ahead_k.length, lane);
-    smallseq::prefetch_rows<T, HEAD_DIM>(static_cast<const T*>(p.v) + ahead_batch * p.v_batch_stride +
-                                             ahead_k.start * p.v_token_stride + ahead_head * p.v_head_stride,
-                                         p.v_token_stride, ahead_k.length, lane);
-  }
   mma::wait_async_copies();
   __syncwarp();
 

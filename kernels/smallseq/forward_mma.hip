@@ -59,29 +59,6 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSe
     *reinterpret_cast<Vec<T, 8>*>(v_tile + (len_k + c / Tiles::kChunks) * Tiles::kPitch + (c % Tiles::kChunks) * 8) =
         Vec<T, 8>{};
   }
-  // While this warp's copies are in flight, warm L2 with the rows of the problem that starts about
-  // one wave of warps later (the host picks the distance): its copies then wait on L2, not DRAM.
-  const long long ahead = problem + p.prefetch_problems;
-  if (p.prefetch_problems > 0 && ahead < static_cast<long long>(p.batch) * HEADS) {
-    const int ahead_batch = static_cast<int>(ahead / HEADS);
-    const int ahead_head = static_cast<int>(ahead % HEADS);
-    const int ahead_head_kv = ahead_head / (HEADS / p.heads_kv);
-    const smallseq::Sequence ahead_q = smallseq::sequence_bounds(
-        static_cast<const int*>(p.cu_seqlens_q), static_cast<const int*>(p.seqused_q), ahead_batch, p.max_seqlen_q,
-        p.total_q, TILE);
-    const smallseq::Sequence ahead_k = smallseq::sequence_bounds(
-        static_cast<const int*>(p.cu_seqlens_k), static_cast<const int*>(p.seqused_k), ahead_batch, p.max_seqlen_k,
-        p.total_k, TILE);
-    smallseq::prefetch_rows<T, HEAD_DIM>(static_cast<const T*>(p.q) + ahead_batch * p.q_batch_stride +
-                                             ahead_q.start * p.q_token_stride + ahead_head * p.q_head_stride,
-                                         p.q_token_stride, ahead_q.length, lane);
-    smallseq::prefetch_rows<T, HEAD_DIM>(static_cast<const T*>(p.k) + ahead_batch * p.k_batch_stride +
-                                             ahead_k.start * p.k_token_stride + ahead_head_kv * p.k_head_stride,
-                                         p.k_token_stride, ahead_k.length, lane);
-    smallseq::prefetch_rows<T, HEAD_DIM>(static_cast<const T*>(p.v) + ahead_batch * p.v_batch_stride +
-                                             ahead_k.start * p.v_token_stride + ahead_head_kv * p.v_head_stride,
-                                         p.v_token_stride, ahead_k.length, lane);
-  }
   mma::wait_async_copies();
   __syncwarp();
 

@@ -38,13 +38,5 @@ HIPATTN_DEVICE void zero_rows(T* tile, int from, int to, int lane) {
         Vec<T, 8>{};
 }
 
-// Prefetch `rows` rows of one head into L2, one request per 128-byte line.
-template <typename T, int HEAD_DIM>
-HIPATTN_DEVICE void prefetch_rows(const T* first_row, long long token_stride, int rows, int lane) {
-  constexpr int kLines = (HEAD_DIM * static_cast<int>(sizeof(T)) + 127) / 128;
-  for (int c = lane; c < rows * kLines; c += 32)
-    mma::prefetch_l2(first_row + (c / kLines) * token_stride + (c % kLines) * (128 / static_cast<int>(sizeof(T))));
-}
-
 }  // namespace smallseq
 }  // namespace hipattn
