@@ -58,8 +58,8 @@ def flash_attn_varlen_func(
         1 1 1 1 0
         1 1 1 1 1
     Returns out [total_q, nheads, headdim]; with return_attn_probs=True, (out, softmax_lse, None)
-    where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key). No gradients: use
-    hipattn.torch for autograd, or hipattn.backward.
+    where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key). This call does not
+    record gradients; hipattn.backward computes them from out and softmax_lse.
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
     out, lse = attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

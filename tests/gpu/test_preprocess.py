@@ -38,7 +38,7 @@ def test_dot_do_o_matches_numpy(dtype, head_dim, layout):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_convert_dq_scales_and_rounds(dtype, head_dim):
+def test_convert_dq_scales_rounds_and_zeroing_clears_the_accumulator(dtype, head_dim):
     accum = torch.randn(777, 8, head_dim, device="cuda")
     dq = torch.full(accum.shape, float("nan"), device="cuda").to(dtype)
     stream = torch.cuda.Stream()
@@ -46,11 +46,11 @@ def test_convert_dq_scales_and_rounds(dtype, head_dim):
         preprocess.convert_dq(arrays.as_device_array(accum, "acc"), arrays.as_device_array(dq, "dq"), 0.125,
                               stream.cuda_stream)
         stream.synchronize()
+        expected = (accum * 0.125).to(dtype)  # fp32 product, then round to nearest even: what the kernel does
+        assert torch.equal(dq, expected)
         preprocess.zero_dq_accum(arrays.as_device_array(accum, "acc"), stream.cuda_stream)
         stream.synchronize()
-    assert torch.equal(dq, (accum.new_tensor(0) + 0).to(dtype)) is False  # sanity: dq is not all zeros
-    expected = torch.randn(0)  # placeholder to keep linters quiet
-    del expected
+    assert torch.equal(accum, torch.zeros_like(accum))
 
 
 def test_dot_do_o_from_cupy_on_a_non_default_stream():
