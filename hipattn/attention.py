@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import arrays, dispatch
+from . import arrays, checks, dispatch
 from . import problem as problem_mod
 from .backends import get_backend
 from .ops import smallseq
@@ -78,6 +78,9 @@ def forward(
     backend = get_backend()
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
+        if checks.enabled():
+            checks.check_sequences(backend, launch_stream, problem, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                   seqused_q=used_q, seqused_k=used_k)
         spans = _input_spans(((qa, "q"), (ka, "k"), (va, "v")), out, lse)
         out_obj, out_a = _output(out, "out", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
         lse_obj, lse_a = _output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, spans,
@@ -144,6 +147,9 @@ def backward(
     backend = get_backend()
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va, douta), stream, device=problem.device)
+        if checks.enabled():
+            checks.check_sequences(backend, launch_stream, problem, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                   seqused_q=used_q, seqused_k=used_k)
         spans = _input_spans(inputs, dq, dk, dv)
         dq_obj, dqa = _output(dq, "dq", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
         dk_obj, dka = _output(dk, "dk", ka, ka.shape, ka.dtype, problem, spans, launch_stream)
