@@ -13,11 +13,15 @@ from . import attention
 
 
 def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table=None) -> None:
+    try:
+        window = tuple(window_size)
+    except TypeError:
+        raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}; hipattn supports (-1, -1)") from None
     unsupported = []
     if dropout_p != 0.0:
         unsupported.append(f"dropout_p={dropout_p} (hipattn has no dropout; pass 0.0)")
-    if tuple(window_size) != (-1, -1):
-        unsupported.append(f"window_size={tuple(window_size)} (only (-1, -1), no sliding window)")
+    if window != (-1, -1):
+        unsupported.append(f"window_size={window} (only (-1, -1), no sliding window)")
     if softcap != 0.0:
         unsupported.append(f"softcap={softcap} (only 0.0)")
     if alibi_slopes is not None:

@@ -41,6 +41,17 @@ def _output(given: Any, name: str, like: arrays.DeviceArray, shape, dtype, probl
     return given, described
 
 
+def _check_outputs_disjoint(outputs) -> None:
+    """Caller-given outputs, as (given object, DeviceArray, name), must not share memory either:
+    the kernels write every one of them. Allocated outputs cannot overlap anything."""
+    for i, (given, a, name) in enumerate(outputs):
+        if given is None:
+            continue
+        for other_given, b, other in outputs[:i]:
+            if other_given is not None and problem_mod.overlaps(a, b):
+                raise ValueError(f"{name} overlaps {other} in memory; outputs must not alias each other")
+
+
 def forward(
     q: Any,
     k: Any,
@@ -87,6 +98,8 @@ def forward(
                                  launch_stream)
         if lse_a.strides and lse_a.strides[-1] != 1:
             raise ValueError(f"lse has strides {lse_a.strides}; its last dimension must be contiguous")
+        problem_mod.check_alignment(out_a, "out", problem.layout)
+        _check_outputs_disjoint(((out, out_a, "out"), (lse, lse_a, "lse")))
         smallseq.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                          seqused_q=used_q, seqused_k=used_k)
     return out_obj, lse_obj
@@ -131,12 +144,18 @@ def backward(
                                    seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale)
     for a, name in ((douta, "dout"), (outa, "out")):
-        if tuple(a.shape) != tuple(qa.shape) or a.dtype != qa.dtype:
-            raise ValueError(f"{name} has shape {a.shape} and dtype {a.dtype}; expected q's {qa.shape} and {qa.dtype}")
+        if a.dtype != qa.dtype:
+            raise TypeError(f"{name} has dtype {a.dtype}; expected q's {qa.dtype}")
+        if tuple(a.shape) != tuple(qa.shape):
+            raise ValueError(f"{name} has shape {a.shape}; expected q's {qa.shape}")
         if a.device != problem.device:
             raise ValueError(f"{name} is on device {a.device} but q is on device {problem.device}")
+        if a.strides[-1] != 1 and a.shape[-1] > 1:
+            raise ValueError(f"{name} has strides {a.strides}; its last dimension (head_dim) must be contiguous (stride 1)")
         problem_mod.check_alignment(a, name, problem.layout)
     problem_mod.check_dtype(lsea, "lse", ("fp32",))
+    if lsea.device != problem.device:
+        raise ValueError(f"lse is on device {lsea.device} but q is on device {problem.device}")
     expected_lse = problem_mod.lse_shape(problem)
     if tuple(lsea.shape) != expected_lse or lsea.strides[-1] != 1:
         raise ValueError(f"lse has shape {lsea.shape}; expected {expected_lse} fp32, last dimension contiguous")
@@ -156,6 +175,7 @@ def backward(
         dv_obj, dva = _output(dv, "dv", va, va.shape, va.dtype, problem, spans, launch_stream)
         for a, name in ((dqa, "dq"), (dka, "dk"), (dva, "dv")):
             problem_mod.check_alignment(a, name, problem.layout)
+        _check_outputs_disjoint(((dq, dqa, "dq"), (dk, dka, "dk"), (dv, dva, "dv")))
         smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, cu_seqlens_q=cu_q,
                           cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
     return dq_obj, dk_obj, dv_obj

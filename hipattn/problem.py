@@ -9,6 +9,7 @@ kernels instead.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from .arrays import DeviceArray, element_size
@@ -78,6 +79,8 @@ def _check_seqlens(a: DeviceArray | None, name: str, length: int, device: int) -
         return
     if a.dtype != "int32":
         raise TypeError(f"{name} has dtype {a.dtype}; expected int32")
+    if a.ptr % 4:  # the kernels read it as int32
+        raise ValueError(f"{name}'s data pointer 0x{a.ptr:x} is not aligned to its 4-byte elements")
     if len(a.shape) != 1 or a.shape[0] != length:
         raise ValueError(f"{name} has shape {a.shape}; expected ({length},)")
     if a.strides[0] != 1:
@@ -92,6 +95,12 @@ def _check_max_seqlen(value: object, name: str) -> int:
     if value < 0:
         raise ValueError(f"{name} is {value}; it must be >= 0 (an upper bound on every sequence length)")
     return value
+
+
+def _is_numpy_bool(value: object) -> bool:
+    # numpy.bool_ (spelled numpy.bool from NumPy 2), accepted as flash-attn users pass it; 0 and 1 are not bools.
+    kind = type(value)
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
 
 
 def describe(
@@ -123,6 +132,8 @@ def describe(
     _dims(v, "v", layout)
     if k_dim != head_dim:
         raise ValueError(f"k has head_dim {k_dim} but q has {head_dim}; they must be equal")
+    if head_dim < 1:
+        raise ValueError(f"head_dim is {head_dim}; it must be at least 1 (q has shape {q.shape})")
     if layout == BSHD and kb != qb:
         raise ValueError(f"k has batch {kb} but q has batch {qb}")
     if heads_kv == 0 or heads_q % heads_kv:
@@ -135,11 +146,13 @@ def describe(
             raise ValueError(f"{name} is on device {a.device} but q is on device {device}; all inputs must share one device")
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         check_alignment(a, name, layout)
-    if causal not in (True, False):
+    if type(causal) is not bool and not _is_numpy_bool(causal):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a number (a host float), got {softmax_scale!r}")
+    elif not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
 
     if layout == THD:
@@ -212,6 +225,8 @@ def check_output(out: DeviceArray, name: str, shape: tuple[int, ...], dtype: str
     """
     if out.dtype != dtype:
         raise TypeError(f"{name} has dtype {out.dtype}; expected {dtype}")
+    if out.readonly:
+        raise ValueError(f"{name} is read-only (its producer exported it so); hipattn writes it: pass a writable buffer")
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(out.shape)}; expected {tuple(shape)}")
     if out.device != problem.device:

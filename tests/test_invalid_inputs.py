@@ -1,0 +1,614 @@
+"""Invalid calls fail on the host, with the right exception and a message that says what is expected,
+and enqueue nothing.
+
+Inputs are raw arrays: fake device pointers (16-byte aligned unless a case says otherwise, each array
+in its own address range) on device 0 or 1, so no GPU is needed. The backend is a recording fake
+reached through the seams the launch path looks up (attention.get_backend, smallseq.get_backend and
+smallseq.get_kernel); raw arrays point at nothing, so "the outputs are untouched" is shown by "nothing
+was enqueued": no launch, memset, copy, allocation or host function.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from fake_backend import FakeBackend
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hipattn
+from hipattn import attention, families
+from hipattn.arrays import DeviceArray, element_size, raw_array
+from hipattn.cache import DiskCache
+from hipattn.ops import smallseq
+from hipattn.registry import Registry
+
+# ---- the fake device ------------------------------------------------------------------------------
+
+
+class RecordingBackend(FakeBackend):
+    """FakeBackend that also records (instead of failing on) everything that enqueues or allocates."""
+
+    def __init__(self):
+        super().__init__(device_arch="sm_90")
+        self.enqueued: list[tuple] = []
+
+    def memset_async(self, ptr, byte_value, nbytes, stream):
+        self.enqueued.append(("memset_async", ptr, nbytes, stream))
+
+    def memcpy_async(self, dst, src, nbytes, stream):
+        self.enqueued.append(("memcpy_async", dst, src, nbytes, stream))
+
+    def malloc_async(self, nbytes, stream):
+        self.enqueued.append(("malloc_async", nbytes, stream))
+        return 0x7000_0000
+
+    def free_async(self, ptr, stream):
+        self.enqueued.append(("free_async", ptr, stream))
+
+    def launch_host_func(self, stream, function_address, user_data):
+        self.enqueued.append(("launch_host_func", stream))
+
+
+class FakeDevice:
+    """The recording backend, a registry over it, and how often the launch path asked for the backend."""
+
+    def __init__(self, cache_dir):
+        self.backend = RecordingBackend()
+        self.registry = Registry(self.backend, DiskCache(cache_dir))
+        self.backend_requests = 0
+
+    def get_backend(self, name=None):
+        self.backend_requests += 1
+        return self.backend
+
+    def reset(self) -> None:
+        self.backend.launches.clear()
+        self.backend.enqueued.clear()
+        self.backend_requests = 0
+
+    def work(self) -> list[tuple]:
+        """Everything that reached the device: kernel launches, then memory operations."""
+        return [("launch", *launch) for launch in self.backend.launches] + self.backend.enqueued
+
+
+@pytest.fixture(scope="module")
+def device(tmp_path_factory):
+    patch = pytest.MonkeyPatch()
+    fake = FakeDevice(tmp_path_factory.mktemp("kernel-cache"))
+    patch.setattr(attention, "get_backend", fake.get_backend)
+    patch.setattr(smallseq, "get_backend", fake.get_backend)
+    patch.setattr(smallseq, "get_kernel", fake.registry.get_kernel)
+    patch.delenv("HIPATTN_SMALLSEQ", raising=False)
+    patch.delenv(smallseq.KERNEL_SWITCH, raising=False)
+    # Remembered per device, and it asks the backend: forget what any other test's backend said.
+    smallseq._has_tensor_core_forward.cache_clear()
+    yield fake
+    patch.undo()
+    smallseq._has_tensor_core_forward.cache_clear()
+
+
+@pytest.fixture
+def fake(device):
+    device.reset()
+    return device
+
+
+# ---- fake device memory ---------------------------------------------------------------------------
+
+BASE = 0x1_0000_0000
+
+
+class Memory:
+    """Fake device addresses: each array gets its own 4 KiB-aligned range, no two overlapping."""
+
+    def __init__(self):
+        self.next = BASE
+
+    def array(self, shape, dtype="fp16", device=0, strides=None, offset=0) -> DeviceArray:
+        """A raw array at a fresh address (+ ``offset`` bytes: an unaligned pointer when it is not 16)."""
+        probe = raw_array(0x1000, shape, dtype, 0, strides)
+        span = (sum((n - 1) * s for n, s in zip(probe.shape, probe.strides, strict=True)) + 1) * element_size(dtype)
+        ptr = self.next + offset
+        self.next += (span + offset + 0x1FFF) // 0x1000 * 0x1000
+        return raw_array(ptr, shape, dtype, device, strides)
+
+    def inside(self, a: DeviceArray, shape, dtype, byte_offset=0) -> DeviceArray:
+        """An array starting ``byte_offset`` bytes into ``a``'s memory (an alias)."""
+        return raw_array(a.ptr + byte_offset, shape, dtype, a.device)
+
+
+# The valid baseline every case perturbs: varlen (THD) and batch (BSHD), GQA 4/2, head_dim 64.
+TOTAL_Q, TOTAL_K, HEADS_Q, HEADS_KV, HEAD_DIM, BATCH = 10, 12, 4, 2, 64, 2
+SEQLEN_Q, SEQLEN_K = 5, 7
+
+
+def thd(m: Memory, dtype="fp16") -> dict:
+    return {
+        "q": m.array((TOTAL_Q, HEADS_Q, HEAD_DIM), dtype),
+        "k": m.array((TOTAL_K, HEADS_KV, HEAD_DIM), dtype),
+        "v": m.array((TOTAL_K, HEADS_KV, HEAD_DIM), dtype),
+        "cu_seqlens_q": m.array((BATCH + 1,), "int32"),
+        "cu_seqlens_k": m.array((BATCH + 1,), "int32"),
+        "max_seqlen_q": 8,
+        "max_seqlen_k": 8,
+    }
+
+
+def bshd(m: Memory, dtype="fp16") -> dict:
+    return {
+        "q": m.array((BATCH, SEQLEN_Q, HEADS_Q, HEAD_DIM), dtype),
+        "k": m.array((BATCH, SEQLEN_K, HEADS_KV, HEAD_DIM), dtype),
+        "v": m.array((BATCH, SEQLEN_K, HEADS_KV, HEAD_DIM), dtype),
+    }
+
+
+def _resolve(m: Memory, kwargs: dict, changes: dict) -> dict:
+    """Apply ``changes``; a callable value is given the memory and the call's arrays so far."""
+    kwargs = dict(kwargs)
+    for name, value in changes.items():
+        if value is DROP:
+            kwargs.pop(name, None)
+        else:
+            kwargs[name] = value(m, kwargs) if callable(value) else value
+    return kwargs
+
+
+DROP = object()
+
+
+def forward_thd(m: Memory, **changes) -> None:
+    kwargs = thd(m)
+    kwargs["out"] = m.array(kwargs["q"].shape)
+    kwargs["lse"] = m.array((HEADS_Q, TOTAL_Q), "fp32")
+    kwargs = _resolve(m, kwargs, changes)
+    hipattn.forward(kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v"), **kwargs)
+
+
+def forward_bshd(m: Memory, **changes) -> None:
+    kwargs = bshd(m)
+    kwargs["out"] = m.array(kwargs["q"].shape)
+    kwargs["lse"] = m.array((BATCH, HEADS_Q, SEQLEN_Q), "fp32")
+    kwargs = _resolve(m, kwargs, changes)
+    hipattn.forward(kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v"), **kwargs)
+
+
+def backward_thd(m: Memory, **changes) -> None:
+    kwargs = thd(m)
+    q, k = kwargs["q"], kwargs["k"]
+    kwargs.update(
+        dout=m.array(q.shape), out=m.array(q.shape), lse=m.array((HEADS_Q, TOTAL_Q), "fp32"),
+        dq=m.array(q.shape), dk=m.array(k.shape), dv=m.array(k.shape),
+    )  # fmt: skip
+    kwargs = _resolve(m, kwargs, changes)
+    grads = [kwargs.pop(name) for name in ("dout", "q", "k", "v", "out", "lse")]
+    hipattn.backward(*grads, **kwargs)
+
+
+def varlen_api(m: Memory, **changes) -> None:
+    kwargs = _resolve(m, thd(m), changes)
+    hipattn.flash_attn_varlen_func(**kwargs)
+
+
+def batch_api(m: Memory, **changes) -> None:
+    kwargs = _resolve(m, bshd(m), changes)
+    hipattn.flash_attn_func(**kwargs)
+
+
+# ---- the table ------------------------------------------------------------------------------------
+
+VALIDATION = "validation"  # raises before the backend is even asked for
+GUARDED = "guarded"  # raises inside the device guard (outputs, streams): backend asked, nothing enqueued
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    call: Callable[[Memory], None]
+    error: type[Exception]
+    message: str  # a substring of the message that says what was expected
+    stage: str = VALIDATION
+
+
+def case(name, entry, error, message, stage=VALIDATION, **changes) -> Case:
+    return Case(name, lambda m: entry(m, **changes), error, message, stage)
+
+
+def thd_array(shape, dtype="fp16", device=0, strides=None, offset=0):
+    return lambda m, _: m.array(shape, dtype, device, strides, offset)
+
+
+Q_SHAPE, KV_SHAPE = (TOTAL_Q, HEADS_Q, HEAD_DIM), (TOTAL_K, HEADS_KV, HEAD_DIM)
+KV_BSHD = (BATCH, SEQLEN_K, HEADS_KV, HEAD_DIM)
+
+
+def _same_head_dim(head_dim):
+    """Changes giving q, k, v and out one head_dim; rows spaced as a slice [..., :head_dim] of a
+    head_dim 64 tensor would be (every stride 16-byte aligned, whatever head_dim is)."""
+    q_strides, kv_strides = (HEADS_Q * 64, 64, 1), (HEADS_KV * 64, 64, 1)
+    if head_dim > 64:
+        q_strides, kv_strides = None, None  # contiguous
+    return {
+        "q": thd_array((TOTAL_Q, HEADS_Q, head_dim), strides=q_strides),
+        "k": thd_array((TOTAL_K, HEADS_KV, head_dim), strides=kv_strides),
+        "v": thd_array((TOTAL_K, HEADS_KV, head_dim), strides=kv_strides),
+        "out": thd_array((TOTAL_Q, HEADS_Q, head_dim), strides=q_strides),
+    }
+
+
+CASES = [
+    # dtypes
+    case("fp32 q", forward_thd, TypeError, "q has dtype fp32; hipattn supports fp16 and bf16",
+         q=thd_array(Q_SHAPE, "fp32")),
+    case("int32 q", forward_thd, TypeError, "q has dtype int32; hipattn supports fp16 and bf16",
+         q=thd_array(Q_SHAPE, "int32")),
+    case("fp16 q with bf16 k and v", forward_thd, TypeError, "must share one dtype",
+         k=thd_array(KV_SHAPE, "bf16"), v=thd_array(KV_SHAPE, "bf16")),
+    case("bf16 v only", forward_bshd, TypeError, "must share one dtype; got q fp16, k fp16, v bf16",
+         v=thd_array(KV_BSHD, "bf16")),
+    case("fp64 k through the API", batch_api, TypeError, "k has dtype fp64; hipattn supports",
+         k=thd_array(KV_BSHD, "fp64")),
+    # ranks
+    case("4-d q in a varlen call", forward_thd, ValueError, "expected 3 dimensions [total_tokens, heads, head_dim]",
+         q=thd_array((1, TOTAL_Q, HEADS_Q, HEAD_DIM))),
+    case("2-d k in a varlen call", varlen_api, ValueError, "k has shape (12, 128); expected 3 dimensions",
+         k=thd_array((TOTAL_K, HEADS_KV * HEAD_DIM))),
+    case("3-d q in a batch call", forward_bshd, ValueError, "expected 4 dimensions [batch, seqlen, heads, head_dim]",
+         q=thd_array((SEQLEN_Q, HEADS_Q, HEAD_DIM)), out=thd_array((SEQLEN_Q, HEADS_Q, HEAD_DIM))),
+    # q / k / v shapes
+    case("k batch differs from q", forward_bshd, ValueError, "k has batch 3 but q has batch 2",
+         k=thd_array((3, SEQLEN_K, HEADS_KV, HEAD_DIM)), v=thd_array((3, SEQLEN_K, HEADS_KV, HEAD_DIM))),
+    case("k head_dim differs from q", forward_thd, ValueError, "k has head_dim 128 but q has 64; they must be equal",
+         k=thd_array((TOTAL_K, HEADS_KV, 128)), v=thd_array((TOTAL_K, HEADS_KV, 128))),
+    case("v heads differ from k", forward_thd, ValueError, "v has shape (12, 1, 64); it must match k's (12, 2, 64)",
+         v=thd_array((TOTAL_K, 1, HEAD_DIM))),
+    case("v tokens differ from k", backward_thd, ValueError, "it must match k's",
+         v=thd_array((TOTAL_K + 1, HEADS_KV, HEAD_DIM))),
+    case("query heads not a multiple of kv heads", forward_thd, ValueError,
+         "q has 4 heads and k/v 3; the query heads must be a multiple of the key/value heads",
+         k=thd_array((TOTAL_K, 3, HEAD_DIM)), v=thd_array((TOTAL_K, 3, HEAD_DIM))),
+    case("zero kv heads", forward_bshd, ValueError, "must be a multiple of the key/value heads",
+         k=thd_array((BATCH, SEQLEN_K, 0, HEAD_DIM)), v=thd_array((BATCH, SEQLEN_K, 0, HEAD_DIM))),
+    case("heads not a multiple in backward", backward_thd, ValueError, "must be a multiple of the key/value heads",
+         k=thd_array((TOTAL_K, 3, HEAD_DIM)), v=thd_array((TOTAL_K, 3, HEAD_DIM)),
+         dk=thd_array((TOTAL_K, 3, HEAD_DIM)), dv=thd_array((TOTAL_K, 3, HEAD_DIM))),
+    # head_dim: a degenerate one is invalid; a real one no path serves yet is documented NotImplementedError
+    case("head_dim 0", forward_thd, ValueError, "head_dim is 0; it must be at least 1", **_same_head_dim(0)),
+    case("head_dim 96 (no path yet)", forward_thd, NotImplementedError, "head_dim 96 is not one of (64, 128, 256)",
+         **_same_head_dim(96)),
+    case("head_dim 512 (no path yet)", forward_thd, NotImplementedError, "head_dim is one of (64, 128, 256)",
+         **_same_head_dim(512)),
+    case("head_dim 96 backward (no path yet)", backward_thd, NotImplementedError,
+         "head_dim 96 is not one of (64, 128, 256)",
+         q=thd_array((TOTAL_Q, HEADS_Q, 96)), k=thd_array((TOTAL_K, HEADS_KV, 96)),
+         v=thd_array((TOTAL_K, HEADS_KV, 96)), dout=thd_array((TOTAL_Q, HEADS_Q, 96)),
+         out=thd_array((TOTAL_Q, HEADS_Q, 96))),
+    case("sequences longer than the small-seq tile (no path yet)", forward_thd, NotImplementedError,
+         "at most 17 tokens", max_seqlen_k=18),
+    # layout: contiguity, alignment
+    case("q last dimension strided", forward_thd, ValueError, "its last dimension (head_dim) must be contiguous",
+         q=thd_array(Q_SHAPE, strides=(HEADS_Q * HEAD_DIM * 2, HEAD_DIM * 2, 2))),
+    case("v last dimension strided", forward_bshd, ValueError, "v has strides",
+         v=thd_array(KV_BSHD, strides=(SEQLEN_K * HEADS_KV * HEAD_DIM * 2, HEADS_KV * HEAD_DIM * 2, HEAD_DIM * 2, 2))),
+    case("q pointer 8 bytes off", forward_thd, ValueError, "is not 16-byte aligned", q=thd_array(Q_SHAPE, offset=8)),
+    case("k token stride not a multiple of 16 bytes", forward_thd, ValueError,
+         "every stride must be a multiple of 8 elements (16 bytes)",
+         k=thd_array(KV_SHAPE, strides=(HEADS_KV * HEAD_DIM + 4, HEAD_DIM, 1))),
+    case("q head stride not a multiple of 16 bytes", forward_bshd, ValueError, "every stride must be a multiple of 8",
+         q=thd_array((BATCH, SEQLEN_Q, HEADS_Q, HEAD_DIM), strides=(SEQLEN_Q * HEADS_Q * 68, HEADS_Q * 68, 68, 1))),
+    # cu_seqlens
+    case("int64 cu_seqlens_q", forward_thd, TypeError, "cu_seqlens_q has dtype int64; expected int32",
+         cu_seqlens_q=thd_array((BATCH + 1,), "int64")),
+    case("fp32 cu_seqlens_k", varlen_api, TypeError, "cu_seqlens_k has dtype fp32; expected int32",
+         cu_seqlens_k=thd_array((BATCH + 1,), "fp32")),
+    case("cu_seqlens of different lengths", forward_thd, ValueError, "must both have shape (batch + 1,)",
+         cu_seqlens_k=thd_array((BATCH + 2,), "int32")),
+    case("2-d cu_seqlens", forward_thd, ValueError, "must both have shape (batch + 1,)",
+         cu_seqlens_q=thd_array((BATCH + 1, 1), "int32"), cu_seqlens_k=thd_array((BATCH + 1, 1), "int32")),
+    case("empty cu_seqlens", backward_thd, ValueError, "must both have shape (batch + 1,)",
+         cu_seqlens_q=thd_array((0,), "int32"), cu_seqlens_k=thd_array((0,), "int32")),
+    case("cu_seqlens_k on another device", forward_thd, ValueError, "cu_seqlens_k is on device 1 but q is on device 0",
+         cu_seqlens_k=thd_array((BATCH + 1,), "int32", device=1)),
+    case("strided cu_seqlens_q", forward_thd, ValueError, "cu_seqlens_q must be contiguous",
+         cu_seqlens_q=thd_array((BATCH + 1,), "int32", strides=(2,))),
+    case("cu_seqlens_q pointer not int32-aligned", forward_thd, ValueError,
+         "is not aligned to its 4-byte elements",
+         cu_seqlens_q=thd_array((BATCH + 1,), "int32", offset=2)),
+    case("NumPy cu_seqlens_q", varlen_api, ValueError, "hipattn needs arrays in CUDA or ROCm device memory",
+         cu_seqlens_q=lambda m, _: np.array([0, 5, 10], dtype=np.int32)),
+    case("only cu_seqlens_q", forward_thd, ValueError, "give both cu_seqlens_q and cu_seqlens_k", cu_seqlens_k=None),
+    case("only cu_seqlens_k", varlen_api, ValueError, "give both cu_seqlens_q and cu_seqlens_k", cu_seqlens_q=None),
+    case("seqused_q of the wrong length", forward_bshd, ValueError, "seqused_q has shape (3,); expected (2,)",
+         seqused_q=thd_array((BATCH + 1,), "int32")),
+    # host arrays, non-arrays, devices
+    case("NumPy q", forward_thd, ValueError, "(a host array); hipattn needs arrays in CUDA or ROCm device memory",
+         q=lambda m, _: np.zeros(Q_SHAPE, dtype=np.float16)),
+    case("nested list k", batch_api, TypeError, "k has type builtins.list, which is not a device array",
+         k=lambda m, _: [[0.0]]),
+    case("k on another device", forward_thd, ValueError, "k is on device 1 but q is on device 0",
+         k=thd_array(KV_SHAPE, device=1)),
+    case("v on another device", batch_api, ValueError, "all inputs must share one device",
+         v=thd_array(KV_BSHD, device=1)),
+    # max_seqlen
+    case("negative max_seqlen_q", forward_thd, ValueError, "max_seqlen_q is -1; it must be >= 0", max_seqlen_q=-1),
+    case("negative max_seqlen_k in a batch call", forward_bshd, ValueError, "max_seqlen_k is -3; it must be >= 0",
+         max_seqlen_k=-3),
+    case("float max_seqlen_k", varlen_api, TypeError, "max_seqlen_k must be a host int", max_seqlen_k=8.0),
+    case("bool max_seqlen_q", forward_thd, TypeError, "max_seqlen_q must be a host int", max_seqlen_q=True),
+    case("missing max_seqlen_k in a varlen call", forward_thd, ValueError,
+         "varlen calls need max_seqlen_q and max_seqlen_k", max_seqlen_k=DROP),
+    case("max_seqlen_q None through the API", varlen_api, ValueError, "need max_seqlen_q and max_seqlen_k",
+         max_seqlen_q=None),
+    # softmax_scale, causal, deterministic
+    case("NaN softmax_scale", forward_thd, ValueError, "softmax_scale must be a finite number, got nan",
+         softmax_scale=math.nan),
+    case("inf softmax_scale", varlen_api, ValueError, "softmax_scale must be a finite number, got inf",
+         softmax_scale=math.inf),
+    case("bool softmax_scale", forward_bshd, TypeError, "softmax_scale must be a number", softmax_scale=True),
+    case("str softmax_scale", batch_api, TypeError, "softmax_scale must be a number", softmax_scale="0.125"),
+    case("str causal", forward_thd, TypeError, "causal must be a bool, got 'yes'", causal="yes"),
+    case("None causal", batch_api, TypeError, "causal must be a bool, got None", causal=None),
+    case("int causal", forward_bshd, TypeError, "causal must be a bool, got 1", causal=1),
+    case("str deterministic", backward_thd, TypeError, "deterministic must be a bool, got 'yes'",
+         deterministic="yes"),
+    case("int deterministic", backward_thd, TypeError, "deterministic must be a bool, got 0", deterministic=0),
+    # flash-attn arguments hipattn does not support
+    case("dropout", varlen_api, ValueError, "dropout_p=0.1 (hipattn has no dropout; pass 0.0)", dropout_p=0.1),
+    case("dropout (batch)", batch_api, ValueError, "dropout_p=0.5", dropout_p=0.5),
+    case("sliding window", varlen_api, ValueError, "window_size=(128, 0) (only (-1, -1), no sliding window)",
+         window_size=(128, 0)),
+    case("sliding window (batch)", batch_api, ValueError, "only (-1, -1)", window_size=(-1, 64)),
+    case("window_size not a pair", batch_api, TypeError, "window_size must be a pair (left, right), got 5",
+         window_size=5),
+    case("softcap", varlen_api, ValueError, "softcap=30.0 (only 0.0)", softcap=30.0),
+    case("alibi_slopes", batch_api, ValueError, "alibi_slopes (ALiBi is not supported)",
+         alibi_slopes=thd_array((HEADS_Q,), "fp32")),
+    case("block_table", varlen_api, ValueError, "block_table (paged KV is not supported)",
+         block_table=thd_array((BATCH, 4), "int32")),
+    # forward outputs
+    case("out of the wrong shape", forward_thd, ValueError, "out has shape (10, 4, 128); expected (10, 4, 64)",
+         GUARDED, out=thd_array((TOTAL_Q, HEADS_Q, 128))),
+    case("out of the wrong dtype", forward_thd, TypeError, "out has dtype bf16; expected fp16", GUARDED,
+         out=thd_array(Q_SHAPE, "bf16")),
+    case("out on another device", forward_bshd, ValueError, "out is on device 1 but the inputs are on device 0",
+         GUARDED, out=thd_array((BATCH, SEQLEN_Q, HEADS_Q, HEAD_DIM), device=1)),
+    case("out is q", forward_thd, ValueError, "out overlaps q in memory; outputs must not alias inputs", GUARDED,
+         out=lambda m, call: call["q"]),
+    case("out overlaps the tail of v", forward_thd, ValueError, "out overlaps v in memory", GUARDED,
+         out=lambda m, call: m.inside(call["v"], Q_SHAPE, "fp16", byte_offset=1024)),
+    case("out pointer 8 bytes off", forward_thd, ValueError, "out's data pointer", GUARDED,
+         out=thd_array(Q_SHAPE, offset=8)),
+    case("out last dimension strided", forward_thd, ValueError, "out has strides", GUARDED,
+         out=thd_array(Q_SHAPE, strides=(HEADS_Q * HEAD_DIM * 2, HEAD_DIM * 2, 2))),
+    case("read-only out", forward_thd, ValueError, "out is read-only", GUARDED,
+         out=lambda m, call: DeviceArray(m.array(Q_SHAPE).ptr, Q_SHAPE, (HEADS_Q * HEAD_DIM, HEAD_DIM, 1), "fp16", 0,
+                                         "cai", readonly=True)),
+    case("lse of the wrong shape", forward_thd, ValueError, "lse has shape (10, 4); expected (4, 10)", GUARDED,
+         lse=thd_array((TOTAL_Q, HEADS_Q), "fp32")),
+    case("lse of the wrong dtype", forward_bshd, TypeError, "lse has dtype fp16; expected fp32", GUARDED,
+         lse=thd_array((BATCH, HEADS_Q, SEQLEN_Q), "fp16")),
+    case("lse overlaps k", forward_thd, ValueError, "lse overlaps k in memory", GUARDED,
+         lse=lambda m, call: m.inside(call["k"], (HEADS_Q, TOTAL_Q), "fp32")),
+    case("lse overlaps out", forward_thd, ValueError, "lse overlaps out in memory; outputs must not alias each other",
+         GUARDED, lse=lambda m, call: m.inside(call["out"], (HEADS_Q, TOTAL_Q), "fp32")),
+    case("bad stream", forward_thd, TypeError, "expected an int handle", GUARDED, stream="default"),
+    # backward inputs
+    case("lse of the wrong shape in backward", backward_thd, ValueError,
+         "lse has shape (2, 4, 5); expected (4, 10) fp32", lse=thd_array((BATCH, HEADS_Q, 5), "fp32")),
+    case("lse of the wrong dtype in backward", backward_thd, TypeError, "lse has dtype fp16; hipattn supports fp32",
+         lse=thd_array((HEADS_Q, TOTAL_Q), "fp16")),
+    case("lse on another device in backward", backward_thd, ValueError, "lse is on device 1 but q is on device 0",
+         lse=thd_array((HEADS_Q, TOTAL_Q), "fp32", device=1)),
+    case("lse last dimension strided in backward", backward_thd, ValueError, "last dimension contiguous",
+         lse=thd_array((HEADS_Q, TOTAL_Q), "fp32", strides=(1, HEADS_Q))),
+    case("dout shape differs from q", backward_thd, ValueError, "dout has shape (10, 4, 128); expected q's (10, 4, 64)",
+         dout=thd_array((TOTAL_Q, HEADS_Q, 128))),
+    case("out shape differs from q", backward_thd, ValueError, "out has shape (9, 4, 64); expected q's (10, 4, 64)",
+         out=thd_array((TOTAL_Q - 1, HEADS_Q, HEAD_DIM))),
+    case("dout dtype differs from q", backward_thd, TypeError, "dout has dtype bf16; expected q's fp16",
+         dout=thd_array(Q_SHAPE, "bf16")),
+    case("dout on another device", backward_thd, ValueError, "dout is on device 1 but q is on device 0",
+         dout=thd_array(Q_SHAPE, device=1)),
+    case("dout pointer 8 bytes off", backward_thd, ValueError, "dout's data pointer", dout=thd_array(Q_SHAPE, offset=8)),
+    case("out last dimension strided in backward", backward_thd, ValueError,
+         "out has strides (512, 128, 2); its last dimension", out=thd_array(Q_SHAPE, strides=(512, 128, 2))),
+    # backward outputs
+    case("dq of the wrong shape", backward_thd, ValueError, "dq has shape (10, 2, 64); expected (10, 4, 64)", GUARDED,
+         dq=thd_array((TOTAL_Q, HEADS_KV, HEAD_DIM))),
+    case("dk of the wrong dtype", backward_thd, TypeError, "dk has dtype fp32; expected fp16", GUARDED,
+         dk=thd_array(KV_SHAPE, "fp32")),
+    case("dv on another device", backward_thd, ValueError, "dv is on device 1", GUARDED,
+         dv=thd_array(KV_SHAPE, device=1)),
+    case("dk is v", backward_thd, ValueError, "dk overlaps v in memory", GUARDED, dk=lambda m, call: call["v"]),
+    case("dq overlaps lse", backward_thd, ValueError, "dq overlaps lse in memory", GUARDED,
+         dq=lambda m, call: m.inside(call["lse"], Q_SHAPE, "fp16")),
+    case("dv overlaps dk", backward_thd, ValueError, "dv overlaps dk in memory; outputs must not alias each other",
+         GUARDED, dv=lambda m, call: call["dk"]),
+    case("dq pointer 8 bytes off", backward_thd, ValueError, "dq's data pointer", GUARDED,
+         dq=thd_array(Q_SHAPE, offset=8)),
+]
+
+
+def test_the_table_has_at_least_45_distinct_cases():
+    assert len(CASES) >= 45
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("bad", CASES, ids=[c.name for c in CASES])
+def test_invalid_call_raises_and_enqueues_nothing(fake, bad):
+    with pytest.raises(Exception) as raised:  # noqa: B017 - the exact type is asserted below
+        bad.call(Memory())
+    assert type(raised.value) is bad.error, f"{bad.name}: {type(raised.value).__name__}: {raised.value}"
+    assert re.search(re.escape(bad.message), str(raised.value)), str(raised.value)
+    assert fake.work() == [], "an invalid call enqueued work"
+    if bad.stage == VALIDATION:
+        assert fake.backend_requests == 0, "validation should fail before the backend is asked for"
+
+
+# The baselines every case perturbs are themselves valid: otherwise a case could pass for the wrong reason.
+@pytest.mark.parametrize("entry", [forward_thd, forward_bshd, backward_thd], ids=lambda f: f.__name__)
+def test_the_baseline_call_launches_once(fake, entry):
+    entry(Memory())
+    assert len(fake.backend.launches) == 1 and fake.backend.enqueued == []
+
+
+@pytest.mark.parametrize("entry", [varlen_api, batch_api], ids=lambda f: f.__name__)
+def test_the_api_baseline_passes_validation(fake, entry):
+    # Raw arrays have no allocator: a valid flash-attn-style call gets as far as allocating its output.
+    with pytest.raises(TypeError, match="cannot allocate outputs for 'raw' inputs"):
+        entry(Memory())
+    assert fake.work() == []
+
+
+# ---- fuzzing: invalid varlen calls ----------------------------------------------------------------
+
+# What each perturbation of a valid varlen call must raise.
+PERTURBATIONS = {
+    "k_head_dim": ValueError,
+    "heads_not_divisible": ValueError,
+    "cu_seqlens_length": ValueError,
+    "dtype_mix": TypeError,
+}
+
+
+@st.composite
+def varlen_calls(draw):
+    return {
+        "lengths_q": draw(st.lists(st.integers(0, 17), min_size=1, max_size=4)),
+        "lengths_k": None,
+        "heads_kv": draw(st.integers(1, 4)),
+        "group": draw(st.integers(1, 4)),
+        "head_dim": draw(st.sampled_from(families.SMALLSEQ_HEAD_DIMS)),
+        "dtype": draw(st.sampled_from(("fp16", "bf16"))),
+        "causal": draw(st.booleans()),
+    }
+
+
+def _varlen_arrays(m: Memory, config: dict, perturb: frozenset = frozenset(), draw_int=None) -> dict:
+    batch = len(config["lengths_q"])
+    total_q = sum(config["lengths_q"])
+    total_k = total_q + batch  # any total works: the lengths only bound the tile
+    heads_kv, head_dim, dtype = config["heads_kv"], config["head_dim"], config["dtype"]
+    heads_q = heads_kv * config["group"]
+    k_dim = head_dim
+    cu_k_length = batch + 1
+    kv_dtype = dtype
+    if "k_head_dim" in perturb:
+        k_dim = head_dim + draw_int(-head_dim + 1, 64, exclude=0)
+    if "heads_not_divisible" in perturb:
+        heads_kv = heads_q + 1  # more kv heads than query heads: never a divisor
+    if "cu_seqlens_length" in perturb:
+        cu_k_length = batch + 1 + draw_int(-batch, 3, exclude=0)
+    if "dtype_mix" in perturb:
+        kv_dtype = "bf16" if dtype == "fp16" else "fp16"
+    return {
+        "q": m.array((total_q, heads_q, head_dim), dtype),
+        "k": m.array((total_k, heads_kv, k_dim), kv_dtype),
+        "v": m.array((total_k, heads_kv, k_dim), kv_dtype),
+        "cu_seqlens_q": m.array((batch + 1,), "int32"),
+        "cu_seqlens_k": m.array((cu_k_length,), "int32"),
+        "max_seqlen_q": max(config["lengths_q"]),
+        "max_seqlen_k": max(config["lengths_q"]) + 1,
+        "causal": config["causal"],
+        "out": m.array((total_q, heads_q, head_dim), dtype),
+        "lse": m.array((heads_q, total_q), "fp32"),
+    }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(config=varlen_calls(), perturb=st.sets(st.sampled_from(sorted(PERTURBATIONS)), min_size=1),
+       entry=st.sampled_from(("forward", "api")), data=st.data())
+def test_perturbed_varlen_calls_fail_cleanly(device, config, perturb, entry, data):
+    device.reset()
+
+    def draw_int(low, high, exclude):
+        return data.draw(st.integers(low, high).filter(lambda n: n != exclude))
+
+    kwargs = _varlen_arrays(Memory(), config, frozenset(perturb), draw_int)
+    expected = tuple({PERTURBATIONS[p] for p in perturb})
+    with pytest.raises(Exception) as raised:  # noqa: B017 - the type is asserted below
+        if entry == "forward":
+            hipattn.forward(kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v"), **kwargs)
+        else:
+            del kwargs["out"], kwargs["lse"]
+            hipattn.flash_attn_varlen_func(**kwargs)
+    assert type(raised.value) in expected, f"{perturb}: {type(raised.value).__name__}: {raised.value}"
+    assert device.work() == [] and device.backend_requests == 0
+
+
+# ---- fuzzing: valid small calls reach the registry as exactly one launch --------------------------
+
+WARP_LANES = 32
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    layout=st.sampled_from(("thd", "bshd")),
+    lengths=st.lists(st.tuples(st.integers(0, 17), st.integers(0, 17)), min_size=1, max_size=4),
+    heads_kv=st.integers(1, 4),
+    group=st.integers(1, 4),
+    head_dim=st.sampled_from((64, 128, 256)),
+    dtype=st.sampled_from(("fp16", "bf16")),
+    causal=st.booleans(),
+    direction=st.sampled_from(("forward", "backward")),
+    portable=st.booleans(),
+)
+def test_valid_small_calls_launch_once_with_one_block_per_group_of_problems(
+    device, layout, lengths, heads_kv, group, head_dim, dtype, causal, direction, portable
+):
+    device.reset()
+    m = Memory()
+    batch, heads_q = len(lengths), heads_kv * group
+    if layout == "thd":
+        total_q, total_k = sum(q for q, _ in lengths), sum(k for _, k in lengths)
+        q_shape, kv_shape, lse_shape = (total_q, heads_q, head_dim), (total_k, heads_kv, head_dim), (heads_q, total_q)
+        seqs = {
+            "cu_seqlens_q": m.array((batch + 1,), "int32"), "cu_seqlens_k": m.array((batch + 1,), "int32"),
+            "max_seqlen_q": max(q for q, _ in lengths), "max_seqlen_k": max(k for _, k in lengths),
+        }  # fmt: skip
+    else:
+        seqlen_q, seqlen_k = max(q for q, _ in lengths), max(k for _, k in lengths)
+        q_shape, kv_shape = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_kv, head_dim)
+        lse_shape = (batch, heads_q, seqlen_q)
+        seqs = {"seqused_q": m.array((batch,), "int32"), "seqused_k": m.array((batch,), "int32")}
+    q, k, v = m.array(q_shape, dtype), m.array(kv_shape, dtype), m.array(kv_shape, dtype)
+    lse = m.array(lse_shape, "fp32")
+    with pytest.MonkeyPatch.context() as patch:
+        if portable:
+            patch.setenv(smallseq.KERNEL_SWITCH, "portable")
+        if direction == "forward":
+            hipattn.forward(q, k, v, out=m.array(q_shape, dtype), lse=lse, causal=causal, **seqs)
+        else:
+            hipattn.backward(m.array(q_shape, dtype), q, k, v, m.array(q_shape, dtype), lse, dq=m.array(q_shape, dtype),
+                             dk=m.array(kv_shape, dtype), dv=m.array(kv_shape, dtype), causal=causal, **seqs)
+
+    assert device.backend.enqueued == []
+    assert len(device.backend.launches) == 1, "one kernel per call"
+    _, grid, block, _, _, params = device.backend.launches[0]
+    # Forward: one problem per (sequence, query head). Backward: one per (sequence, KV head), which
+    # walks the query heads of its group.
+    problems = batch * (heads_q if direction == "forward" else heads_kv)
+    # Tensor-core kernels give each problem a warp; the portable ones a team of head_dim / 4 lanes
+    # (four elements of a row per lane).
+    tensor_cores = not portable and (direction == "forward" or (heads_q == heads_kv and head_dim <= 128))
+    lanes = WARP_LANES if tensor_cores else head_dim // 4
+    assert block[0] % lanes == 0 and block[1:] == (1, 1)
+    per_block = block[0] // lanes
+    assert grid == (-(-problems // per_block), 1, 1)
+    assert (grid[0] - 1) * per_block < problems <= grid[0] * per_block
+    assert (params.batch, params.heads_kv, params.causal) == (batch, heads_kv, int(causal))
+    function = device.backend.launches[0][0]
+    (kernel,) = [kernel for kernel in device.registry.loaded() if kernel.function is function]
+    assert kernel.spec.family == f"smallseq_{direction}" + ("_mma" if tensor_cores else "")
+
+
+def test_numpy_scalars_are_valid_causal_and_softmax_scale(fake):
+    # The stricter checks above reject 1 for causal and "0.125" for softmax_scale, not NumPy's scalars.
+    forward_thd(Memory(), causal=np.bool_(True), softmax_scale=np.float32(0.125))
+    assert len(fake.backend.launches) == 1
+    assert fake.backend.launches[0][-1].softmax_scale == 0.125
