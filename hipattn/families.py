@@ -6,6 +6,8 @@ lives in hipattn/ops/; the C++ templates in kernels/.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .params import ParamsStruct
 from .spec import KernelFamily, KernelSpec
 from .target import Target
@@ -215,5 +217,81 @@ SMALLSEQ_BACKWARD_MMA = _register(
         template_params=("dtype", "head_dim", "heads", "tile", "warps"),
         params=SMALLSEQ_BACKWARD.params,
         shipped=lambda target: _smallseq_mma_backward_specs(SMALLSEQ_BACKWARD_MMA, target),
+    )
+)
+
+# ---- general attention forward (FlashAttention-2 on NVIDIA tensor cores, sm_80+) -----------------
+
+FLASH_HEAD_DIMS = (64, 96, 128, 256)
+
+
+@dataclass(frozen=True)
+class FlashForwardTiles:
+    """One row of the flash forward's tile table: the kernel's BLOCK_M, BLOCK_N and STAGES."""
+
+    block_m: int  # query rows per block; one warp per 16 rows
+    block_n: int  # keys per tile of the inner loop
+    stages: int  # K and V shared-memory slots each (1 = FlashAttention-2's interleaved K/V schedule)
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // 16 * 32
+
+
+# Per head_dim, for both 16-bit dtypes (same element size, same tiles) and every sm_80+ target: every
+# row fits 99 KiB of shared memory (sm_86/sm_89's opt-in limit; the kernel static_asserts it). The
+# block's registers grow with head_dim (a warp holds 16 x head_dim of O and 16 x block_n of S in
+# fp32), so head_dim 256 takes half the rows and half the keys per tile (block_n 64 spills there).
+FLASH_FORWARD_TILES: dict[int, FlashForwardTiles] = {
+    64: FlashForwardTiles(block_m=128, block_n=64, stages=2),
+    96: FlashForwardTiles(block_m=128, block_n=64, stages=2),
+    128: FlashForwardTiles(block_m=128, block_n=64, stages=1),
+    256: FlashForwardTiles(block_m=64, block_n=32, stages=2),
+}
+
+# Rows of shared tiles are padded by this many elements (16 bytes) against ldmatrix bank conflicts:
+# flash::ForwardTiles::kPitch = HEAD_DIM + 8.
+_FLASH_ROW_PAD = 8
+
+
+def flash_forward_shared_bytes(head_dim: int, tiles: FlashForwardTiles, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of one flash forward block: flash::ForwardTiles<...>::kBytes.
+
+    The kernel's layout, from the same template arguments: a BLOCK_M-row Q tile, then STAGES K
+    slots and STAGES V slots of BLOCK_N rows each, every row HEAD_DIM + 8 elements long.
+    """
+    rows = tiles.block_m + 2 * tiles.stages * tiles.block_n
+    return rows * (head_dim + _FLASH_ROW_PAD) * element_bytes
+
+
+def flash_forward_spec(dtype: str, head_dim: int) -> KernelSpec:
+    tiles = FLASH_FORWARD_TILES[head_dim]
+    return FLASH_FORWARD_MMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m, block_n=tiles.block_n,
+                                  stages=tiles.stages)
+
+
+def _flash_forward_mma_specs(target: Target) -> list[KernelSpec]:
+    if target is None or target.vendor != "nvidia" or target.compute_capability < 80:
+        return []
+    return [flash_forward_spec(t, d) for t in DTYPES for d in FLASH_HEAD_DIMS]
+
+
+FLASH_FORWARD_MMA = _register(
+    KernelFamily(
+        name="flash_forward_mma",
+        source="flash/forward_mma.hip",
+        template="hipattn::flash_forward_mma",
+        template_params=("dtype", "head_dim", "block_m", "block_n", "stages"),
+        params=ParamsStruct(
+            "FlashForwardParams",
+            _strided("q")
+            + _strided("k")
+            + _strided("v")
+            + _strided("o")
+            + (("lse", "ptr"), ("lse_batch_stride", "i64"), ("lse_head_stride", "i64"))
+            + _SEQUENCE_FIELDS
+            + (("heads_q", "i32"),),
+        ),
+        shipped=_flash_forward_mma_specs,
     )
 )

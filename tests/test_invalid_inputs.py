@@ -3,7 +3,7 @@ and enqueue nothing.
 
 Inputs are raw arrays: fake device pointers (16-byte aligned unless a case says otherwise, each array
 in its own address range) on device 0 or 1, so no GPU is needed. The backend is a recording fake
-reached through the seams the launch path looks up (attention.get_backend, smallseq.get_backend and
+reached through the seams the launch path looks up (attention.get_backend, capabilities.get_backend and
 smallseq.get_kernel); raw arrays point at nothing, so "the outputs are untouched" is shown by "nothing
 was enqueued": no launch, memset, copy, allocation or host function.
 """
@@ -25,7 +25,7 @@ import hipattn
 from hipattn import attention, families
 from hipattn.arrays import DeviceArray, element_size, raw_array
 from hipattn.cache import DiskCache
-from hipattn.ops import smallseq
+from hipattn.ops import capabilities, smallseq
 from hipattn.registry import Registry
 
 # ---- the fake device ------------------------------------------------------------------------------
@@ -82,15 +82,15 @@ def device(tmp_path_factory):
     patch = pytest.MonkeyPatch()
     fake = FakeDevice(tmp_path_factory.mktemp("kernel-cache"))
     patch.setattr(attention, "get_backend", fake.get_backend)
-    patch.setattr(smallseq, "get_backend", fake.get_backend)
+    patch.setattr(capabilities, "get_backend", fake.get_backend)
     patch.setattr(smallseq, "get_kernel", fake.registry.get_kernel)
     patch.delenv("HIPATTN_SMALLSEQ", raising=False)
     patch.delenv(smallseq.KERNEL_SWITCH, raising=False)
     # Remembered per device, and it asks the backend: forget what any other test's backend said.
-    smallseq._has_tensor_core_forward.cache_clear()
+    capabilities.has_nvidia_mma.cache_clear()
     yield fake
     patch.undo()
-    smallseq._has_tensor_core_forward.cache_clear()
+    capabilities.has_nvidia_mma.cache_clear()
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 import os
 
-from ..arrays import DeviceArray
-from ..backends import get_backend
 from ..families import (
     SMALLSEQ_BACKWARD,
     SMALLSEQ_BACKWARD_MMA,
@@ -22,10 +20,11 @@ from ..families import (
     SMALLSEQ_MMA_WARPS,
     SMALLSEQ_TILE,
 )
-from ..problem import THD, Problem, lse_strides
+from ..problem import Problem
 from ..registry import get_kernel
 from ..spec import KernelSpec
-from ..target import NVIDIA
+from .capabilities import has_nvidia_mma
+from .fields import put_lse, put_tensor, sequence_fields
 
 # HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) forward on a GPU
 # that has the tensor-core one; for A/B comparisons and to test both on one machine.
@@ -51,47 +50,6 @@ def _teams_per_block(head_dim: int) -> int:
     return BLOCK_THREADS // (head_dim // ELEMENTS_PER_LANE)
 
 
-def _sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:
-    """The fields every small-seq struct shares; the launch adds its tensors to this dict."""
-    return {
-        "cu_seqlens_q": cu_seqlens_q.ptr if cu_seqlens_q is not None else 0,
-        "cu_seqlens_k": cu_seqlens_k.ptr if cu_seqlens_k is not None else 0,
-        "seqused_q": seqused_q.ptr if seqused_q is not None else 0,
-        "seqused_k": seqused_k.ptr if seqused_k is not None else 0,
-        "batch": problem.batch,
-        "heads_kv": problem.heads_kv,
-        "max_seqlen_q": problem.max_seqlen_q,
-        "max_seqlen_k": problem.max_seqlen_k,
-        "total_q": problem.total_q,
-        "total_k": problem.total_k,
-        "softmax_scale": problem.softmax_scale,
-        "causal": int(problem.causal),
-    }
-
-
-# A tensor's four field names (families._strided), spelled once rather than formatted per launch.
-_TENSOR_FIELD_NAMES = {
-    name: (name, f"{name}_batch_stride", f"{name}_token_stride", f"{name}_head_stride")
-    for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")
-}
-
-
-def _put_tensor(fields: dict, name: str, a: DeviceArray, layout: str) -> None:
-    """Add ``a``'s pointer and (batch, token, head) strides (problem.strides_bthd) to ``fields``."""
-    ptr_name, batch_name, token_name, head_name = _TENSOR_FIELD_NAMES[name]
-    strides = a.strides
-    fields[ptr_name] = a.ptr
-    if layout == THD:  # one batch of total tokens: batch stride 0
-        fields[batch_name], fields[token_name], fields[head_name] = 0, strides[0], strides[1]
-    else:
-        fields[batch_name], fields[token_name], fields[head_name] = strides[0], strides[1], strides[2]
-
-
-def _put_lse(fields: dict, lse: DeviceArray, problem: Problem) -> None:
-    fields["lse"] = lse.ptr
-    fields["lse_batch_stride"], fields["lse_head_stride"] = lse_strides(lse, problem)
-
-
 # Specs are frozen and few (one per dtype, head_dim and heads in use): each is built once, so a
 # launch pays a dict hit instead of KernelFamily.spec's argument checks.
 @functools.cache
@@ -110,14 +68,8 @@ def _backward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) ->
     return SMALLSEQ_BACKWARD.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE)
 
 
-@functools.cache
-def _has_tensor_core_forward(device: int) -> bool:
-    target = get_backend().device_target(device)
-    return target.vendor == NVIDIA and target.compute_capability >= 80
-
-
 def _tensor_cores(device: int) -> bool:
-    return _has_tensor_core_forward(device) and os.environ.get(KERNEL_SWITCH) != "portable"
+    return has_nvidia_mma(device) and os.environ.get(KERNEL_SWITCH) != "portable"
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -134,13 +86,13 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         spec = _forward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
         problems_per_block, block_threads = _teams_per_block(problem.head_dim), BLOCK_THREADS
     kernel = get_kernel(spec, problem.device)
-    fields = _sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     layout = problem.layout
-    _put_tensor(fields, "q", q, layout)
-    _put_tensor(fields, "k", k, layout)
-    _put_tensor(fields, "v", v, layout)
-    _put_tensor(fields, "o", out, layout)
-    _put_lse(fields, lse, problem)
+    put_tensor(fields, "q", q, layout)
+    put_tensor(fields, "k", k, layout)
+    put_tensor(fields, "v", v, layout)
+    put_tensor(fields, "o", out, layout)
+    put_lse(fields, lse, problem)
     params = kernel.params.from_dict(fields)
     # The (sequence, head) count goes on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
     blocks = (problems + problems_per_block - 1) // problems_per_block
@@ -178,11 +130,11 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
         shared = backward_shared_bytes(problem)
     kernel = get_kernel(spec, problem.device)
     kernel.reserve_dynamic_shared_memory(shared)
-    fields = _sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     layout = problem.layout
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
-        _put_tensor(fields, name, a, layout)
-    _put_lse(fields, lse, problem)
+        put_tensor(fields, name, a, layout)
+    put_lse(fields, lse, problem)
     params = kernel.params.from_dict(fields)
     blocks = (problems + problems_per_block - 1) // problems_per_block
     kernel.launch((blocks, 1, 1), (block_threads, 1, 1), shared, stream, params)

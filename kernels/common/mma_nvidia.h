@@ -92,5 +92,14 @@ HIPATTN_DEVICE void copy_async_16(void* shared, const void* global) {
 
 HIPATTN_DEVICE void wait_async_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// Pipelines: close the copies issued since the last commit into one group (an empty group is fine
+// and completes at once), then wait until at most PENDING of the newest groups are still in flight.
+HIPATTN_DEVICE void commit_async_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING>
+HIPATTN_DEVICE void wait_async_copies_except() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
 }  // namespace mma
 }  // namespace hipattn

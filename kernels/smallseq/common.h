@@ -5,6 +5,7 @@
 // a row is read with one 8-byte access per lane, coalesced across the team. Q·Kᵀ dot products are
 // summed across the team with reduce_scatter; P·V style products need no communication at all.
 #pragma once
+#include "common/sequence.h"
 #include "common/team.h"
 #include "common/types.h"
 
@@ -27,30 +28,10 @@ struct Geometry {
   static_assert(kBlockThreads % kTeamLanes == 0, "a block holds whole teams");
 };
 
-struct Sequence {
-  int start;   // token index of the sequence's first row (THD: cu_seqlens[b]; BSHD: 0)
-  int length;  // rows, clamped to what the host promised
-};
-
-HIPATTN_DEVICE int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
-
-// Varlen (cu_seqlens), per-sequence lengths (seqused) or plain padded batches. Lengths are clamped
-// to min(max_seqlen, TILE) and the sequence to [0, total): a malformed cu_seqlens gives wrong
-// numbers for that sequence but never an out-of-bounds access.
-HIPATTN_DEVICE Sequence sequence_bounds(const int* cu_seqlens, const int* seqused, int batch_index, int max_seqlen,
-                                        int total, int tile) {
-  int start = 0;
-  int length = max_seqlen;
-  if (cu_seqlens != nullptr) {
-    start = cu_seqlens[batch_index];
-    length = cu_seqlens[batch_index + 1] - start;
-  }
-  if (seqused != nullptr) length = seqused[batch_index];
-  start = clamp_int(start, 0, total);
-  const int limit = max_seqlen < tile ? max_seqlen : tile;
-  length = clamp_int(length, 0, limit < total - start ? limit : total - start);
-  return {start, length};
-}
+// Sequence bounds live in common/sequence.h, shared with the flash kernels.
+using hipattn::clamp_int;
+using hipattn::Sequence;
+using hipattn::sequence_bounds;
 
 // Bottom-right aligned causal mask (flash-attn's convention for unequal lengths): query i sees key j
 // when j <= i + length_k - length_q.

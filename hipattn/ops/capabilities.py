@@ -1,0 +1,18 @@
+"""What a device's tensor cores offer the launchers, asked once per device."""
+
+from __future__ import annotations
+
+import functools
+
+from ..backends import get_backend
+from ..target import NVIDIA
+
+
+@functools.cache
+def has_nvidia_mma(device: int) -> bool:
+    """Whether ``device`` runs the mma.sync m16n8k16 kernels (NVIDIA sm_80 and newer).
+
+    Cached per device: callers that swap the backend (tests) call ``has_nvidia_mma.cache_clear()``.
+    """
+    target = get_backend().device_target(device)
+    return target.vendor == NVIDIA and target.compute_capability >= 80

@@ -1,0 +1,52 @@
+"""Kernel-argument fields the attention launchers share: tensors, LSE, and the sequence description.
+
+The names match the parameter structs in families.py (``_strided`` and ``_SEQUENCE_FIELDS``); a
+launcher fills one dict with these and hands it to ``ParamsStruct.from_dict``, which refuses a
+missing field.
+"""
+
+from __future__ import annotations
+
+from ..arrays import DeviceArray
+from ..problem import THD, Problem, lse_strides
+
+
+def sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:
+    """The sequence-description fields every attention struct shares; launchers add their tensors."""
+    return {
+        "cu_seqlens_q": cu_seqlens_q.ptr if cu_seqlens_q is not None else 0,
+        "cu_seqlens_k": cu_seqlens_k.ptr if cu_seqlens_k is not None else 0,
+        "seqused_q": seqused_q.ptr if seqused_q is not None else 0,
+        "seqused_k": seqused_k.ptr if seqused_k is not None else 0,
+        "batch": problem.batch,
+        "heads_kv": problem.heads_kv,
+        "max_seqlen_q": problem.max_seqlen_q,
+        "max_seqlen_k": problem.max_seqlen_k,
+        "total_q": problem.total_q,
+        "total_k": problem.total_k,
+        "softmax_scale": problem.softmax_scale,
+        "causal": int(problem.causal),
+    }
+
+
+# A tensor's four field names (families._strided), spelled once rather than formatted per launch.
+_TENSOR_FIELD_NAMES = {
+    name: (name, f"{name}_batch_stride", f"{name}_token_stride", f"{name}_head_stride")
+    for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")
+}
+
+
+def put_tensor(fields: dict, name: str, a: DeviceArray, layout: str) -> None:
+    """Add ``a``'s pointer and (batch, token, head) strides (problem.strides_bthd) to ``fields``."""
+    ptr_name, batch_name, token_name, head_name = _TENSOR_FIELD_NAMES[name]
+    strides = a.strides
+    fields[ptr_name] = a.ptr
+    if layout == THD:  # one batch of total tokens: batch stride 0
+        fields[batch_name], fields[token_name], fields[head_name] = 0, strides[0], strides[1]
+    else:
+        fields[batch_name], fields[token_name], fields[head_name] = strides[0], strides[1], strides[2]
+
+
+def put_lse(fields: dict, lse: DeviceArray, problem: Problem) -> None:
+    fields["lse"] = lse.ptr
+    fields["lse_batch_stride"], fields["lse_head_stride"] = lse_strides(lse, problem)
