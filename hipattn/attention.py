@@ -7,7 +7,7 @@ enqueue. Nothing synchronizes, so the call can be captured into a CUDA/HIP graph
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import arrays, checks, dispatch
 from . import problem as problem_mod
@@ -52,6 +52,39 @@ def _check_outputs_disjoint(outputs) -> None:
                 raise ValueError(f"{name} overlaps {other} in memory; outputs must not alias each other")
 
 
+class _Inputs(NamedTuple):
+    """One call's inputs as device arrays, and the validated problem they describe."""
+
+    q: arrays.DeviceArray
+    k: arrays.DeviceArray
+    v: arrays.DeviceArray
+    sequences: dict  # cu_seqlens_q/k, seqused_q/k as DeviceArray or None, by keyword
+    problem: problem_mod.Problem
+
+
+def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                     causal, softmax_scale) -> _Inputs:
+    # Plain calls, not a generator over (array, name) pairs: this runs on every launch.
+    qa = arrays.as_device_array(q, "q")
+    ka = arrays.as_device_array(k, "k")
+    va = arrays.as_device_array(v, "v")
+    sequences = {
+        "cu_seqlens_q": _array(cu_seqlens_q, "cu_seqlens_q"),
+        "cu_seqlens_k": _array(cu_seqlens_k, "cu_seqlens_k"),
+        "seqused_q": _array(seqused_q, "seqused_q"),
+        "seqused_k": _array(seqused_k, "seqused_k"),
+    }
+    problem = problem_mod.describe(qa, ka, va, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                   causal=causal, softmax_scale=softmax_scale)
+    return _Inputs(qa, ka, va, sequences, problem)
+
+
+def _check_on_device(backend, stream: int, call: _Inputs) -> None:
+    """HIPATTN_CHECK=1: the device-side sequence description, read back on the launch stream."""
+    if checks.enabled():
+        checks.check_sequences(backend, stream, call.problem, **call.sequences)
+
+
 def forward(
     q: Any,
     k: Any,
@@ -76,22 +109,14 @@ def forward(
     q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D], optional int32 seqused_q/k [B] (per-sequence lengths
     of a padded batch). Rows beyond a sequence's length are not written.
     """
-    # Plain calls, not a generator over (array, name) pairs: this runs on every launch.
-    qa = arrays.as_device_array(q, "q")
-    ka = arrays.as_device_array(k, "k")
-    va = arrays.as_device_array(v, "v")
-    cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
-    used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
-    problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
-                                   seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   causal=causal, softmax_scale=softmax_scale)
+    call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                            max_seqlen_k, causal, softmax_scale)
+    qa, ka, va, problem = call.q, call.k, call.v, call.problem
     dispatch.choose_path(problem, "forward")
     backend = get_backend()
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
-        if checks.enabled():
-            checks.check_sequences(backend, launch_stream, problem, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                   seqused_q=used_q, seqused_k=used_k)
+        _check_on_device(backend, launch_stream, call)
         spans = _input_spans(((qa, "q"), (ka, "k"), (va, "v")), out, lse)
         out_obj, out_a = _output(out, "out", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
         lse_obj, lse_a = _output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, spans,
@@ -100,8 +125,7 @@ def forward(
             raise ValueError(f"lse has strides {lse_a.strides}; its last dimension must be contiguous")
         problem_mod.check_alignment(out_a, "out", problem.layout)
         _check_outputs_disjoint(((out, out_a, "out"), (lse, lse_a, "lse")))
-        smallseq.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                         seqused_q=used_q, seqused_k=used_k)
+        smallseq.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences)
     return out_obj, lse_obj
 
 
@@ -132,17 +156,12 @@ def backward(
     Same layouts and arguments as ``forward``. dK and dV are summed over the query heads of each
     KV group (GQA/MQA). The small-seq path is deterministic whatever ``deterministic`` says.
     """
-    qa = arrays.as_device_array(q, "q")
-    ka = arrays.as_device_array(k, "k")
-    va = arrays.as_device_array(v, "v")
+    call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                            max_seqlen_k, causal, softmax_scale)
+    qa, ka, va, problem = call.q, call.k, call.v, call.problem
     douta = arrays.as_device_array(dout, "dout")
     outa = arrays.as_device_array(out, "out")
     lsea = arrays.as_device_array(lse, "lse")
-    cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
-    used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
-    problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
-                                   seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   causal=causal, softmax_scale=softmax_scale)
     for a, name in ((douta, "dout"), (outa, "out")):
         if a.dtype != qa.dtype:
             raise TypeError(f"{name} has dtype {a.dtype}; expected q's {qa.dtype}")
@@ -166,9 +185,7 @@ def backward(
     backend = get_backend()
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va, douta), stream, device=problem.device)
-        if checks.enabled():
-            checks.check_sequences(backend, launch_stream, problem, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                   seqused_q=used_q, seqused_k=used_k)
+        _check_on_device(backend, launch_stream, call)
         spans = _input_spans(inputs, dq, dk, dv)
         dq_obj, dqa = _output(dq, "dq", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
         dk_obj, dka = _output(dk, "dk", ka, ka.shape, ka.dtype, problem, spans, launch_stream)
@@ -176,6 +193,5 @@ def backward(
         for a, name in ((dqa, "dq"), (dka, "dk"), (dva, "dv")):
             problem_mod.check_alignment(a, name, problem.layout)
         _check_outputs_disjoint(((dq, dqa, "dq"), (dk, dka, "dk"), (dv, dva, "dv")))
-        smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, cu_seqlens_q=cu_q,
-                          cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+        smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, **call.sequences)
     return dq_obj, dk_obj, dv_obj

@@ -104,3 +104,42 @@ def test_switch_reads_the_environment_each_call(monkeypatch):
     assert checks.enabled()
     monkeypatch.setenv(checks.SWITCH, "0")
     assert not checks.enabled()
+
+
+def test_the_public_call_runs_the_check_on_its_launch_stream_only_when_switched_on(monkeypatch):
+    """hipattn.forward with a cu_seqlens that breaks max_seqlen: rejected under HIPATTN_CHECK=1,
+    launched (and silently clamped by the kernel) without it."""
+    import hipattn
+    from hipattn import attention
+    from hipattn.ops import smallseq
+
+    class GuardedHostBackend(HostMemoryBackend):
+        def get_device(self) -> int:
+            return 0
+
+        def set_device(self, device: int) -> None:
+            self.calls.append(f"set_device({device})")
+
+    backend = GuardedHostBackend()
+    launched = []
+    monkeypatch.setattr(attention, "get_backend", lambda: backend)
+    monkeypatch.setattr(smallseq, "forward", lambda *args, **kwargs: launched.append(args[-1]))
+    keep_q, cu_q = _int32([0, 5, 30])  # the second sequence has 25 tokens
+    keep_k, cu_k = _int32([0, 4, 8])
+    base = 1 << 32  # fake, 256-byte aligned device addresses: nothing dereferences them
+    q = raw_array(base, (30, 8, 64), "bf16", device=0)
+    k = raw_array(base + (1 << 24), (8, 8, 64), "bf16", device=0)
+    v = raw_array(base + (2 << 24), (8, 8, 64), "bf16", device=0)
+    out = raw_array(base + (3 << 24), (30, 8, 64), "bf16", device=0)
+    lse = raw_array(base + (4 << 24), (8, 30), "fp32", device=0)
+    call = dict(out=out, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=17, max_seqlen_k=17, stream=7)
+
+    monkeypatch.setenv(checks.SWITCH, "1")
+    with pytest.raises(ValueError, match="sequence 1 has 25 tokens by cu_seqlens_q but max_seqlen_q is 17"):
+        hipattn.forward(q, k, v, **call)
+    assert "memcpy_async(stream=7)" in backend.calls and not launched
+
+    monkeypatch.delenv(checks.SWITCH)
+    backend.calls.clear()
+    hipattn.forward(q, k, v, **call)
+    assert launched == [7] and not any(c.startswith("memcpy") for c in backend.calls)

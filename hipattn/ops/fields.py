@@ -50,3 +50,15 @@ def put_tensor(fields: dict, name: str, a: DeviceArray, layout: str) -> None:
 def put_lse(fields: dict, lse: DeviceArray, problem: Problem) -> None:
     fields["lse"] = lse.ptr
     fields["lse_batch_stride"], fields["lse_head_stride"] = lse_strides(lse, problem)
+
+
+def forward_fields(problem: Problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:
+    """Every field of a forward struct: the sequence description, q, k, v, o and lse."""
+    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    layout = problem.layout
+    put_tensor(fields, "q", q, layout)
+    put_tensor(fields, "k", k, layout)
+    put_tensor(fields, "v", v, layout)
+    put_tensor(fields, "o", out, layout)
+    put_lse(fields, lse, problem)
+    return fields

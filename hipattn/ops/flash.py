@@ -19,7 +19,7 @@ from ..problem import Problem
 from ..registry import get_kernel
 from ..spec import KernelSpec
 from .capabilities import has_nvidia_mma
-from .fields import put_lse, put_tensor, sequence_fields
+from .fields import forward_fields
 
 # grid.x is at most 2^31 - 1 blocks on every sm_80+ part.
 MAX_GRID_X = 2**31 - 1
@@ -65,12 +65,6 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     kernel = get_kernel(_spec(problem.dtype, problem.head_dim), problem.device)
     shared = flash_forward_shared_bytes(problem.head_dim, tiles)
     kernel.reserve_dynamic_shared_memory(shared)
-    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     fields["heads_q"] = problem.heads_q
-    layout = problem.layout
-    put_tensor(fields, "q", q, layout)
-    put_tensor(fields, "k", k, layout)
-    put_tensor(fields, "v", v, layout)
-    put_tensor(fields, "o", out, layout)
-    put_lse(fields, lse, problem)
     kernel.launch((blocks, 1, 1), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))

@@ -24,7 +24,7 @@ from ..problem import Problem
 from ..registry import get_kernel
 from ..spec import KernelSpec
 from .capabilities import has_nvidia_mma
-from .fields import put_lse, put_tensor, sequence_fields
+from .fields import forward_fields, put_lse, put_tensor, sequence_fields
 
 # HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) forward on a GPU
 # that has the tensor-core one; for A/B comparisons and to test both on one machine.
@@ -86,13 +86,7 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         spec = _forward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
         problems_per_block, block_threads = _teams_per_block(problem.head_dim), BLOCK_THREADS
     kernel = get_kernel(spec, problem.device)
-    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    layout = problem.layout
-    put_tensor(fields, "q", q, layout)
-    put_tensor(fields, "k", k, layout)
-    put_tensor(fields, "v", v, layout)
-    put_tensor(fields, "o", out, layout)
-    put_lse(fields, lse, problem)
+    fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     params = kernel.params.from_dict(fields)
     # The (sequence, head) count goes on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
     blocks = (problems + problems_per_block - 1) // problems_per_block
