@@ -1,0 +1,153 @@
+"""PyTorch integration: autograd through hipattn's backward, and opaque custom ops for torch.compile.
+
+    import hipattn.torch as hat
+    out = hat.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)
+    out.float().sum().backward()   # dq, dk, dv from hipattn's backward kernels
+
+The forward and backward are registered as ``torch.library`` custom ops (``hipattn::forward`` and
+``hipattn::backward``) with fake (meta) implementations, so ``torch.compile`` treats them as opaque
+calls and traces around them. Gradients flow to q, k and v; the log-sum-exp output is not
+differentiable (its gradient is ignored). Calls the kernels cannot serve raise as hipattn.forward
+does (NotImplementedError for sequences longer than the small-seq tile, for now).
+
+Importing this module needs torch; ``import hipattn`` alone never imports it.
+"""
+
+# No `from __future__ import annotations` here: torch.library reads the op schemas from the
+# annotations at run time.
+import math
+from typing import Optional
+
+import torch
+
+from . import attention
+from .api import _reject_unsupported
+
+Tensor = torch.Tensor
+
+
+def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
+    """flash-attn's softmax_lse layout: [Hq, total_q] for varlen, [B, Hq, S_q] for batch."""
+    if cu_seqlens_q is not None:
+        return (q.shape[1], q.shape[0])
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+@torch.library.custom_op("hipattn::forward", mutates_args=())
+def _forward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor]:
+    return attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+                             causal=causal)
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("hipattn::backward", mutates_args=())
+def _backward_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return attention.backward(dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+                              causal=causal)
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                   causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+
+
+def _backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    # The kernels read rows with 16-byte accesses: a gradient that autograd hands over expanded or
+    # transposed is made contiguous first.
+    dq, dk, dv = _backward_op(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[Tensor] = None,
+):
+    """hipattn.flash_attn_varlen_func with autograd: see its docstring for shapes and conventions.
+
+    Returns out, or (out, softmax_lse, None) with return_attn_probs=True; out.backward() runs
+    hipattn's backward. hipattn's backward is deterministic; ``deterministic`` is accepted.
+    """
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale),
+                           causal)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd."""
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    out, lse = _forward_op(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal)
+    return (out, lse, None) if return_attn_probs else out

@@ -1,0 +1,179 @@
+"""hipattn.torch: the custom ops' schemas, fake kernels and autograd wiring, on the CPU.
+
+The kernels need a GPU, so here hipattn.attention.forward/backward are replaced by a float64
+reference with the same contract (flash-attn's LSE layout, GQA, bottom-right causal): what is
+tested is everything around the kernels — argument order, which gradient goes where, contiguity of
+the incoming gradient, the meta shapes torch.compile traces with. tests/gpu/test_torch_gpu.py runs
+the same paths on the real kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import hipattn.torch as hat  # noqa: E402
+from hipattn import attention  # noqa: E402
+
+
+def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    """(query rows, key rows) index pairs per sequence, THD or BSHD alike."""
+    if cu_seqlens_q is None:
+        return [((b, slice(None)), (b, slice(None))) for b in range(q.shape[0])]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [((slice(cq[b], cq[b + 1]),), (slice(ck[b], ck[b + 1]),)) for b in range(len(cq) - 1)]
+
+
+def _probabilities(qs, ks, softmax_scale, causal):
+    """Softmax probabilities [H, Lq, Lk] and row LSE [H, Lq] of one sequence, float64."""
+    scores = torch.einsum("ihd,jhd->hij", qs, ks) * softmax_scale
+    if causal:
+        lq, lk = qs.shape[0], ks.shape[0]
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lk)[None, :]
+        scores = scores.masked_fill(j > i + lk - lq, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # A row that sees no key: P = 0 and LSE = +inf (flash-attn's convention, as the kernels do).
+    empty = torch.isinf(lse)
+    probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
+    return probs, lse.masked_fill(empty, float("inf"))
+
+
+def _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dout=None):
+    """Float64 attention with hipattn's conventions: (out, lse), or (dq, dk, dv) given dout.
+
+    Gradients are written out by hand: custom-op implementations run below autograd.
+    """
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.zeros(hat._lse_shape(q, cu_seqlens_q), dtype=torch.float64)
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    group = q.shape[-2] // k.shape[-2]
+    for b, (rows_q, rows_k) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
+        qs = q[rows_q].double()
+        ks = k[rows_k].double().repeat_interleave(group, dim=-2)
+        vs = v[rows_k].double().repeat_interleave(group, dim=-2)
+        probs, row_lse = _probabilities(qs, ks, softmax_scale, causal)
+        out[rows_q] = torch.einsum("hij,jhd->ihd", probs, vs)
+        if cu_seqlens_q is None:
+            lse[b] = row_lse
+        else:
+            lse[:, rows_q[0]] = row_lse
+        if dout is not None:
+            do = dout[rows_q].double()
+            dv = torch.einsum("hij,ihd->jhd", probs, do)
+            dp = torch.einsum("ihd,jhd->hij", do, vs)
+            ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
+            dq = torch.einsum("hij,jhd->ihd", ds, ks) * softmax_scale
+            dk = torch.einsum("hij,ihd->jhd", ds, qs) * softmax_scale
+            # GQA: a KV head's gradient is the sum over the query heads of its group.
+            unflatten = (dk.shape[0], k.shape[-2], group, k.shape[-1])
+            grads[0][rows_q] = dq
+            grads[1][rows_k] = dk.reshape(unflatten).sum(2)
+            grads[2][rows_k] = dv.reshape(unflatten).sum(2)
+    return tuple(grads) if dout is not None else (out, lse)
+
+
+class ReferenceKernels:
+    """Stands in for hipattn.attention's GPU entry points; counts calls, keeps the last gradient."""
+
+    def __init__(self):
+        self.forward_calls = 0
+        self.backward_calls = 0
+        self.last_dout = None
+
+    def forward(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        self.forward_calls += 1
+        out, lse = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+        return out.to(q.dtype), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, causal):
+        self.backward_calls += 1
+        self.last_dout = dout
+        grads = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dout)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    fake = ReferenceKernels()
+    monkeypatch.setattr(attention, "forward", fake.forward)
+    monkeypatch.setattr(attention, "backward", fake.backward)
+    return fake
+
+
+def _varlen(lengths_q, lengths_k, heads_q=4, heads_kv=2, head_dim=16):
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads_q, head_dim, requires_grad=True)
+    k = torch.randn(int(cu_k[-1]), heads_kv, head_dim, requires_grad=True)
+    v = torch.randn(int(cu_k[-1]), heads_kv, head_dim, requires_grad=True)
+    return q, k, v, cu_q, cu_k
+
+
+def test_loss_backward_runs_hipattns_backward_once_and_grads_land_on_q_k_v(kernels):
+    q, k, v, cu_q, cu_k = _varlen([3, 7, 5], [4, 6, 9])
+    out = hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 9, causal=True)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    assert kernels.forward_calls == 1 and kernels.backward_calls == 1
+    assert torch.equal(kernels.last_dout, weights)
+    expected = kernels.backward(weights, q, k, v, None, None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                max_seqlen_q=7, max_seqlen_k=9, softmax_scale=1 / math.sqrt(16), causal=True)
+    for grad, want in zip((q.grad, k.grad, v.grad), expected, strict=True):
+        torch.testing.assert_close(grad, want)
+
+
+def test_a_non_contiguous_incoming_gradient_is_made_contiguous(kernels):
+    q = torch.randn(2, 5, 4, 16, requires_grad=True)
+    k = torch.randn(2, 6, 4, 16, requires_grad=True)
+    v = torch.randn(2, 6, 4, 16, requires_grad=True)
+    out = hat.flash_attn_func(q, k, v)
+    out.sum().backward()  # sum's gradient arrives expanded (stride 0)
+    assert kernels.last_dout.is_contiguous()
+
+
+def test_return_attn_probs_gives_flash_attns_triple_with_the_lse_layout(kernels):
+    q, k, v, cu_q, cu_k = _varlen([3, 2], [1, 4])
+    out, lse, probs = hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (4, 5) and lse.dtype == torch.float32 and probs is None
+
+
+def test_unsupported_arguments_are_named():
+    q = torch.randn(1, 2, 2, 16)
+    with pytest.raises(ValueError, match="dropout_p=0.1"):
+        hat.flash_attn_func(q, q, q, dropout_p=0.1)
+
+
+def test_the_ops_pass_torch_librarys_checks(kernels):
+    """Schema, fake (meta) kernels against the real outputs, and the autograd registration."""
+    q, k, v, cu_q, cu_k = _varlen([3, 4], [5, 2])
+    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False)
+    torch.library.opcheck(torch.ops.hipattn.forward.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    out, lse = torch.ops.hipattn.forward(*args)
+    backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 4, 5, 0.25, False)
+    torch.library.opcheck(torch.ops.hipattn.backward.default, backward_args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_traces_around_the_opaque_ops_and_matches_eager(kernels):
+    q = torch.randn(2, 5, 4, 16, requires_grad=True)
+    k = torch.randn(2, 7, 2, 16, requires_grad=True)
+    v = torch.randn(2, 7, 2, 16, requires_grad=True)
+
+    def step(q, k, v):
+        return (hat.flash_attn_func(q, k, v, causal=True) ** 2).sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    loss = compiled(q, k, v)
+    loss.backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    step(q, k, v).backward()
+    torch.testing.assert_close(loss, step(q, k, v))
+    for grad, t in zip(grads, (q, k, v), strict=True):
+        torch.testing.assert_close(grad, t.grad)
