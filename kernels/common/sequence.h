@@ -18,17 +18,20 @@ HIPATTN_DEVICE int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > 
 // max_seqlen as `tile`.
 HIPATTN_DEVICE Sequence sequence_bounds(const int* cu_seqlens, const int* seqused, int batch_index, int max_seqlen,
                                         int total, int tile) {
-  int start = 0;
-  int length = max_seqlen;
+  // 64-bit arithmetic: cu_seqlens holds whatever the caller wrote, and the difference of two
+  // arbitrary int32 values overflows int32 (undefined behaviour, not a wrap-around we could rely on).
+  long long start = 0;
+  long long length = max_seqlen;
   if (cu_seqlens != nullptr) {
     start = cu_seqlens[batch_index];
-    length = cu_seqlens[batch_index + 1] - start;
+    length = static_cast<long long>(cu_seqlens[batch_index + 1]) - start;
   }
   if (seqused != nullptr) length = seqused[batch_index];
-  start = clamp_int(start, 0, total);
-  const int limit = max_seqlen < tile ? max_seqlen : tile;
-  length = clamp_int(length, 0, limit < total - start ? limit : total - start);
-  return {start, length};
+  start = start < 0 ? 0 : (start > total ? total : start);
+  long long limit = max_seqlen < tile ? max_seqlen : tile;
+  if (limit > total - start) limit = total - start;
+  length = length < 0 ? 0 : (length > limit ? limit : length);
+  return {static_cast<int>(start), static_cast<int>(length)};
 }
 
 }  // namespace hipattn

@@ -29,7 +29,6 @@ struct Geometry {
 };
 
 // Sequence bounds live in common/sequence.h, shared with the flash kernels.
-using hipattn::clamp_int;
 using hipattn::Sequence;
 using hipattn::sequence_bounds;
 

@@ -1,0 +1,164 @@
+"""No leaks (issue 6): 10,000 back-to-back forward+backward calls per small-seq kernel on one
+stream (varlen, a different cu_seqlens every call, small problems) leave device memory, pinned
+memory, Python host-function entries and the registry's loaded kernels where they were after warm-up.
+
+Set HIPATTN_LEAK_REPORT=path.json to have the figures written there (for the issue note).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+
+import pytest
+import torch
+
+import hipattn
+from hipattn import pinned, registry
+from hipattn.backends import get_backend
+from hipattn.families import SMALLSEQ_TILE
+
+CALLS = 10_000
+WARMUP = 200
+SAMPLES = 10  # figures taken every CALLS / SAMPLES calls
+PATTERNS = 97  # distinct cu_seqlens rows, cycled (a prime, so patterns and samples never line up)
+BATCH, CAPACITY = 16, 16 * SMALLSEQ_TILE
+FIGURES: dict[str, dict] = {}
+# The caching allocator may keep a few more blocks around after warm-up (a new size class): allow
+# that much growth of what the driver reports free, but none of what torch reports allocated.
+DEVICE_SLACK_BYTES = 64 * 2**20
+HOST_RSS_SLACK_BYTES = 64 * 2**20
+
+
+def _record(case: str, figures: dict) -> None:
+    FIGURES[case] = figures
+    path = os.environ.get("HIPATTN_LEAK_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(FIGURES, f, indent=1, sort_keys=True)
+
+
+def _pinned_pools() -> list[pinned.PinnedPool]:
+    """Every PinnedPool alive in the process (hipattn's launch path keeps none today; any it adds counts)."""
+    return [obj for obj in gc.get_objects() if isinstance(obj, pinned.PinnedPool)]
+
+
+def _snapshot() -> dict:
+    torch.cuda.synchronize()
+    free, total = get_backend().mem_get_info()
+    pools = [pool.stats() for pool in _pinned_pools()]
+    loaded = registry.default_registry().loaded()
+    return {
+        "device_free_bytes": free,
+        "device_used_bytes": total - free,
+        "torch_allocated_bytes": torch.cuda.memory_allocated(),
+        "torch_reserved_bytes": torch.cuda.memory_reserved(),
+        "pinned_pools": len(pools),
+        "pinned_blocks": sum(s.free_blocks + s.held_blocks + s.in_flight_blocks + s.graph_blocks for s in pools),
+        "pinned_bytes": sum(s.free_bytes + s.held_bytes + s.in_flight_bytes + s.graph_bytes for s in pools),
+        "pinned_held_blocks": sum(s.held_blocks for s in pools),
+        "process_lifetime_entries": len(pinned._PROCESS_LIFETIME),
+        "python_host_funcs": pinned.pending_host_funcs(),
+        "loaded_kernels": len(loaded),
+        "load_count": registry.default_registry().load_count,
+        "host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def _patterns(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """[PATTERNS, BATCH + 1] int32 cu_seqlens on the device, lengths 0..17, ends <= CAPACITY."""
+    rows = []
+    for _ in range(2):
+        lengths = torch.randint(0, SMALLSEQ_TILE + 1, (PATTERNS, BATCH), generator=gen)
+        cu = torch.zeros(PATTERNS, BATCH + 1, dtype=torch.int32)
+        cu[:, 1:] = lengths.cumsum(1)
+        rows.append(cu.cuda())
+    return rows[0], rows[1]
+
+
+@pytest.fixture(params=["tensor-core", "portable"])
+def kernel(request, monkeypatch):
+    if request.param == "portable":
+        monkeypatch.setenv("HIPATTN_SMALLSEQ_KERNEL", "portable")
+    else:
+        monkeypatch.delenv("HIPATTN_SMALLSEQ_KERNEL", raising=False)
+    return request.param
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 2)])
+def test_ten_thousand_calls_leave_memory_and_kernels_bounded(kernel, heads_q, heads_kv):
+    gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    head_dim = 64
+    q = torch.randn(CAPACITY, heads_q, head_dim, generator=gen).bfloat16().cuda()
+    k = torch.randn(CAPACITY, heads_kv, head_dim, generator=gen).bfloat16().cuda()
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    cu_q, cu_k = _patterns(gen)
+    given = dict(out=torch.empty_like(q), lse=torch.empty(heads_q, CAPACITY, device="cuda"))
+    grads = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
+    stream = torch.cuda.Stream()
+
+    def call(i: int) -> None:
+        args = dict(cu_seqlens_q=cu_q[i % PATTERNS], cu_seqlens_k=cu_k[i % PATTERNS], max_seqlen_q=SMALLSEQ_TILE,
+                    max_seqlen_k=SMALLSEQ_TILE, causal=bool(i % 3 == 0))
+        if i % 2:  # half the calls allocate their outputs, half write caller-provided ones
+            out, lse = hipattn.forward(q, k, v, **args)
+            hipattn.backward(dout, q, k, v, out, lse, **args)
+        else:
+            hipattn.forward(q, k, v, **given, **args)
+            hipattn.backward(dout, q, k, v, given["out"], given["lse"], **grads, **args)
+
+    with torch.cuda.stream(stream):
+        for i in range(WARMUP):
+            call(i)
+        stream.synchronize()
+        gc.collect()
+        before = _snapshot()
+        samples = []
+        for i in range(CALLS):
+            call(WARMUP + i)
+            if (i + 1) % (CALLS // SAMPLES) == 0:
+                stream.synchronize()
+                samples.append(_snapshot())
+    stream.synchronize()
+    gc.collect()
+    after = _snapshot()
+    _record(f"{kernel} h{heads_q}/{heads_kv}", {"calls": CALLS, "before": before, "after": after,
+                                                 "samples": samples})
+
+    assert after["torch_allocated_bytes"] == before["torch_allocated_bytes"], (before, after)
+    assert {s["torch_allocated_bytes"] for s in samples} == {before["torch_allocated_bytes"]}, samples
+    assert after["device_used_bytes"] - before["device_used_bytes"] <= DEVICE_SLACK_BYTES, (before, after)
+    # No growth over the second half: a leak grows with calls, a cache settles.
+    half = samples[len(samples) // 2 - 1]
+    assert after["device_used_bytes"] <= half["device_used_bytes"] + 2**20, (half, after)
+    for name in ("loaded_kernels", "load_count", "pinned_pools", "pinned_blocks", "pinned_bytes",
+                 "process_lifetime_entries", "python_host_funcs"):
+        assert after[name] == before[name], (name, before[name], after[name])
+    assert after["pinned_held_blocks"] == 0
+    assert after["host_max_rss_bytes"] - before["host_max_rss_bytes"] <= HOST_RSS_SLACK_BYTES, (before, after)
+
+
+def test_hipattn_check_calls_free_their_pinned_staging(monkeypatch):
+    """HIPATTN_CHECK=1 stages cu_seqlens through pinned host memory on every call: 1,000 calls must
+    not grow the process (a leaked cuMemHostAlloc is pinned, page-locked RSS)."""
+    monkeypatch.setenv("HIPATTN_CHECK", "1")
+    gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    q = torch.randn(CAPACITY, 8, 64, generator=gen).bfloat16().cuda()
+    cu_q, cu_k = _patterns(gen)
+
+    def call(i: int) -> None:
+        out, lse = hipattn.forward(q, q, q, cu_seqlens_q=cu_q[i % PATTERNS], cu_seqlens_k=cu_k[i % PATTERNS],
+                                   max_seqlen_q=SMALLSEQ_TILE, max_seqlen_k=SMALLSEQ_TILE)
+
+    for i in range(50):
+        call(i)
+    before = _snapshot()
+    for i in range(1000):
+        call(i)
+    after = _snapshot()
+    _record("HIPATTN_CHECK=1", {"calls": 1000, "before": before, "after": after})
+    assert after["torch_allocated_bytes"] == before["torch_allocated_bytes"]
+    assert after["host_max_rss_bytes"] - before["host_max_rss_bytes"] <= HOST_RSS_SLACK_BYTES, (before, after)

@@ -1,0 +1,506 @@
+"""Every kernel family hipattn ships, on small inputs, for compute-sanitizer (issue 6).
+
+    python tools/sanitize.py                                        # warm the cache; guard checks
+    compute-sanitizer --tool memcheck python tools/sanitize.py      # and racecheck, initcheck, synccheck
+    tools/sanitize.sh                                               # all four tools, one summary line each
+
+Each case runs one call with tiny batches: the small-seq forward and backward (tensor-core and
+portable kernels, MHA and GQA/MQA, THD and BSHD), the flash forward, bwd_dot_do_o and
+bwd_convert_dq. Besides valid inputs, the sequence descriptions are adversarial: non-monotonic,
+decreasing, the last entry beyond the tensor, lengths above max_seqlen, negative entries, int32
+extremes, seqused out of range. Such input gives meaningless numbers, but the kernels must clamp
+it (kernels/common/sequence.h) and touch no memory outside their tensors.
+
+Without the sanitizer the script checks what it can itself: outputs sit between guard regions
+that must come back unchanged, output rows outside every clamped sequence must keep their fill,
+and no output may hold a NaN (inputs sit between NaN guards, so reading past an input shows up).
+Under memcheck/initcheck run with ``--no-guards`` and ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``: every
+tensor is then its own allocation, so the sanitizer sees any access one byte past it. Every output
+is filled before use, so initcheck sees only the kernels' own reads of unwritten memory.
+
+Exit status: 0 when every case ran and passed its checks, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from hipattn.families import (  # noqa: E402 - the repository root goes on the path first
+    SMALLSEQ_MMA_BACKWARD_WARPS,
+    SMALLSEQ_TILE,
+)
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+BATCH = 4
+TOTAL_Q = 40  # tokens of the THD q tensor in every small-seq case
+TOTAL_K = 36
+KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"  # hipattn.ops.smallseq.KERNEL_SWITCH, without importing torch paths
+
+
+# ---- the sequence descriptions (pure Python: tests/test_sanitize_cases.py checks them on the CPU) ----
+
+
+def cumulative(lengths: list[int]) -> list[int]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def adversarial_cu_seqlens(total: int) -> dict[str, list[int]]:
+    """BATCH + 1 entries each, all malformed for a tensor of ``total`` tokens (total >= 32)."""
+    return {
+        "non-monotonic": [0, 10, 5, 30, total - 3],
+        "decreasing": [total, 30, 20, 10, 0],
+        "last-beyond-tensor": [0, 10, 20, 30, total + 1000],
+        "all-beyond-tensor": [total + 1, total + 5, total + 100, 2**20, 2**30],
+        "longer-than-max-seqlen": [0, 30, 31, 31, total],
+        "negative": [-5, -100, 3, -7, total],
+        "first-not-zero": [7, 12, 20, 25, total],
+        "int32-extremes": [INT32_MIN, INT32_MAX, INT32_MIN, 0, INT32_MAX],
+    }
+
+
+ADVERSARIAL_SEQUSED: dict[str, list[int]] = {
+    "seqused-negative": [-1, -17, INT32_MIN, 0],
+    "seqused-beyond": [1000, INT32_MAX, SMALLSEQ_TILE + 1, SMALLSEQ_TILE],
+}
+
+
+def _wrap_int32(x: int) -> int:
+    return (x + 2**31) % 2**32 - 2**31
+
+
+def _clamp(x: int, lo: int, hi: int) -> int:
+    return lo if x < lo else (hi if x > hi else x)
+
+
+def clamped_sequences(cu_seqlens: list[int] | None, seqused: list[int] | None, batch: int, max_seqlen: int,
+                      total: int, tile: int, *, wrap: bool = True) -> list[tuple[int, int]]:
+    """(start, length) of each sequence as kernels/common/sequence.h clamps them.
+
+    ``wrap``: the int32 subtraction cu[b + 1] - cu[b] wraps around (what the GPU does); without
+    it, the exact difference. Signed overflow is undefined in C++, so callers take both.
+    """
+    result = []
+    for b in range(batch):
+        start, length = 0, max_seqlen
+        if cu_seqlens is not None:
+            start = cu_seqlens[b]
+            length = cu_seqlens[b + 1] - start
+            if wrap:
+                length = _wrap_int32(length)
+        if seqused is not None:
+            length = seqused[b]
+        start = _clamp(start, 0, total)
+        limit = min(max_seqlen, tile)
+        length = _clamp(length, 0, min(limit, total - start))
+        result.append((start, length))
+    return result
+
+
+def rows_a_kernel_may_write(cu_seqlens: list[int] | None, seqused: list[int] | None, batch: int, max_seqlen: int,
+                            total: int, tile: int) -> list[set[int]]:
+    """Per batch entry, the token rows a kernel may write: outside them outputs must keep their fill.
+
+    THD (cu_seqlens given): every sequence indexes the one token axis, so all entries are the same
+    union. BSHD: entry b holds the rows of sequence b in its own batch slot.
+    """
+    rows: list[set[int]] = [set() for _ in range(batch)]
+    for wrap in (True, False):
+        for b, (start, length) in enumerate(clamped_sequences(cu_seqlens, seqused, batch, max_seqlen, total, tile,
+                                                               wrap=wrap)):
+            rows[b].update(range(start, start + length))
+    if cu_seqlens is not None:
+        union = set().union(*rows) if rows else set()
+        rows = [union for _ in range(batch)]
+    return rows
+
+
+# ---- the cases -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str  # smallseq | flash_forward | dot_do_o | convert_dq
+    dtype: str = "bf16"
+    head_dim: int = 64
+    heads_q: int = 8
+    heads_kv: int = 8
+    kernel: str = "tensor-core"  # or "portable" (HIPATTN_SMALLSEQ_KERNEL=portable)
+    layout: str = "thd"
+    cu_seqlens_q: list[int] | None = None
+    cu_seqlens_k: list[int] | None = None
+    seqused_q: list[int] | None = None
+    seqused_k: list[int] | None = None
+    max_seqlen_q: int = SMALLSEQ_TILE
+    max_seqlen_k: int = SMALLSEQ_TILE
+    causal: bool = False
+    total_q: int = TOTAL_Q
+    total_k: int = TOTAL_K
+    allocate_outputs: bool = False  # let hipattn allocate out/lse/dq/dk/dv (valid, fully covered inputs only)
+    adversarial: bool = False
+    families: tuple[str, ...] = field(default=())
+
+
+def families_of(case: Case) -> tuple[str, ...]:
+    """The kernel families a case launches, by the dispatch rules of hipattn.ops.smallseq."""
+    if case.kind == "smallseq":
+        tensor_cores = case.kernel == "tensor-core"
+        forward = "smallseq_forward_mma" if tensor_cores else "smallseq_forward"
+        mma_backward = tensor_cores and case.heads_q == case.heads_kv and case.head_dim in SMALLSEQ_MMA_BACKWARD_WARPS
+        return (forward, "smallseq_backward_mma" if mma_backward else "smallseq_backward")
+    return {"flash_forward": ("flash_forward_mma",), "dot_do_o": ("bwd_dot_do_o",),
+            "convert_dq": ("bwd_convert_dq",)}[case.kind]
+
+
+def _with_families(case: Case) -> Case:
+    return Case(**{**case.__dict__, "families": families_of(case)})
+
+
+def build_cases(quick: bool = False) -> list[Case]:
+    """Every case the script runs. ``quick`` (for the sanitizer, which slows each launch 10-100x)
+    keeps two configurations per small-seq kernel, malformed descriptions on both sides at once,
+    and fewer flash and pre-processing configurations; it still reaches every family."""
+    cases: list[Case] = []
+    valid_q = cumulative([0, 1, SMALLSEQ_TILE, 13])  # 31 of 40 tokens: rows 31.. are never written
+    valid_k = cumulative([3, 0, SMALLSEQ_TILE, 16])  # all 36
+    full_q = cumulative([10, 10, 10, 10])
+    full_k = cumulative([9, 9, 9, 9])
+    configs = [("bf16", 64, 8, 8), ("bf16", 128, 8, 8), ("bf16", 256, 8, 8), ("fp16", 128, 8, 8),
+               ("bf16", 64, 8, 2), ("fp16", 128, 8, 1), ("bf16", 256, 8, 4)]
+    if quick:
+        configs = [("bf16", 128, 8, 8), ("bf16", 64, 8, 2)]
+    for kernel in ("tensor-core", "portable"):
+        for dtype, head_dim, hq, hkv in configs:
+            base = dict(kind="smallseq", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv, kernel=kernel)
+            tag = f"{kernel} {dtype} d{head_dim} h{hq}/{hkv}"
+            for causal in (False, True):
+                cases.append(Case(name=f"{tag} valid causal={causal}", cu_seqlens_q=valid_q, cu_seqlens_k=valid_k,
+                                  causal=causal, **base))
+            cases.append(Case(name=f"{tag} valid allocated", cu_seqlens_q=full_q, cu_seqlens_k=full_k,
+                              allocate_outputs=True, **base))
+        # The adversarial sweep on one MHA and one GQA configuration per kernel.
+        for dtype, head_dim, hq, hkv in (("bf16", 128, 8, 8), ("bf16", 64, 8, 2)):
+            base = dict(kind="smallseq", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv, kernel=kernel,
+                        adversarial=True)
+            tag = f"{kernel} {dtype} d{head_dim} h{hq}/{hkv}"
+            bad_q, bad_k = adversarial_cu_seqlens(TOTAL_Q), adversarial_cu_seqlens(TOTAL_K)
+            for name in bad_q:
+                for side in ("both",) if quick else ("q", "k", "both"):
+                    cu_q = bad_q[name] if side in ("q", "both") else valid_q
+                    cu_k = bad_k[name] if side in ("k", "both") else valid_k
+                    cases.append(Case(name=f"{tag} {name} on {side}", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      causal=side == "both", **base))
+            cases.append(Case(name=f"{tag} max_seqlen below the real lengths", cu_seqlens_q=valid_q,
+                              cu_seqlens_k=valid_k, max_seqlen_q=5, max_seqlen_k=3, causal=True, **base))
+            cases.append(Case(name=f"{tag} max_seqlen 0", cu_seqlens_q=valid_q, cu_seqlens_k=valid_k,
+                              max_seqlen_q=0, max_seqlen_k=0, **base))
+            for name, used in ADVERSARIAL_SEQUSED.items():
+                cases.append(Case(name=f"{tag} bshd {name}", layout="bshd", seqused_q=used, seqused_k=used[::-1],
+                                  total_q=SMALLSEQ_TILE, total_k=SMALLSEQ_TILE - 4, causal=True, **base))
+                if not quick:
+                    cases.append(Case(name=f"{tag} thd {name} with valid cu_seqlens", cu_seqlens_q=valid_q,
+                                      cu_seqlens_k=valid_k, seqused_q=used, seqused_k=used, **base))
+    # The flash forward (not yet reachable through hipattn.forward): valid, then adversarial.
+    flash_q = cumulative([0, 1, 70, 33])
+    flash_k = cumulative([5, 64, 0, 40])
+    flash_configs = (("bf16", 64, 4, 4), ("fp16", 128, 4, 2))
+    for dtype, head_dim, hq, hkv in flash_configs[1:] if quick else flash_configs:
+        base = dict(kind="flash_forward", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv,
+                    total_q=flash_q[-1] + 7, total_k=flash_k[-1] + 3, max_seqlen_q=70, max_seqlen_k=64)
+        for causal in (False, True):
+            cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid causal={causal}",
+                              cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal, **base))
+        bad_q, bad_k = adversarial_cu_seqlens(base["total_q"]), adversarial_cu_seqlens(base["total_k"])
+        for name in bad_q:
+            cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}", cu_seqlens_q=bad_q[name],
+                              cu_seqlens_k=bad_k[name], adversarial=True, **base))
+    preprocess_configs = (("bf16", 64), ("fp16", 256), ("fp16", 128), ("bf16", 96))
+    for dtype, head_dim in preprocess_configs[:2] if quick else preprocess_configs:
+        for layout in ("thd", "bshd"):
+            cases.append(Case(name=f"dot_do_o {dtype} d{head_dim} {layout}", kind="dot_do_o", dtype=dtype,
+                              head_dim=head_dim, heads_q=3, layout=layout, total_q=37))
+            cases.append(Case(name=f"convert_dq {dtype} d{head_dim} {layout}", kind="convert_dq", dtype=dtype,
+                              head_dim=head_dim, heads_q=3, layout=layout, total_q=37))
+    return [_with_families(case) for case in cases]
+
+
+# ---- running a case on the GPU ------------------------------------------------------------------------
+
+GUARD_ELEMENTS = 1024  # per side; a multiple of every alignment hipattn asks of its arrays
+
+
+class Runner:
+    """Allocates guarded tensors, runs cases and checks what can be checked without the sanitizer."""
+
+    def __init__(self, guards: bool):
+        import torch
+
+        self.torch = torch
+        self.guards = guards
+        self.problems: list[str] = []
+        self._outputs: list[tuple[str, object, object, object]] = []  # (name, buffer, snapshot, view)
+
+    # -- tensors --
+    def _dtype(self, name: str):
+        return {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32}[name]
+
+    def input(self, shape, dtype: str):
+        """Random values; between NaN guards when guards are on (a read past the tensor gives NaN)."""
+        torch = self.torch
+        n = math.prod(shape)
+        if not self.guards:
+            return torch.randn(shape, device="cuda").to(self._dtype(dtype))
+        buffer = torch.full((n + 2 * GUARD_ELEMENTS,), float("nan"), device="cuda", dtype=self._dtype(dtype))
+        view = buffer[GUARD_ELEMENTS:GUARD_ELEMENTS + n].view(shape)
+        view.copy_(torch.randn(shape, device="cuda"))
+        return view
+
+    def output(self, name: str, shape, dtype: str, fill: float = -7777.0):
+        """Filled with a finite sentinel (initcheck sees every byte written before use), guarded."""
+        torch = self.torch
+        n = math.prod(shape)
+        pad = GUARD_ELEMENTS if self.guards else 0
+        buffer = torch.full((n + 2 * pad,), fill, device="cuda", dtype=self._dtype(dtype))
+        view = buffer[pad:pad + n].view(shape)
+        self._outputs.append((name, buffer, buffer.clone(), view))
+        return view
+
+    def int32(self, values: list[int] | None):
+        if values is None:
+            return None
+        return self.torch.tensor(values, dtype=self.torch.int32, device="cuda")
+
+    # -- checks --
+    def fail(self, message: str) -> None:
+        self.problems.append(message)
+
+    def check_outputs(self, untouched: dict[str, Callable]) -> None:
+        """Guards unchanged; rows outside the clamped sequences unchanged; no NaN anywhere.
+
+        ``untouched[name](view) -> bool mask`` of the elements that must keep their fill.
+        """
+        torch = self.torch
+        torch.cuda.synchronize()
+        for name, buffer, snapshot, view in self._outputs:
+            if self.guards:
+                n = view.numel()
+                for side, lo, hi in (("before", 0, GUARD_ELEMENTS), ("after", GUARD_ELEMENTS + n, buffer.numel())):
+                    if not torch.equal(buffer[lo:hi], snapshot[lo:hi]):
+                        self.fail(f"{name}: the guard {side} the output was written")
+            if torch.isnan(view).any():
+                self.fail(f"{name}: NaN in the output (a read outside an input, or an unguarded overflow)")
+            mask_fn = untouched.get(name)
+            if mask_fn is not None:
+                mask = mask_fn(view)
+                before = snapshot[GUARD_ELEMENTS if self.guards else 0:][: view.numel()].view(view.shape)
+                changed = (view != before) & mask
+                if changed.any():
+                    self.fail(f"{name}: {int(changed.sum())} elements outside every clamped sequence were written")
+        self._outputs.clear()
+
+
+def _row_mask(torch, shape, rows_per_batch: list[set[int]], token_axis: int, batch_axis: int | None):
+    """True where the token is in no written row (elements that must keep their fill)."""
+    mask = torch.ones(shape, dtype=torch.bool)
+    for b, rows in enumerate(rows_per_batch):
+        index = [slice(None)] * len(shape)
+        if batch_axis is not None:
+            index[batch_axis] = b
+        for r in rows:
+            index[token_axis] = r
+            mask[tuple(index)] = False
+        if batch_axis is None:
+            break  # THD: one token axis shared by every sequence
+    return mask.cuda()
+
+
+def run_smallseq(runner: Runner, case: Case) -> None:
+    import hipattn
+
+    torch = runner.torch
+    thd = case.layout == "thd"
+    if thd:
+        q_shape = (case.total_q, case.heads_q, case.head_dim)
+        k_shape = (case.total_k, case.heads_kv, case.head_dim)
+        lse_shape = (case.heads_q, case.total_q)
+    else:
+        q_shape = (BATCH, case.total_q, case.heads_q, case.head_dim)
+        k_shape = (BATCH, case.total_k, case.heads_kv, case.head_dim)
+        lse_shape = (BATCH, case.heads_q, case.total_q)
+    q, k, v, dout = (runner.input(s, case.dtype) for s in (q_shape, k_shape, k_shape, q_shape))
+    args = dict(cu_seqlens_q=runner.int32(case.cu_seqlens_q), cu_seqlens_k=runner.int32(case.cu_seqlens_k),
+                seqused_q=runner.int32(case.seqused_q), seqused_k=runner.int32(case.seqused_k), causal=case.causal)
+    if thd or case.max_seqlen_q != SMALLSEQ_TILE:
+        args.update(max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k)
+    max_q = case.max_seqlen_q if thd else min(case.max_seqlen_q, case.total_q)
+    max_k = case.max_seqlen_k if thd else min(case.max_seqlen_k, case.total_k)
+    rows_q = rows_a_kernel_may_write(case.cu_seqlens_q, case.seqused_q, BATCH, max_q, case.total_q, SMALLSEQ_TILE)
+    rows_k = rows_a_kernel_may_write(case.cu_seqlens_k, case.seqused_k, BATCH, max_k, case.total_k, SMALLSEQ_TILE)
+    token_axis, batch_axis = (0, None) if thd else (1, 0)
+    lse_token_axis = 1 if thd else 2
+
+    previous = os.environ.get(KERNEL_SWITCH)
+    if case.kernel == "portable":
+        os.environ[KERNEL_SWITCH] = "portable"
+    else:
+        os.environ.pop(KERNEL_SWITCH, None)
+    try:
+        if case.allocate_outputs:
+            out, lse = hipattn.forward(q, k, v, **args)
+            dq, dk, dv = hipattn.backward(dout, q, k, v, out, lse, **args)
+            torch.cuda.synchronize()
+            for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+                if torch.isnan(t).any():
+                    runner.fail(f"{name}: NaN in a fully covered, hipattn-allocated output")
+            return
+        out = runner.output("out", q_shape, case.dtype)
+        lse = runner.output("lse", lse_shape, "fp32")
+        hipattn.forward(q, k, v, out=out, lse=lse, **args)
+        dq = runner.output("dq", q_shape, case.dtype)
+        dk = runner.output("dk", k_shape, case.dtype)
+        dv = runner.output("dv", k_shape, case.dtype)
+        hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
+    finally:
+        if previous is None:
+            os.environ.pop(KERNEL_SWITCH, None)
+        else:
+            os.environ[KERNEL_SWITCH] = previous
+    runner.check_outputs({
+        "out": lambda t: _row_mask(torch, t.shape, rows_q, token_axis, batch_axis),
+        "lse": lambda t: _row_mask(torch, t.shape, rows_q, lse_token_axis, batch_axis),
+        "dq": lambda t: _row_mask(torch, t.shape, rows_q, token_axis, batch_axis),
+        "dk": lambda t: _row_mask(torch, t.shape, rows_k, token_axis, batch_axis),
+        "dv": lambda t: _row_mask(torch, t.shape, rows_k, token_axis, batch_axis),
+    })
+
+
+def run_flash_forward(runner: Runner, case: Case) -> None:
+    from hipattn import arrays
+    from hipattn import problem as problem_mod
+    from hipattn.backends import get_backend
+    from hipattn.ops import flash
+    from hipattn.streams import on_device, resolve_stream
+
+    torch = runner.torch
+    q = runner.input((case.total_q, case.heads_q, case.head_dim), case.dtype)
+    k = runner.input((case.total_k, case.heads_kv, case.head_dim), case.dtype)
+    v = runner.input((case.total_k, case.heads_kv, case.head_dim), case.dtype)
+    cu_q, cu_k = runner.int32(case.cu_seqlens_q), runner.int32(case.cu_seqlens_k)
+    out = runner.output("out", tuple(q.shape), case.dtype)
+    lse = runner.output("lse", (case.heads_q, case.total_q), "fp32")
+    qa, ka, va = (arrays.as_device_array(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    cu_qa, cu_ka = arrays.as_device_array(cu_q, "cu_seqlens_q"), arrays.as_device_array(cu_k, "cu_seqlens_k")
+    problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka, max_seqlen_q=case.max_seqlen_q,
+                                   max_seqlen_k=case.max_seqlen_k, causal=case.causal)
+    with on_device(get_backend(), problem.device):
+        stream = resolve_stream((qa, ka, va), None, device=problem.device)
+        flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
+                      stream, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka)
+    # The flash kernels pass max_seqlen as their tile (no tile limit of their own).
+    rows_q = rows_a_kernel_may_write(case.cu_seqlens_q, None, BATCH, case.max_seqlen_q, case.total_q, case.max_seqlen_q)
+    runner.check_outputs({
+        "out": lambda t: _row_mask(torch, t.shape, rows_q, 0, None),
+        "lse": lambda t: _row_mask(torch, t.shape, rows_q, 1, None),
+    })
+
+
+def run_preprocess(runner: Runner, case: Case) -> None:
+    from hipattn import arrays
+    from hipattn.backends import get_backend
+    from hipattn.ops import preprocess
+    from hipattn.streams import on_device
+
+    torch = runner.torch
+    if case.layout == "thd":
+        shape = (case.total_q, case.heads_q, case.head_dim)
+        d_shape = (case.heads_q, case.total_q)
+    else:
+        shape = (2, case.total_q, case.heads_q, case.head_dim)
+        d_shape = (2, case.heads_q, case.total_q)
+    stream = torch.cuda.current_stream().cuda_stream
+    with on_device(get_backend(), 0):
+        if case.kind == "dot_do_o":
+            o, do = runner.input(shape, case.dtype), runner.input(shape, case.dtype)
+            d = runner.output("d", d_shape, "fp32")
+            preprocess.dot_do_o(arrays.as_device_array(o, "o"), arrays.as_device_array(do, "dout"),
+                                arrays.as_device_array(d, "d"), stream)
+            expected = (o.double() * do.double()).sum(-1)
+            expected = expected.T if case.layout == "thd" else expected.transpose(1, 2)
+            result = d
+        else:
+            accum = runner.input(shape, "fp32")
+            dq = runner.output("dq", shape, case.dtype)
+            preprocess.convert_dq(arrays.as_device_array(accum, "dq_accum"), arrays.as_device_array(dq, "dq"), 0.125,
+                                  stream)
+            expected = (accum * 0.125).to(dq.dtype)
+            result = dq
+    torch.cuda.synchronize()
+    if not torch.allclose(result.double(), expected.double(), rtol=1e-3, atol=1e-3):
+        runner.fail(f"{case.kind}: result differs from torch's")
+    runner.check_outputs({})
+
+
+RUNNERS = {"smallseq": run_smallseq, "flash_forward": run_flash_forward, "dot_do_o": run_preprocess,
+           "convert_dq": run_preprocess}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one configuration per kernel (fewest launches)")
+    parser.add_argument("--no-guards", dest="guards", action="store_false",
+                        help="exact-size allocations (for memcheck/initcheck with PYTORCH_NO_CUDA_MEMORY_CACHING=1)")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    args = parser.parse_args()
+    cases = [c for c in build_cases(args.quick) if args.only in c.name]
+    if args.list:
+        for case in cases:
+            print(f"{case.name}  [{', '.join(case.families)}]")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("sanitize: no GPU", file=sys.stderr)
+        return 1
+    if not args.guards and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1":
+        print("sanitize: note: --no-guards without PYTORCH_NO_CUDA_MEMORY_CACHING=1: tensors share allocations, "
+              "so the sanitizer cannot see an access just past one", file=sys.stderr)
+    runner = Runner(args.guards)
+    failed: list[str] = []
+    families: set[str] = set()
+    start = time.perf_counter()
+    for case in cases:
+        runner.problems.clear()
+        t0 = time.perf_counter()
+        try:
+            RUNNERS[case.kind](runner, case)
+        except Exception as error:  # one broken case must not hide the others' results
+            runner.fail(f"raised {type(error).__name__}: {error}")
+            traceback.print_exc()
+        families.update(case.families)
+        status = "ok" if not runner.problems else "FAIL " + "; ".join(runner.problems)
+        if runner.problems:
+            failed.append(case.name)
+        print(f"{case.name:<70} {time.perf_counter() - t0:6.2f}s {status}", flush=True)
+    print(f"sanitize: {len(cases)} cases, {len(failed)} failed, {time.perf_counter() - start:.1f} s, "
+          f"families: {', '.join(sorted(families))}", flush=True)
+    for name in failed:
+        print(f"  failed: {name}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
