@@ -322,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = os.environ.get("HIPATTN_LOG", "warning").upper()
-    logging.basicConfig(
-        level=getattr(logging, level, logging.WARNING), format="%(name)s %(levelname)s: %(message)s"
-    )
+    # Importing hipattn already attached a handler when HIPATTN_LOG is set (hipattn.log); a second
+    # one here would print every record twice. Otherwise show warnings (cache problems) on stderr.
+    if not logging.getLogger("hipattn").handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     return args.run(args)

@@ -176,8 +176,20 @@ def describe(
         total_q, total_k = q_tokens, k_tokens
     _check_seqlens(seqused_q, "seqused_q", batch, device)
     _check_seqlens(seqused_k, "seqused_k", batch, device)
+    _check_fits_int32(total_q=total_q, total_k=total_k, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k)
     return _problem(layout, q.dtype, batch, heads_q, heads_kv, head_dim, max_q, max_k, total_q, total_k,
                     bool(causal), float(softmax_scale), device)
+
+
+# The kernels take token counts, batch and bounds as 32-bit ints (ctypes would wrap larger values
+# silently, and a negative total would make every sequence look empty).
+_INT32_MAX = 2**31 - 1
+
+
+def _check_fits_int32(**counts: int) -> None:
+    for name, value in counts.items():
+        if value > _INT32_MAX:
+            raise ValueError(f"{name} is {value}; hipattn's kernels index with 32-bit ints (at most {_INT32_MAX})")
 
 
 _new_object = object.__new__
@@ -233,6 +245,10 @@ def check_output(out: DeviceArray, name: str, shape: tuple[int, ...], dtype: str
         raise ValueError(f"{name} is on device {out.device} but the inputs are on device {problem.device}")
     if out.strides and out.strides[-1] != 1 and out.shape[-1] > 1:
         raise ValueError(f"{name} has strides {out.strides}; its last dimension must be contiguous")
+    for n, stride in zip(out.shape, out.strides, strict=True):
+        if stride <= 0 and n > 1:
+            # An expanded (stride 0) or reversed output would have several rows written to one place.
+            raise ValueError(f"{name} has strides {out.strides}; an output needs positive strides (no broadcast views)")
     device = out.device
     start, end = _extent(out)
     for input_device, input_start, input_end, input_name in inputs:
