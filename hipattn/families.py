@@ -48,13 +48,22 @@ DTYPES = ("fp16", "bf16")
 # ---- backward pre-processing: D = rowsum(dO * O), and dq_accum (fp32) -> dq ----------------------
 
 PREPROCESS_HEAD_DIMS = (64, 96, 128, 256)
+# A row is read by a team of PREPROCESS_TEAM_LANES lanes with 16-byte accesses; the grid covers
+# block_threads / team lanes rows per block.
+PREPROCESS_BLOCK_THREADS = 256
+PREPROCESS_TEAM_LANES = 8
+
+
+def preprocess_spec(fam: KernelFamily, dtype: str, head_dim: int) -> KernelSpec:
+    return fam.spec(dtype=dtype, head_dim=head_dim, block_threads=PREPROCESS_BLOCK_THREADS,
+                    team_lanes=PREPROCESS_TEAM_LANES)
 
 BWD_DOT_DO_O = _register(
     KernelFamily(
         name="bwd_dot_do_o",
         source="flash/bwd_dot_do_o.hip",
         template="hipattn::bwd_dot_do_o",
-        template_params=("dtype", "head_dim"),
+        template_params=("dtype", "head_dim", "block_threads", "team_lanes"),
         params=ParamsStruct(
             "DotDoOParams",
             _strided("o")
@@ -69,7 +78,7 @@ BWD_DOT_DO_O = _register(
             ),
         ),
         shipped=lambda target: [
-            BWD_DOT_DO_O.spec(dtype=t, head_dim=d) for t in DTYPES for d in PREPROCESS_HEAD_DIMS
+            preprocess_spec(BWD_DOT_DO_O, t, d) for t in DTYPES for d in PREPROCESS_HEAD_DIMS
         ],
     )
 )
@@ -79,7 +88,7 @@ BWD_CONVERT_DQ = _register(
         name="bwd_convert_dq",
         source="flash/bwd_convert_dq.hip",
         template="hipattn::bwd_convert_dq",
-        template_params=("dtype", "head_dim"),
+        template_params=("dtype", "head_dim", "block_threads", "team_lanes"),
         params=ParamsStruct(
             "ConvertDqParams",
             _strided("dq_accum")
@@ -87,7 +96,7 @@ BWD_CONVERT_DQ = _register(
             + (("scale", "f32"), ("batch", "i32"), ("seqlen", "i32"), ("heads", "i32")),
         ),
         shipped=lambda target: [
-            BWD_CONVERT_DQ.spec(dtype=t, head_dim=d) for t in DTYPES for d in PREPROCESS_HEAD_DIMS
+            preprocess_spec(BWD_CONVERT_DQ, t, d) for t in DTYPES for d in PREPROCESS_HEAD_DIMS
         ],
     )
 )
@@ -116,12 +125,29 @@ _SEQUENCE_FIELDS = (
 )
 
 
+# The portable kernels (CUDA cores, any wave size): a team of head_dim / SMALLSEQ_LANE_ELEMENTS lanes
+# owns one problem and a block holds block_threads / team lanes teams. The backward runs 64-thread
+# blocks so that a GQA group's dK/dV sums (2 x tile x head_dim fp32 per team) fit in 64 KiB of LDS on
+# AMD and 99 KiB on sm_86/sm_89 together with the static tiles.
+SMALLSEQ_LANE_ELEMENTS = 4
+SMALLSEQ_PORTABLE_BLOCK_THREADS = {"forward": 128, "backward": 64}
+
+
+def smallseq_portable_spec(fam: KernelFamily, dtype: str, head_dim: int, heads: int) -> KernelSpec:
+    direction = "forward" if fam.name == "smallseq_forward" else "backward"
+    return fam.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE,
+                    block_threads=SMALLSEQ_PORTABLE_BLOCK_THREADS[direction], lane_elements=SMALLSEQ_LANE_ELEMENTS)
+
+
+def smallseq_teams_per_block(spec: KernelSpec) -> int:
+    """Problems one block of a portable small-seq kernel serves."""
+    args = dict(spec.template_args)
+    return args["block_threads"] // (args["head_dim"] // args["lane_elements"])
+
+
 def _smallseq_specs(fam: KernelFamily) -> list[KernelSpec]:
     return [
-        fam.spec(dtype=t, head_dim=d, heads=h, tile=SMALLSEQ_TILE)
-        for t in DTYPES
-        for d in SMALLSEQ_HEAD_DIMS
-        for h in SMALLSEQ_SHIPPED_HEADS
+        smallseq_portable_spec(fam, t, d, h) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS for h in SMALLSEQ_SHIPPED_HEADS
     ]
 
 
@@ -130,7 +156,7 @@ SMALLSEQ_FORWARD = _register(
         name="smallseq_forward",
         source="smallseq/forward.hip",
         template="hipattn::smallseq_forward",
-        template_params=("dtype", "head_dim", "heads", "tile"),
+        template_params=("dtype", "head_dim", "heads", "tile", "block_threads", "lane_elements"),
         params=ParamsStruct(
             "SmallSeqForwardParams",
             _strided("q")
@@ -192,7 +218,7 @@ SMALLSEQ_BACKWARD = _register(
         name="smallseq_backward",
         source="smallseq/backward.hip",
         template="hipattn::smallseq_backward",
-        template_params=("dtype", "head_dim", "heads", "tile"),
+        template_params=("dtype", "head_dim", "heads", "tile", "block_threads", "lane_elements"),
         params=ParamsStruct(
             "SmallSeqBackwardParams",
             _strided("q")

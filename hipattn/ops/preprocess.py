@@ -11,12 +11,15 @@ import functools
 
 from ..arrays import DeviceArray
 from ..backends import get_backend
-from ..families import BWD_CONVERT_DQ, BWD_DOT_DO_O
+from ..families import (
+    BWD_CONVERT_DQ,
+    BWD_DOT_DO_O,
+    PREPROCESS_BLOCK_THREADS,
+    PREPROCESS_TEAM_LANES,
+    preprocess_spec,
+)
 from ..registry import get_kernel
 from ..spec import KernelSpec
-
-BLOCK_THREADS = 256  # preprocess::kBlockThreads
-TEAM_LANES = 8  # preprocess::kTeamLanes: lanes per row
 
 
 def _bshd(a: DeviceArray, name: str) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
@@ -44,17 +47,17 @@ def _put(fields: dict, name: str, strides: tuple[int, int, int], a: DeviceArray)
 # One frozen spec per (dtype, head_dim), built once: a launch pays a dict hit, not KernelFamily.spec.
 @functools.cache
 def _dot_do_o_spec(dtype: str, head_dim: int) -> KernelSpec:
-    return BWD_DOT_DO_O.spec(dtype=dtype, head_dim=head_dim)
+    return preprocess_spec(BWD_DOT_DO_O, dtype, head_dim)
 
 
 @functools.cache
 def _convert_dq_spec(dtype: str, head_dim: int) -> KernelSpec:
-    return BWD_CONVERT_DQ.spec(dtype=dtype, head_dim=head_dim)
+    return preprocess_spec(BWD_CONVERT_DQ, dtype, head_dim)
 
 
 def _grid(batch: int, seqlen: int, heads: int) -> tuple[int, int, int]:
     rows = batch * seqlen * heads
-    rows_per_block = BLOCK_THREADS // TEAM_LANES
+    rows_per_block = PREPROCESS_BLOCK_THREADS // PREPROCESS_TEAM_LANES
     return ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
 
 
@@ -76,7 +79,7 @@ def dot_do_o(out: DeviceArray, dout: DeviceArray, d: DeviceArray, stream: int) -
     _put(fields, "o", o_strides, out)
     _put(fields, "dout", do_strides, dout)
     params = kernel.params.from_dict(fields)
-    kernel.launch(_grid(batch, seqlen, heads), (BLOCK_THREADS, 1, 1), 0, stream, params)
+    kernel.launch(_grid(batch, seqlen, heads), (PREPROCESS_BLOCK_THREADS, 1, 1), 0, stream, params)
 
 
 def zero_dq_accum(dq_accum: DeviceArray, stream: int) -> None:
@@ -97,4 +100,4 @@ def convert_dq(dq_accum: DeviceArray, dq: DeviceArray, scale: float, stream: int
     _put(fields, "dq_accum", acc_strides, dq_accum)
     _put(fields, "dq", dq_strides, dq)
     params = kernel.params.from_dict(fields)
-    kernel.launch(_grid(batch, seqlen, heads), (BLOCK_THREADS, 1, 1), 0, stream, params)
+    kernel.launch(_grid(batch, seqlen, heads), (PREPROCESS_BLOCK_THREADS, 1, 1), 0, stream, params)

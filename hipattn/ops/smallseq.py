@@ -19,6 +19,8 @@ from ..families import (
     SMALLSEQ_MMA_BACKWARD_WARPS,
     SMALLSEQ_MMA_WARPS,
     SMALLSEQ_TILE,
+    smallseq_portable_spec,
+    smallseq_teams_per_block,
 )
 from ..problem import Problem
 from ..registry import get_kernel
@@ -30,8 +32,6 @@ from .fields import forward_fields, put_lse, put_tensor, sequence_fields
 # that has the tensor-core one; for A/B comparisons and to test both on one machine.
 KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"
 
-BLOCK_THREADS = 128  # smallseq::kBlockThreads
-ELEMENTS_PER_LANE = 4  # smallseq::kElementsPerLane
 
 
 def ineligibility(problem: Problem) -> str | None:
@@ -46,10 +46,6 @@ def ineligibility(problem: Problem) -> str | None:
     return None
 
 
-def _teams_per_block(head_dim: int) -> int:
-    return BLOCK_THREADS // (head_dim // ELEMENTS_PER_LANE)
-
-
 # Specs are frozen and few (one per dtype, head_dim and heads in use): each is built once, so a
 # launch pays a dict hit instead of KernelFamily.spec's argument checks.
 @functools.cache
@@ -57,7 +53,7 @@ def _forward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) -> 
     if tensor_cores:
         return SMALLSEQ_FORWARD_MMA.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE,
                                          warps=SMALLSEQ_MMA_WARPS[head_dim])
-    return SMALLSEQ_FORWARD.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE)
+    return smallseq_portable_spec(SMALLSEQ_FORWARD, dtype, head_dim, heads)
 
 
 @functools.cache
@@ -65,7 +61,7 @@ def _backward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) ->
     if tensor_cores:
         return SMALLSEQ_BACKWARD_MMA.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE,
                                           warps=SMALLSEQ_MMA_BACKWARD_WARPS[head_dim])
-    return SMALLSEQ_BACKWARD.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE)
+    return smallseq_portable_spec(SMALLSEQ_BACKWARD, dtype, head_dim, heads)
 
 
 def _tensor_cores(device: int) -> bool:
@@ -84,7 +80,7 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         problems_per_block, block_threads = warps, 32 * warps
     else:
         spec = _forward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
-        problems_per_block, block_threads = _teams_per_block(problem.head_dim), BLOCK_THREADS
+        problems_per_block, block_threads = smallseq_teams_per_block(spec), spec.arg("block_threads")
     kernel = get_kernel(spec, problem.device)
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     params = kernel.params.from_dict(fields)
@@ -101,11 +97,12 @@ def _backward_on_tensor_cores(problem: Problem) -> bool:
     )
 
 
-def backward_shared_bytes(problem: Problem) -> int:
-    """Dynamic shared memory of one backward block: the per-team dK/dV sums of a GQA group."""
+def backward_shared_bytes(problem: Problem, teams_per_block: int) -> int:
+    """Dynamic shared memory of one portable backward block: each team's dK/dV sums over its GQA
+    group, fp32 [2][tile][head_dim] (backward.hip's group_accum)."""
     if problem.heads_q == problem.heads_kv:
         return 0  # each team writes its dK/dV straight out
-    return _teams_per_block(problem.head_dim) * 2 * SMALLSEQ_TILE * problem.head_dim * 4
+    return teams_per_block * 2 * SMALLSEQ_TILE * problem.head_dim * 4
 
 
 def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
@@ -120,8 +117,8 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
         problems_per_block, block_threads, shared = warps, 32 * warps, 0
     else:
         spec = _backward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
-        problems_per_block, block_threads = _teams_per_block(problem.head_dim), BLOCK_THREADS
-        shared = backward_shared_bytes(problem)
+        problems_per_block, block_threads = smallseq_teams_per_block(spec), spec.arg("block_threads")
+        shared = backward_shared_bytes(problem, problems_per_block)
     kernel = get_kernel(spec, problem.device)
     kernel.reserve_dynamic_shared_memory(shared)
     fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)

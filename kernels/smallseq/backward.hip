@@ -13,10 +13,10 @@ namespace hipattn {
 namespace smallseq {
 
 // S[j][i] (key-major) = sum over the team of a_i · b_j: the shared step of the scores and dP.
-template <typename T, int HEAD_DIM, int TILE>
+template <typename T, int HEAD_DIM, int TILE, int BLOCK_THREADS>
 HIPATTN_DEVICE void team_scores(const Vec<T, kElementsPerLane> (&a)[TILE], const Vec<T, kElementsPerLane> (&b)[TILE],
                                 int len_a, int len_b, int reduce_lane, float* tile) {
-  using G = Geometry<HEAD_DIM, TILE>;
+  using G = Geometry<HEAD_DIM, TILE, BLOCK_THREADS>;
 #pragma unroll
   for (int g = 0; g < G::kGroups; ++g) {
     if (g * G::kReduceLanes < len_b * TILE) {
@@ -41,9 +41,12 @@ HIPATTN_DEVICE void team_scores(const Vec<T, kElementsPerLane> (&a)[TILE], const
 
 }  // namespace smallseq
 
-template <typename T, int HEAD_DIM, int HEADS, int TILE>
-__global__ void __launch_bounds__(smallseq::kBlockThreads) smallseq_backward(const SmallSeqBackwardParams p) {
-  using G = smallseq::Geometry<HEAD_DIM, TILE>;
+// BLOCK_THREADS and LANE_ELEMENTS come from the host's table (families.py), which sizes the grid
+// with them; LANE_ELEMENTS must be the layout this file is written for.
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int BLOCK_THREADS, int LANE_ELEMENTS>
+__global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSeqBackwardParams p) {
+  static_assert(LANE_ELEMENTS == smallseq::kElementsPerLane, "each lane holds 4 elements of a row");
+  using G = smallseq::Geometry<HEAD_DIM, TILE, BLOCK_THREADS>;
   using Row = Vec<T, smallseq::kElementsPerLane>;
   constexpr int E = smallseq::kElementsPerLane;
 
@@ -116,8 +119,8 @@ __global__ void __launch_bounds__(smallseq::kBlockThreads) smallseq_backward(con
       }
     }
 
-    smallseq::team_scores<T, HEAD_DIM, TILE>(q, k, len_q, len_k, reduce_lane, scores[team][slice]);
-    smallseq::team_scores<T, HEAD_DIM, TILE>(dout, v, len_q, len_k, reduce_lane, dprobs[team][slice]);
+    smallseq::team_scores<T, HEAD_DIM, TILE, BLOCK_THREADS>(q, k, len_q, len_k, reduce_lane, scores[team][slice]);
+    smallseq::team_scores<T, HEAD_DIM, TILE, BLOCK_THREADS>(dout, v, len_q, len_k, reduce_lane, dprobs[team][slice]);
     __syncthreads();
 
     // ---- P and dZ, one lane per query row ----

@@ -13,19 +13,18 @@ namespace hipattn {
 namespace smallseq {
 
 constexpr int kElementsPerLane = 4;
-constexpr int kBlockThreads = 128;
 
-template <int HEAD_DIM, int TILE>
+template <int HEAD_DIM, int TILE, int BLOCK_THREADS>
 struct Geometry {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "small-seq head_dim is 64, 128 or 256");
   static constexpr int kTeamLanes = HEAD_DIM / kElementsPerLane;                // 16, 32 or 64
   static constexpr int kReduceLanes = kTeamLanes < 32 ? kTeamLanes : 32;        // shuffle width
   static constexpr int kSlices = kTeamLanes / kReduceLanes;                     // partial sums per entry
-  static constexpr int kTeamsPerBlock = kBlockThreads / kTeamLanes;
+  static constexpr int kTeamsPerBlock = BLOCK_THREADS / kTeamLanes;
   static constexpr int kTilePad = (TILE + 3) / 4 * 4;                           // row pitch of score tiles
   static constexpr int kEntries = TILE * TILE;                                  // score entries, key-major
   static constexpr int kGroups = (kEntries + kReduceLanes - 1) / kReduceLanes;  // reduce_scatter rounds
-  static_assert(kBlockThreads % kTeamLanes == 0, "a block holds whole teams");
+  static_assert(BLOCK_THREADS % kTeamLanes == 0, "a block holds whole teams");
 };
 
 // Sequence bounds live in common/sequence.h, shared with the flash kernels.

@@ -10,9 +10,12 @@
 
 namespace hipattn {
 
-template <typename T, int HEAD_DIM, int HEADS, int TILE>
-__global__ void __launch_bounds__(smallseq::kBlockThreads) smallseq_forward(const SmallSeqForwardParams p) {
-  using G = smallseq::Geometry<HEAD_DIM, TILE>;
+// BLOCK_THREADS and LANE_ELEMENTS come from the host's table (families.py), which sizes the grid
+// with them; LANE_ELEMENTS must be the layout this file is written for.
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int BLOCK_THREADS, int LANE_ELEMENTS>
+__global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeqForwardParams p) {
+  static_assert(LANE_ELEMENTS == smallseq::kElementsPerLane, "each lane holds 4 elements of a row");
+  using G = smallseq::Geometry<HEAD_DIM, TILE, BLOCK_THREADS>;
   using Row = Vec<T, smallseq::kElementsPerLane>;
   constexpr int E = smallseq::kElementsPerLane;
 
