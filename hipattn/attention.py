@@ -13,11 +13,11 @@ from . import arrays, checks, dispatch
 from . import problem as problem_mod
 from .backends import get_backend
 from .ops import smallseq
-from .streams import on_device, resolve_stream
+from .streams import on_device, resolve_stream, wait_for_producers
 
 
-def _array(obj: Any, name: str) -> arrays.DeviceArray | None:
-    return None if obj is None else arrays.as_device_array(obj, name)
+def _array(obj: Any, name: str, stream: int | None = None) -> arrays.DeviceArray | None:
+    return None if obj is None else arrays.as_device_array(obj, name, stream=stream)
 
 
 def _input_spans(inputs, *outputs: Any) -> tuple:
@@ -63,24 +63,31 @@ class _Inputs(NamedTuple):
 
 
 def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                     causal, softmax_scale) -> _Inputs:
+                     causal, softmax_scale, stream) -> _Inputs:
+    # A DLPack producer orders its pending writes before the consumer's stream, which must be named
+    # at export: known here only when the caller passed a raw handle (otherwise the protocol's
+    # default, the legacy stream, is what the producer syncs with).
+    consumer = stream if type(stream) is int else None
     # Plain calls, not a generator over (array, name) pairs: this runs on every launch.
-    qa = arrays.as_device_array(q, "q")
-    ka = arrays.as_device_array(k, "k")
-    va = arrays.as_device_array(v, "v")
+    qa = arrays.as_device_array(q, "q", stream=consumer)
+    ka = arrays.as_device_array(k, "k", stream=consumer)
+    va = arrays.as_device_array(v, "v", stream=consumer)
     sequences = {
-        "cu_seqlens_q": _array(cu_seqlens_q, "cu_seqlens_q"),
-        "cu_seqlens_k": _array(cu_seqlens_k, "cu_seqlens_k"),
-        "seqused_q": _array(seqused_q, "seqused_q"),
-        "seqused_k": _array(seqused_k, "seqused_k"),
+        "cu_seqlens_q": _array(cu_seqlens_q, "cu_seqlens_q", consumer),
+        "cu_seqlens_k": _array(cu_seqlens_k, "cu_seqlens_k", consumer),
+        "seqused_q": _array(seqused_q, "seqused_q", consumer),
+        "seqused_k": _array(seqused_k, "seqused_k", consumer),
     }
     problem = problem_mod.describe(qa, ka, va, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale)
     return _Inputs(qa, ka, va, sequences, problem)
 
 
-def _check_on_device(backend, stream: int, call: _Inputs) -> None:
-    """HIPATTN_CHECK=1: the device-side sequence description, read back on the launch stream."""
+def _order_after_inputs(backend, stream: int, call: _Inputs, *more: arrays.DeviceArray) -> None:
+    """Before anything reads the inputs: wait for CAI v3 producers' streams, then (HIPATTN_CHECK=1)
+    read the device-side sequence description back on the launch stream."""
+    inputs = (call.q, call.k, call.v, *more, *(a for a in call.sequences.values() if a is not None))
+    wait_for_producers(backend, inputs, stream)
     if checks.enabled():
         checks.check_sequences(backend, stream, call.problem, **call.sequences)
 
@@ -110,13 +117,13 @@ def forward(
     of a padded batch). Rows beyond a sequence's length are not written.
     """
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                            max_seqlen_k, causal, softmax_scale)
+                            max_seqlen_k, causal, softmax_scale, stream)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     dispatch.choose_path(problem, "forward")
     backend = get_backend()
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
-        _check_on_device(backend, launch_stream, call)
+        _order_after_inputs(backend, launch_stream, call)
         spans = _input_spans(((qa, "q"), (ka, "k"), (va, "v")), out, lse)
         out_obj, out_a = _output(out, "out", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
         lse_obj, lse_a = _output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, spans,
@@ -157,11 +164,12 @@ def backward(
     KV group (GQA/MQA). The small-seq path is deterministic whatever ``deterministic`` says.
     """
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                            max_seqlen_k, causal, softmax_scale)
+                            max_seqlen_k, causal, softmax_scale, stream)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
-    douta = arrays.as_device_array(dout, "dout")
-    outa = arrays.as_device_array(out, "out")
-    lsea = arrays.as_device_array(lse, "lse")
+    consumer = stream if type(stream) is int else None
+    douta = arrays.as_device_array(dout, "dout", stream=consumer)
+    outa = arrays.as_device_array(out, "out", stream=consumer)
+    lsea = arrays.as_device_array(lse, "lse", stream=consumer)
     for a, name in ((douta, "dout"), (outa, "out")):
         if a.dtype != qa.dtype:
             raise TypeError(f"{name} has dtype {a.dtype}; expected q's {qa.dtype}")
@@ -185,7 +193,7 @@ def backward(
     backend = get_backend()
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va, douta), stream, device=problem.device)
-        _check_on_device(backend, launch_stream, call)
+        _order_after_inputs(backend, launch_stream, call, douta, outa, lsea)
         spans = _input_spans(inputs, dq, dk, dv)
         dq_obj, dqa = _output(dq, "dq", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
         dk_obj, dka = _output(dk, "dk", ka, ka.shape, ka.dtype, problem, spans, launch_stream)

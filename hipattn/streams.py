@@ -132,6 +132,21 @@ def producer_streams(arrays: Sequence[DeviceArray], launch_stream: int) -> tuple
     return tuple(waits)
 
 
+def wait_for_producers(backend: Backend, arrays: Sequence[DeviceArray], launch_stream: int) -> None:
+    """Order ``launch_stream`` after the pending writes of each CAI v3 producer stream.
+
+    An event recorded on the producer's stream and waited on by the launch stream: the host never
+    blocks. The event is destroyed at once; the runtime keeps it until the wait has resolved.
+    """
+    for producer in producer_streams(arrays, launch_stream):
+        event = backend.event_create()
+        try:
+            backend.event_record(event, producer)
+            backend.stream_wait_event(launch_stream, event)
+        finally:
+            backend.event_destroy(event)
+
+
 # ---- internals --------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from hipattn.arrays import DeviceArray, raw_array
-from hipattn.streams import on_device, producer_streams, resolve_stream
+from hipattn.streams import on_device, producer_streams, resolve_stream, wait_for_producers
 
 
 class FakeBackend:
@@ -149,3 +149,42 @@ def test_guard_and_resolution_are_cheap(fake_frameworks):
             resolve_stream(arrays, None)
     per_call = (time.perf_counter() - start) / n
     assert per_call < 20e-6, f"{per_call * 1e6:.1f} µs per guard + resolve"
+
+
+class EventBackend:
+    """Records the event calls wait_for_producers makes, in order."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self._next = 100
+
+    def event_create(self, timing: bool = False) -> int:
+        self._next += 1
+        self.calls.append(("event_create", self._next))
+        return self._next
+
+    def event_record(self, event: int, stream: int) -> None:
+        self.calls.append(("event_record", event, stream))
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self.calls.append(("stream_wait_event", stream, event))
+
+    def event_destroy(self, event: int) -> None:
+        self.calls.append(("event_destroy", event))
+
+
+def test_the_launch_stream_waits_for_each_cai_v3_producer_stream_without_blocking_the_host():
+    backend = EventBackend()
+    inputs = [_array("cai", 0, stream=0x1234), _array("cai", 0, stream=0x1234), _array("cai", 0, stream=7),
+              _array("cai", 0, stream=0x5678), _array("raw", 0)]
+    wait_for_producers(backend, inputs, launch_stream=7)
+    assert backend.calls == [
+        ("event_create", 101), ("event_record", 101, 0x1234), ("stream_wait_event", 7, 101), ("event_destroy", 101),
+        ("event_create", 102), ("event_record", 102, 0x5678), ("stream_wait_event", 7, 102), ("event_destroy", 102),
+    ]
+
+
+def test_inputs_already_on_the_launch_stream_cost_no_event():
+    backend = EventBackend()
+    wait_for_producers(backend, [_array("cai", 0, stream=7), _array("torch", 0)], launch_stream=7)
+    assert backend.calls == []

@@ -151,6 +151,15 @@ def run(device: int, launches: int) -> None:
     backend.event_record(event, stream)
     backend.event_synchronize(event)
     check("event_record/event_synchronize/event_query", backend.event_query(event) is True)
+    # Cross-stream order: a second stream waits for an event of the first, then copies what it wrote.
+    other = backend.stream_create()
+    backend.launch(fill, ((n + 127) // 128, 1, 1), (128, 1, 1), 0, stream, FILL.new(out=device_buffer, n=n, value=4.0))
+    backend.event_record(event, stream)
+    backend.stream_wait_event(other, event)
+    backend.memcpy_async(pinned, device_buffer, nbytes, other)
+    backend.stream_synchronize(other)
+    check("stream_wait_event orders another stream", floats_at(pinned, n)[:2] == [12.0, 13.0])
+    backend.stream_destroy(other)
     start, end = backend.event_create(timing=True), backend.event_create(timing=True)
     backend.event_record(start, stream)
     for _ in range(100):

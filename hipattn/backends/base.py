@@ -173,6 +173,10 @@ class Backend(ABC):
     def stream_is_capturing(self, stream: int) -> bool: ...
 
     @abstractmethod
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Make later work on ``stream`` wait for ``event`` (recorded elsewhere); the host does not wait."""
+
+    @abstractmethod
     def event_create(self, timing: bool = False) -> int: ...
 
     @abstractmethod

@@ -385,6 +385,9 @@ class CudaBackend(Backend):
         # ACTIVE and INVALIDATED both mean a capture is still open on the stream.
         return int(status) != self._capture_none
 
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._check("cuStreamWaitEvent", self._driver.cuStreamWaitEvent(stream, event, 0))
+
     def event_create(self, timing: bool = False) -> int:
         self._ensure_context()
         flags = self._driver.CUevent_flags

@@ -417,6 +417,9 @@ class HipBackend(Backend):
         # Active and invalidated both mean a capture is still open on the stream.
         return int(status) != self._capture_none
 
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._check("hipStreamWaitEvent", self._hip.hipStreamWaitEvent(stream, event, 0))
+
     def event_create(self, timing: bool = False) -> int:
         # Timing costs a timestamp per record; events used for ordering do without.
         flags = self._hip.hipEventDefault if timing else self._hip.hipEventDisableTiming
