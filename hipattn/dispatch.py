@@ -1,7 +1,8 @@
 """Which kernel path serves a call, decided from host-known facts only.
 
 The small-seq path takes every call whose static configuration it supports and whose host-given
-bounds max_seqlen_q/k fit its tile; everything else goes to the general flash path. Nothing here
+bounds max_seqlen_q/k fit its tile. Everything else needs the general flash path, which is not
+wired in yet: such calls raise NotImplementedError naming the reason. Nothing here
 reads device memory or synchronizes. ``HIPATTN_LOG=debug`` logs each decision and its reason;
 ``HIPATTN_SMALLSEQ=0`` turns the small-seq path off (A/B comparisons).
 """

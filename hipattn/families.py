@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .params import ParamsStruct
 from .spec import KernelFamily, KernelSpec
-from .target import Target
+from .target import NVIDIA, Target
 
 FAMILIES: dict[str, KernelFamily] = {}
 
@@ -32,6 +32,11 @@ def family(name: str) -> KernelFamily:
 def shipped_specs(target: Target) -> list[KernelSpec]:
     """All instantiations hipattn ships for ``target``, in a stable order."""
     return [spec for name in sorted(FAMILIES) for spec in FAMILIES[name].shipped(target)]
+
+
+def runs_nvidia_mma(target: Target | None) -> bool:
+    """Whether ``target`` runs the mma.sync m16n8k16 kernels: NVIDIA sm_80 and newer."""
+    return target is not None and target.vendor == NVIDIA and target.compute_capability >= 80
 
 
 _OUTPUTS = {"o", "dq", "dk", "dv", "dq_accum"}
@@ -176,7 +181,7 @@ SMALLSEQ_MMA_WARPS = {64: 3, 128: 2, 256: 1}
 
 
 def _smallseq_mma_specs(fam: KernelFamily, target: Target) -> list[KernelSpec]:
-    if target is None or target.vendor != "nvidia" or target.compute_capability < 80:
+    if not runs_nvidia_mma(target):
         return []
     return [
         fam.spec(dtype=t, head_dim=d, heads=h, tile=SMALLSEQ_TILE, warps=SMALLSEQ_MMA_WARPS[d])
@@ -203,7 +208,7 @@ SMALLSEQ_MMA_BACKWARD_WARPS = {64: 2, 128: 1}
 
 
 def _smallseq_mma_backward_specs(fam: KernelFamily, target: Target) -> list[KernelSpec]:
-    if target is None or target.vendor != "nvidia" or target.compute_capability < 80:
+    if not runs_nvidia_mma(target):
         return []
     return [
         fam.spec(dtype=t, head_dim=d, heads=h, tile=SMALLSEQ_TILE, warps=w)
@@ -297,7 +302,7 @@ def flash_forward_spec(dtype: str, head_dim: int) -> KernelSpec:
 
 
 def _flash_forward_mma_specs(target: Target) -> list[KernelSpec]:
-    if target is None or target.vendor != "nvidia" or target.compute_capability < 80:
+    if not runs_nvidia_mma(target):
         return []
     return [flash_forward_spec(t, d) for t in DTYPES for d in FLASH_HEAD_DIMS]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import struct
 
 import pytest
@@ -85,9 +86,11 @@ def compile_with(backend, source: str, arch: str):
 
 @pytest.mark.nvrtc
 def test_nvrtc_identity_names_compiler_and_version(nvrtc):
-    name, version = nvrtc.compiler_identity().split(" ")
+    name, version, *wheel = nvrtc.compiler_identity().split(" ", 2)
     assert name == "nvrtc"
     assert all(part.isdigit() for part in version.split("."))
+    # The wheel's full version (patch releases change the binary too), when NVRTC came from one.
+    assert not wheel or re.fullmatch(r"\(nvidia-cuda-nvrtc(-cu12)? [0-9.]+\)", wheel[0])
 
 
 @pytest.mark.nvrtc

@@ -14,6 +14,7 @@ import functools
 import logging
 import sys
 import threading
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from ..errors import BackendUnavailableError, DriverError
@@ -38,6 +39,15 @@ def driver_library_present() -> bool:
     except OSError:
         return False
     return True
+
+
+def _nvrtc_wheel_suffix() -> str:
+    for distribution in ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12"):
+        try:
+            return f" ({distribution} {version(distribution)})"
+        except PackageNotFoundError:
+            continue
+    return ""
 
 
 @functools.cache
@@ -137,7 +147,9 @@ class CudaBackend(Backend):
                     f"or {_INSTALL_HINT}"
                 ) from None
             major, minor = self._nvrtc_check("nvrtcVersion", returned)
-            self._identity = f"nvrtc {major}.{minor}"
+            # nvrtcVersion stops at major.minor; the wheel's full version tells patch releases apart
+            # in the cache key (a system libnvrtc without the wheel keeps major.minor).
+            self._identity = f"nvrtc {major}.{minor}" + _nvrtc_wheel_suffix()
         return self._identity
 
     def compile_options(self, target: Target) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from ..backends import get_backend
-from ..target import NVIDIA
+from ..families import runs_nvidia_mma
 
 
 @functools.cache
@@ -14,5 +14,4 @@ def has_nvidia_mma(device: int) -> bool:
 
     Cached per device: callers that swap the backend (tests) call ``has_nvidia_mma.cache_clear()``.
     """
-    target = get_backend().device_target(device)
-    return target.vendor == NVIDIA and target.compute_capability >= 80
+    return runs_nvidia_mma(get_backend().device_target(device))
