@@ -15,30 +15,13 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
+
+from benchlib import median_ms, run_child  # tools/ is on sys.path when a tool runs as a script
 
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
 PEERS = ["hipattn", "sdpa_flash", "sdpa_cudnn"]
-
-
-def _median_ms(fn, warmup: int = 5, repeat: int = 30) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def flops(batch: int, seqlen: int, causal: bool) -> float:
@@ -90,21 +73,16 @@ def measure(peer: str, seqlen: int, causal: bool) -> dict:
             with sdpa_kernel(backend):
                 torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-    result["forward_ms"] = _median_ms(fn)
+    result["forward_ms"] = median_ms(fn, warmup=5, repeat=30)
     result["tflops"] = flops(batch, seqlen, causal) / (result["forward_ms"] * 1e-3) / 1e12
     torch.cuda.synchronize()
     return result
 
 
 def _run_child(peer: str, seqlen: int, causal: bool) -> dict:
-    command = [sys.executable, __file__, "--child", peer, str(seqlen), str(int(causal))]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"peer": peer, "batch": TOKENS // seqlen, "seqlen": seqlen, "heads": HEADS, "head_dim": HEAD_DIM,
-            "causal": causal, "error": tail[0][:300]}
+    failure = {"peer": peer, "batch": TOKENS // seqlen, "seqlen": seqlen, "heads": HEADS, "head_dim": HEAD_DIM,
+               "causal": causal}
+    return run_child(__file__, [peer, str(seqlen), str(int(causal))], failure)
 
 
 def main() -> None:

@@ -17,30 +17,13 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
+
+from benchlib import median_ms, run_child  # tools/ is on sys.path when a tool runs as a script
 
 WORKLOADS = [(16384, 16, 128), (16384, 32, 128), (8192, 16, 256), (4096, 32, 256)]
 TILE = 17
 PEERS = ["hipattn", "hipattn_portable", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "varlen_attn"]
-
-
-def _median_ms(fn, warmup: int = 3, repeat: int = 20) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def copy_bandwidth() -> float:
@@ -49,7 +32,7 @@ def copy_bandwidth() -> float:
 
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src))
+    ms = median_ms(lambda: dst.copy_(src))
     return 2 * src.numel() / (ms * 1e-3)
 
 
@@ -93,8 +76,8 @@ def measure(peer: str, batch: int, heads: int, head_dim: int) -> dict:
         args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=TILE, max_seqlen_k=TILE)
         out, lse = hipattn.forward(q, k, v, **args)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        result["forward_ms"] = _median_ms(lambda: hipattn.forward(q, k, v, out=out, lse=lse, **args))
-        result["backward_ms"] = _median_ms(
+        result["forward_ms"] = median_ms(lambda: hipattn.forward(q, k, v, out=out, lse=lse, **args))
+        result["backward_ms"] = median_ms(
             lambda: hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args))
     elif peer == "varlen_attn":
         from torch.nn.attention.varlen import varlen_attn
@@ -102,10 +85,10 @@ def measure(peer: str, batch: int, heads: int, head_dim: int) -> dict:
         def fwd():
             return varlen_attn(q, k, v, cu_q, cu_k, TILE, TILE)
 
-        result["forward_ms"] = _median_ms(fwd)
+        result["forward_ms"] = median_ms(fwd)
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         out = varlen_attn(qg, kg, vg, cu_q, cu_k, TILE, TILE)
-        result["backward_ms"] = _median_ms(
+        result["backward_ms"] = median_ms(
             lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True))
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -117,24 +100,19 @@ def measure(peer: str, batch: int, heads: int, head_dim: int) -> dict:
         kp, vp, dp = torch.randn_like(qp), torch.randn_like(qp), torch.randn_like(qp)
         with sdpa_kernel(backend):
             sdpa = torch.nn.functional.scaled_dot_product_attention
-            result["forward_ms"] = _median_ms(lambda: sdpa(qp, kp, vp))
+            result["forward_ms"] = median_ms(lambda: sdpa(qp, kp, vp))
             qg, kg, vg = (t.detach().requires_grad_() for t in (qp, kp, vp))
             out = sdpa(qg, kg, vg)
-            result["backward_ms"] = _median_ms(
+            result["backward_ms"] = median_ms(
                 lambda: torch.autograd.grad(out, (qg, kg, vg), dp, retain_graph=True))
     torch.cuda.synchronize()
     return result
 
 
 def _run_child(peer: str, workload: tuple[int, int, int]) -> dict:
-    command = [sys.executable, __file__, "--child", peer, *map(str, workload)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
     batch, heads, head_dim = workload
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"peer": peer, "batch": batch, "heads": heads, "head_dim": head_dim, "error": tail[0][:300]}
+    failure = {"peer": peer, "batch": batch, "heads": heads, "head_dim": head_dim}
+    return run_child(__file__, [peer, *map(str, workload)], failure)
 
 
 def main() -> None:

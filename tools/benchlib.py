@@ -1,0 +1,41 @@
+"""Shared by the benchmark scripts in tools/: event timing and one-peer-per-process runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def median_ms(fn, warmup: int = 3, repeat: int = 20) -> float:
+    """Median device time of ``fn()`` in milliseconds, each call between two CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_child(script: str, arguments: list[str], failure: dict, timeout: int = 600) -> dict:
+    """Run ``script --child ARGUMENTS`` in its own process and return the JSON line it prints.
+
+    A peer that fails (some break the process with an illegal address) returns ``failure`` plus
+    the last line of its output under "error", and cannot take the other measurements down.
+    """
+    done = subprocess.run([sys.executable, script, "--child", *arguments], capture_output=True, text=True,
+                          timeout=timeout)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {**failure, "error": tail[0][:300]}
