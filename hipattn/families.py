@@ -180,15 +180,16 @@ SMALLSEQ_FORWARD = _register(
 SMALLSEQ_MMA_WARPS = {64: 3, 128: 2, 256: 1}
 
 
+def smallseq_mma_spec(fam: KernelFamily, dtype: str, head_dim: int, heads: int) -> KernelSpec:
+    """The tensor-core forward or backward instantiation: one warp per problem, table-sized blocks."""
+    warps = (SMALLSEQ_MMA_WARPS if fam.name == "smallseq_forward_mma" else SMALLSEQ_MMA_BACKWARD_WARPS)[head_dim]
+    return fam.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE, warps=warps)
+
+
 def _smallseq_mma_specs(fam: KernelFamily, target: Target) -> list[KernelSpec]:
     if not runs_nvidia_mma(target):
         return []
-    return [
-        fam.spec(dtype=t, head_dim=d, heads=h, tile=SMALLSEQ_TILE, warps=SMALLSEQ_MMA_WARPS[d])
-        for t in DTYPES
-        for d in SMALLSEQ_HEAD_DIMS
-        for h in SMALLSEQ_SHIPPED_HEADS
-    ]
+    return [smallseq_mma_spec(fam, t, d, h) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS for h in SMALLSEQ_SHIPPED_HEADS]
 
 
 SMALLSEQ_FORWARD_MMA = _register(
@@ -211,10 +212,7 @@ def _smallseq_mma_backward_specs(fam: KernelFamily, target: Target) -> list[Kern
     if not runs_nvidia_mma(target):
         return []
     return [
-        fam.spec(dtype=t, head_dim=d, heads=h, tile=SMALLSEQ_TILE, warps=w)
-        for t in DTYPES
-        for d, w in SMALLSEQ_MMA_BACKWARD_WARPS.items()
-        for h in SMALLSEQ_SHIPPED_HEADS
+        smallseq_mma_spec(fam, t, d, h) for t in DTYPES for d in SMALLSEQ_MMA_BACKWARD_WARPS for h in SMALLSEQ_SHIPPED_HEADS
     ]
 
 

@@ -19,6 +19,7 @@ from ..families import (
     SMALLSEQ_MMA_BACKWARD_WARPS,
     SMALLSEQ_MMA_WARPS,
     SMALLSEQ_TILE,
+    smallseq_mma_spec,
     smallseq_portable_spec,
     smallseq_teams_per_block,
 )
@@ -28,10 +29,10 @@ from ..spec import KernelSpec
 from .capabilities import has_nvidia_mma
 from .fields import forward_fields, put_lse, put_tensor, sequence_fields
 
-# HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) forward on a GPU
-# that has the tensor-core one; for A/B comparisons and to test both on one machine.
+# HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) kernels, forward
+# and backward, on a GPU that has the tensor-core ones: for A/B comparisons and to test both on one
+# machine.
 KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"
-
 
 
 def ineligibility(problem: Problem) -> str | None:
@@ -51,16 +52,14 @@ def ineligibility(problem: Problem) -> str | None:
 @functools.cache
 def _forward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) -> KernelSpec:
     if tensor_cores:
-        return SMALLSEQ_FORWARD_MMA.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE,
-                                         warps=SMALLSEQ_MMA_WARPS[head_dim])
+        return smallseq_mma_spec(SMALLSEQ_FORWARD_MMA, dtype, head_dim, heads)
     return smallseq_portable_spec(SMALLSEQ_FORWARD, dtype, head_dim, heads)
 
 
 @functools.cache
 def _backward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) -> KernelSpec:
     if tensor_cores:
-        return SMALLSEQ_BACKWARD_MMA.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE,
-                                          warps=SMALLSEQ_MMA_BACKWARD_WARPS[head_dim])
+        return smallseq_mma_spec(SMALLSEQ_BACKWARD_MMA, dtype, head_dim, heads)
     return smallseq_portable_spec(SMALLSEQ_BACKWARD, dtype, head_dim, heads)
 
 
