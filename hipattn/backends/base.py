@@ -12,6 +12,7 @@ import ctypes
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -60,6 +61,16 @@ class KernelArgumentSlot(threading.local):
         cell = ctypes.c_void_p()
         # (cell, address of cell): one attribute read on the hot path gives both.
         self.cell_and_address = (cell, ctypes.addressof(cell))
+
+
+def binding_outputs(call: str, returned: tuple, error: Callable[[str, Any], Exception]) -> Any:
+    """The one error path of both bindings: a call returns ``(result, *outputs)``; a non-zero result
+    raises ``error(call, result)``, else the outputs come back (None, one value, or a tuple)."""
+    if returned[0]:
+        raise error(call, returned[0])
+    if len(returned) == 1:
+        return None
+    return returned[1] if len(returned) == 2 else returned[1:]
 
 
 class Backend(ABC):

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, DriverError
 from ..target import NVIDIA, Target
-from .base import Backend, CompiledKernel, KernelArgumentSlot, LoadedFunction, compile_error
+from .base import Backend, CompiledKernel, KernelArgumentSlot, LoadedFunction, binding_outputs, compile_error
 
 logger = logging.getLogger("hipattn")
 
@@ -113,28 +113,21 @@ class CudaBackend(Backend):
             pass
         return DriverError(call, code, name, description)
 
+    def _nvrtc_error(self, call: str, result: Any) -> DriverError:
+        name = _result_name(result)
+        try:
+            error, text = self._nvrtc.nvrtcGetErrorString(result)
+            if not error and text:
+                name = text.decode()
+        except Exception:  # same fallback as the driver: the enum's own name
+            pass
+        return DriverError(call, int(result), name)
+
     def _check(self, call: str, returned: tuple) -> Any:
-        """Raise DriverError for a failed call; otherwise its outputs (None, one value, or a tuple)."""
-        if returned[0]:
-            raise self._error(call, returned[0])
-        if len(returned) == 1:
-            return None
-        return returned[1] if len(returned) == 2 else returned[1:]
+        return binding_outputs(call, returned, self._error)
 
     def _nvrtc_check(self, call: str, returned: tuple) -> Any:
-        if returned[0]:
-            result = returned[0]
-            name = _result_name(result)
-            try:
-                error, text = self._nvrtc.nvrtcGetErrorString(result)
-                if not error and text:
-                    name = text.decode()
-            except Exception:  # same fallback as the driver: the enum's own name
-                pass
-            raise DriverError(call, int(result), name)
-        if len(returned) == 1:
-            return None
-        return returned[1] if len(returned) == 2 else returned[1:]
+        return binding_outputs(call, returned, self._nvrtc_error)
 
     # ---- compiling ------------------------------------------------------------------------------
     def compiler_identity(self) -> str:

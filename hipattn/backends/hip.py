@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, DriverError
 from ..target import AMD, Target
-from .base import Backend, CompiledKernel, KernelArgumentSlot, LoadedFunction, compile_error
+from .base import Backend, CompiledKernel, KernelArgumentSlot, LoadedFunction, binding_outputs, compile_error
 
 logger = logging.getLogger("hipattn")
 
@@ -128,27 +128,20 @@ class HipBackend(Backend):
             description = ""
         return DriverError(call, int(result), name, description)
 
+    def _rtc_error(self, call: str, result: Any) -> DriverError:
+        name = getattr(result, "name", "") or ""
+        try:
+            _, text = self._hiprtc.hiprtcGetErrorString(result)
+            name = _text(text) or name
+        except Exception:  # same fallback as the runtime: the enum's own name
+            pass
+        return DriverError(call, int(result), name)
+
     def _check(self, call: str, returned: tuple) -> Any:
-        """Raise DriverError for a failed call; otherwise its outputs (None, one value, or a tuple)."""
-        if returned[0]:
-            raise self._error(call, returned[0])
-        if len(returned) == 1:
-            return None
-        return returned[1] if len(returned) == 2 else returned[1:]
+        return binding_outputs(call, returned, self._error)
 
     def _rtc_check(self, call: str, returned: tuple) -> Any:
-        if returned[0]:
-            result = returned[0]
-            name = getattr(result, "name", "") or ""
-            try:
-                _, text = self._hiprtc.hiprtcGetErrorString(result)
-                name = _text(text) or name
-            except Exception:  # same fallback as the runtime: the enum's own name
-                pass
-            raise DriverError(call, int(result), name)
-        if len(returned) == 1:
-            return None
-        return returned[1] if len(returned) == 2 else returned[1:]
+        return binding_outputs(call, returned, self._rtc_error)
 
     # ---- compiling ------------------------------------------------------------------------------
     def compiler_identity(self) -> str:
