@@ -84,18 +84,8 @@ _DL_DTYPE = {
     (6, 8): "bool",
 }
 
-_TORCH_DTYPE_ATTRS = {
-    "bool": "bool",
-    "int8": "int8",
-    "uint8": "uint8",
-    "int16": "int16",
-    "float16": "fp16",
-    "bfloat16": "bf16",
-    "int32": "int32",
-    "float32": "fp32",
-    "int64": "int64",
-    "float64": "fp64",
-}
+# torch spells its dtypes (torch.float16, torch.bfloat16, ...) with NumPy's names.
+_TORCH_DTYPE_ATTRS = _NUMPY_NAME
 
 # A CAI array whose producer says nothing about its device (CAI has no device field) and for
 # which no pointer_device resolver was given. streams.launch_device lets the other arrays decide.
