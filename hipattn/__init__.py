@@ -11,10 +11,10 @@ dispatch decisions and compiles.
 from __future__ import annotations
 
 from .api import flash_attn_func, flash_attn_varlen_func
-from .attention import backward, forward
+from .attention import backward, backward_workspace_bytes, forward
 from .log import configure_from_environment
 
 __version__ = "0.1.0"
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "forward", "backward", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "forward", "backward", "backward_workspace_bytes", "__version__"]
 
 configure_from_environment()

@@ -12,8 +12,9 @@ from typing import Any, NamedTuple
 from . import arrays, checks, dispatch
 from . import problem as problem_mod
 from .backends import get_backend
-from .ops import smallseq
+from .ops import flash, flash_backward, smallseq
 from .streams import on_device, resolve_stream, wait_for_producers
+from .workspace import WORKSPACE_ALIGNMENT, WorkspacePlan, backward_workspace
 
 
 def _array(obj: Any, name: str, stream: int | None = None) -> arrays.DeviceArray | None:
@@ -119,7 +120,7 @@ def forward(
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                             max_seqlen_k, causal, softmax_scale, stream)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
-    dispatch.choose_path(problem, "forward")
+    path = dispatch.choose_path(problem, "forward")
     backend = get_backend()
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
@@ -132,7 +133,8 @@ def forward(
             raise ValueError(f"lse has strides {lse_a.strides}; its last dimension must be contiguous")
         problem_mod.check_alignment(out_a, "out", problem.layout)
         _check_outputs_disjoint(((out, out_a, "out"), (lse, lse_a, "lse")))
-        smallseq.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences)
+        run = smallseq.forward if path == dispatch.SMALLSEQ else flash.forward
+        run(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences)
     return out_obj, lse_obj
 
 
@@ -156,12 +158,19 @@ def backward(
     softmax_scale: float | None = None,
     causal: bool = False,
     deterministic: bool = False,
+    workspace: Any = None,
     stream: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Attention backward: ``(dq, dk, dv)`` from the forward's inputs, ``out``, ``lse`` and ``dout``.
 
     Same layouts and arguments as ``forward``. dK and dV are summed over the query heads of each
-    KV group (GQA/MQA). The small-seq path is deterministic whatever ``deterministic`` says.
+    KV group (GQA/MQA). The small-seq path is deterministic whatever ``deterministic`` says; the flash
+    path is bit-identical run to run with ``deterministic=True`` (a separate dQ pass, no atomics).
+
+    ``workspace``: a device buffer of at least ``backward_workspace_bytes(...)`` bytes,
+    256-byte aligned (workspace.WORKSPACE_ALIGNMENT), for callers that manage their own memory (raw arrays have no
+    allocator hipattn can use). Without it the flash path allocates its workspace in the inputs'
+    framework, on the launch stream.
     """
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                             max_seqlen_k, causal, softmax_scale, stream)
@@ -188,7 +197,7 @@ def backward(
         raise ValueError(f"lse has shape {lsea.shape}; expected {expected_lse} fp32, last dimension contiguous")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    dispatch.choose_path(problem, "backward")
+    path = dispatch.choose_path(problem, "backward")
     inputs = ((qa, "q"), (ka, "k"), (va, "v"), (douta, "dout"), (outa, "out"), (lsea, "lse"))
     backend = get_backend()
     with on_device(backend, problem.device):
@@ -201,5 +210,55 @@ def backward(
         for a, name in ((dqa, "dq"), (dka, "dk"), (dva, "dv")):
             problem_mod.check_alignment(a, name, problem.layout)
         _check_outputs_disjoint(((dq, dqa, "dq"), (dk, dka, "dk"), (dv, dva, "dv")))
-        smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, **call.sequences)
+        if path == dispatch.SMALLSEQ:
+            smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, **call.sequences)
+        else:
+            plan = backward_workspace(problem, deterministic)
+            # An allocation made here is freed on return: the frameworks' allocators are stream-
+            # ordered, so its memory is not handed out again before the launch stream has passed
+            # the kernels that use it.
+            sections = _workspace_sections(workspace, plan, qa, launch_stream,
+                                           (*(a for a, _ in inputs), dqa, dka, dva))
+            flash_backward.backward(problem, qa, ka, va, outa, douta, lsea, dqa, dka, dva, launch_stream,
+                                    deterministic=deterministic, **sections, **call.sequences)
     return dq_obj, dk_obj, dv_obj
+
+
+def backward_workspace_bytes(q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+                             seqused_q: Any = None, seqused_k: Any = None, max_seqlen_q: int | None = None,
+                             max_seqlen_k: int | None = None, causal: bool = False,
+                             deterministic: bool = False) -> int:
+    """Bytes of the ``workspace`` a ``backward`` call with these arguments needs (0 on the small-seq
+    path, which needs none). Reads no device memory."""
+    call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                            max_seqlen_k, causal, None, None)
+    if dispatch.choose_path(call.problem, "backward") == dispatch.SMALLSEQ:
+        return 0
+    return backward_workspace(call.problem, deterministic).total_bytes
+
+
+def _workspace_sections(workspace: Any, plan: WorkspacePlan, like: arrays.DeviceArray, stream: int,
+                        others: tuple[arrays.DeviceArray, ...]) -> dict[str, arrays.DeviceArray]:
+    """One DeviceArray per section of ``plan``, in the caller's ``workspace`` (checked) or in a new
+    allocation (which the sections' ``owner`` keeps alive)."""
+    if workspace is None:
+        owner, base = arrays.empty(like, (plan.total_bytes // 4,), "fp32", stream=stream)
+    else:
+        owner, base = workspace, arrays.as_device_array(workspace, "workspace")
+        if base.device != like.device:
+            raise ValueError(f"workspace is on device {base.device} but q is on device {like.device}")
+        if base.nbytes < plan.total_bytes or arrays.contiguous_strides(base.shape) != base.strides:
+            raise ValueError(
+                f"workspace must be a contiguous device buffer of at least {plan.total_bytes} bytes "
+                f"(backward_workspace_bytes); got shape {base.shape}, strides {base.strides}, {base.nbytes} bytes")
+        if base.ptr % WORKSPACE_ALIGNMENT:
+            raise ValueError(f"workspace must be {WORKSPACE_ALIGNMENT}-byte aligned; it starts at 0x{base.ptr:x}")
+        for other in others:
+            if problem_mod.overlaps(base, other):
+                raise ValueError("workspace overlaps an input or output of the call; it must be memory of its own")
+    sections = {
+        s.name: arrays.DeviceArray(plan.pointer(base.ptr, s.name), s.shape, arrays.contiguous_strides(s.shape),
+                                   s.dtype, base.device, base.framework, owner=owner)
+        for s in plan.sections
+    }
+    return sections

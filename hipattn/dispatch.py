@@ -1,10 +1,10 @@
 """Which kernel path serves a call, decided from host-known facts only.
 
 The small-seq path takes every call whose static configuration it supports and whose host-given
-bounds max_seqlen_q/k fit its tile. Everything else needs the general flash path, which is not
-wired in yet: such calls raise NotImplementedError naming the reason. Nothing here
-reads device memory or synchronizes. ``HIPATTN_LOG=debug`` logs each decision and its reason;
-``HIPATTN_SMALLSEQ=0`` turns the small-seq path off (A/B comparisons).
+bounds max_seqlen_q/k fit its tile; the general flash path takes the rest. A call neither can take
+raises NotImplementedError naming both reasons. Nothing here reads device memory or synchronizes.
+``HIPATTN_LOG=debug`` logs each decision and its reason; ``HIPATTN_SMALLSEQ=0`` turns the small-seq
+path off (A/B comparisons).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .ops import smallseq
+from .ops import flash, flash_backward, smallseq
 from .problem import Problem
 
 logger = logging.getLogger("hipattn")
@@ -20,24 +20,27 @@ logger = logging.getLogger("hipattn")
 SMALLSEQ = "smallseq"
 FLASH = "flash"
 
+# Why the flash path cannot take a problem, per direction.
+_FLASH_INELIGIBILITY = {"forward": flash.ineligibility, "backward": flash_backward.ineligibility}
+
 
 def smallseq_enabled() -> bool:
     return os.environ.get("HIPATTN_SMALLSEQ", "1") != "0"  # read per call: a change applies at once
 
 
 def choose_path(problem: Problem, direction: str) -> str:
-    """``SMALLSEQ`` or ``FLASH`` for a forward or backward call."""
-    if not smallseq_enabled():
-        path, reason = FLASH, "HIPATTN_SMALLSEQ=0"
+    """``SMALLSEQ`` or ``FLASH`` for a ``"forward"`` or ``"backward"`` call."""
+    why_not_smallseq = "HIPATTN_SMALLSEQ=0" if not smallseq_enabled() else smallseq.ineligibility(problem)
+    if why_not_smallseq is None:
+        path, reason = SMALLSEQ, "every sequence fits the small-seq tile"
     else:
-        why_not = smallseq.ineligibility(problem)
-        path, reason = (SMALLSEQ, "every sequence fits the small-seq tile") if why_not is None else (FLASH, why_not)
+        why_not_flash = _FLASH_INELIGIBILITY[direction](problem)
+        if why_not_flash is not None:
+            raise NotImplementedError(
+                f"hipattn has no {direction} kernel for this call: not the small-seq path ({why_not_smallseq}), "
+                f"not the flash path ({why_not_flash})"
+            )
+        path, reason = FLASH, why_not_smallseq
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s %s path: %s (%s)", direction, path, reason, problem)
-    if path == FLASH:
-        raise NotImplementedError(
-            f"this call needs the general flash-attention path ({reason}), which hipattn does not have yet; "
-            "only calls where every sequence has at most "
-            f"{smallseq.SMALLSEQ_TILE} tokens and head_dim is one of {smallseq.SMALLSEQ_HEAD_DIMS} are served"
-        )
     return path

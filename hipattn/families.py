@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .params import ParamsStruct
 from .spec import KernelFamily, KernelSpec
 from .target import NVIDIA, Target
+from .varlen_metadata import VARLEN_RECORD
 
 FAMILIES: dict[str, KernelFamily] = {}
 
@@ -258,24 +259,30 @@ FLASH_HEAD_DIMS = (64, 96, 128, 256)
 class FlashForwardTiles:
     """One row of the flash forward's tile table: the kernel's BLOCK_M, BLOCK_N and STAGES."""
 
-    block_m: int  # query rows per block; one warp per 16 rows
+    block_m: int  # query rows per block
     block_n: int  # keys per tile of the inner loop
     stages: int  # K and V shared-memory slots each (1 = FlashAttention-2's interleaved K/V schedule)
+    m_tiles: int = 1  # 16-row tiles per warp: each K/V fragment a warp loads feeds this many MMAs
 
     @property
     def threads(self) -> int:
-        return self.block_m // 16 * 32
+        return self.block_m // (16 * self.m_tiles) * 32
 
 
 # Per head_dim, for both 16-bit dtypes (same element size, same tiles) and every sm_80+ target: every
 # row fits 99 KiB of shared memory (sm_86/sm_89's opt-in limit; the kernel static_asserts it). The
-# block's registers grow with head_dim (a warp holds 16 x head_dim of O and 16 x block_n of S in
-# fp32), so head_dim 256 takes half the rows and half the keys per tile (block_n 64 spills there).
+# block's registers grow with head_dim (a warp holds 16 m_tiles x head_dim of O and 16 m_tiles x
+# block_n of S in fp32), so head_dim 256 takes half the rows and half the keys per tile.
+#
+# Two 16-row tiles per warp (m_tiles=2, four warps of 32 rows, as FlashAttention-2 lays a 128-row
+# block out) beat one on the H200 by 20-35% at head_dim 128 (BENCHMARKS.md, tile sweep of
+# 2026-11-30): each K and V fragment then feeds two MMAs. head_dim 128 keeps 176 bytes of spills
+# with block_n 64 and is still the fastest row there; head_dim 256 cannot hold two tiles' O (spills).
 FLASH_FORWARD_TILES: dict[int, FlashForwardTiles] = {
-    64: FlashForwardTiles(block_m=128, block_n=64, stages=2),
-    96: FlashForwardTiles(block_m=128, block_n=64, stages=2),
-    128: FlashForwardTiles(block_m=128, block_n=64, stages=1),
-    256: FlashForwardTiles(block_m=64, block_n=32, stages=2),
+    64: FlashForwardTiles(block_m=128, block_n=64, stages=2, m_tiles=2),
+    96: FlashForwardTiles(block_m=128, block_n=64, stages=1, m_tiles=2),
+    128: FlashForwardTiles(block_m=128, block_n=64, stages=1, m_tiles=2),
+    256: FlashForwardTiles(block_m=64, block_n=32, stages=2, m_tiles=1),
 }
 
 # Rows of shared tiles are padded by this many elements (16 bytes) against ldmatrix bank conflicts:
@@ -293,10 +300,10 @@ def flash_forward_shared_bytes(head_dim: int, tiles: FlashForwardTiles, element_
     return rows * (head_dim + _FLASH_ROW_PAD) * element_bytes
 
 
-def flash_forward_spec(dtype: str, head_dim: int) -> KernelSpec:
-    tiles = FLASH_FORWARD_TILES[head_dim]
+def flash_forward_spec(dtype: str, head_dim: int, tiles: FlashForwardTiles | None = None) -> KernelSpec:
+    tiles = tiles or FLASH_FORWARD_TILES[head_dim]
     return FLASH_FORWARD_MMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m, block_n=tiles.block_n,
-                                  stages=tiles.stages)
+                                  stages=tiles.stages, m_tiles=tiles.m_tiles)
 
 
 def _flash_forward_mma_specs(target: Target) -> list[KernelSpec]:
@@ -310,7 +317,7 @@ FLASH_FORWARD_MMA = _register(
         name="flash_forward_mma",
         source="flash/forward_mma.hip",
         template="hipattn::flash_forward_mma",
-        template_params=("dtype", "head_dim", "block_m", "block_n", "stages"),
+        template_params=("dtype", "head_dim", "block_m", "block_n", "stages", "m_tiles"),
         params=ParamsStruct(
             "FlashForwardParams",
             _strided("q")
@@ -322,5 +329,255 @@ FLASH_FORWARD_MMA = _register(
             + (("heads_q", "i32"),),
         ),
         shipped=_flash_forward_mma_specs,
+    )
+)
+
+# ---- general attention forward on AMD matrix cores (MFMA 16x16x16, wave64: gfx90a, gfx94x) --------
+
+# The processors whose MFMA 16x16x16 f16 and bf16_1k instructions kernels/common/mma_amd.h uses (its
+# #error guard names the same list). gfx908 lacks the bf16_1k form; gfx950 is left out until a
+# compiler that knows it has built the kernels.
+AMD_MFMA_ARCHS = ("gfx90a", "gfx940", "gfx941", "gfx942")
+
+
+def runs_amd_mfma(target: Target | None) -> bool:
+    """Whether ``target`` runs the MFMA 16x16x16 kernels: AMD gfx90a and gfx94x, any target features."""
+    return target is not None and target.base_arch in AMD_MFMA_ARCHS
+
+
+@dataclass(frozen=True)
+class FlashForwardMfmaTiles:
+    """One row of the MFMA flash forward's tile table: the kernel's BLOCK_M and BLOCK_N."""
+
+    block_m: int  # query rows per block; one 64-lane wave per 16 rows
+    block_n: int  # keys per tile of the inner loop
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // 16 * 64
+
+
+# Per head_dim, for both 16-bit dtypes. LDS holds one K tile and one transposed V tile (Q and O live
+# in registers), so every row fits 64 KiB (the kernel static_asserts it; flash_forward_mfma_shared_bytes
+# gives 17, 25.3, 33.5 and 18.1 KiB). Eight waves per block leave each wave 256 registers per lane
+# (gfx90a's unified 512 shared by 2 waves per SIMD). A wave holds 16 x head_dim of O in fp32 (64
+# registers per lane at head_dim 256) and its Q fragments (32 more); with block_n 32 the hiprtc 5.2
+# build of head_dim 256 spilled 9 registers, with block_n 16 it needs 204 and spills none.
+FLASH_FORWARD_MFMA_TILES: dict[int, FlashForwardMfmaTiles] = {
+    64: FlashForwardMfmaTiles(block_m=128, block_n=64),
+    96: FlashForwardMfmaTiles(block_m=128, block_n=64),
+    128: FlashForwardMfmaTiles(block_m=128, block_n=64),
+    256: FlashForwardMfmaTiles(block_m=128, block_n=16),
+}
+
+# LDS rows are padded by this many elements (8 bytes) against bank conflicts of the 8-byte fragment
+# reads: flash::MfmaForwardTiles::kKPitch = HEAD_DIM + 4 and kVPitch = BLOCK_N + 4.
+_MFMA_ROW_PAD = 4
+# gfx90a's and gfx94x's LDS per workgroup.
+AMD_LDS_BYTES = 64 * 1024
+
+
+def flash_forward_mfma_shared_bytes(head_dim: int, tiles: FlashForwardMfmaTiles, element_bytes: int = 2) -> int:
+    """Dynamic LDS of one MFMA flash forward block: flash::MfmaForwardTiles<...>::kBytes.
+
+    The kernel's layout, from the same template arguments: a K tile of BLOCK_N rows of HEAD_DIM + 4
+    elements, then Vᵀ: HEAD_DIM rows of BLOCK_N + 4 elements.
+    """
+    elements = tiles.block_n * (head_dim + _MFMA_ROW_PAD) + head_dim * (tiles.block_n + _MFMA_ROW_PAD)
+    return elements * element_bytes
+
+
+def flash_forward_mfma_spec(dtype: str, head_dim: int, tiles: FlashForwardMfmaTiles | None = None) -> KernelSpec:
+    tiles = tiles or FLASH_FORWARD_MFMA_TILES[head_dim]
+    return FLASH_FORWARD_MFMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m, block_n=tiles.block_n)
+
+
+def _flash_forward_mfma_specs(target: Target) -> list[KernelSpec]:
+    if not runs_amd_mfma(target):
+        return []
+    return [flash_forward_mfma_spec(t, d) for t in DTYPES for d in FLASH_HEAD_DIMS]
+
+
+FLASH_FORWARD_MFMA = _register(
+    KernelFamily(
+        name="flash_forward_mfma",
+        source="flash/forward_mfma.hip",
+        template="hipattn::flash_forward_mfma",
+        template_params=("dtype", "head_dim", "block_m", "block_n"),
+        params=FLASH_FORWARD_MMA.params,
+        shipped=_flash_forward_mfma_specs,
+    )
+)
+
+# ---- general attention backward (FlashAttention-2 on NVIDIA tensor cores, sm_80+) ----------------
+
+
+@dataclass(frozen=True)
+class FlashBackwardTiles:
+    """One row of a flash backward tile table: the kernel's BLOCK_M, BLOCK_N and WARPS.
+
+    dK/dV kernel: a warp owns 16 keys and head_dim / (warps / (block_n / 16)) columns of their dK and
+    dV. dQ kernel: one warp per 16 query rows (warps = block_m / 16).
+    """
+
+    block_m: int  # query rows per tile
+    block_n: int  # keys per tile
+    warps: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+
+# Per head_dim, for both 16-bit dtypes and every sm_80+ target; every row fits 99 KiB of shared memory
+# (sm_86/sm_89's opt-in limit; the kernels static_assert it). dK/dV: K, V, Pᵀ and dSᵀ of a key tile
+# plus two slots of Q and dO stay in shared memory, so the query tile is short (32 rows) and the key
+# tile as long as the budget allows: 128 keys up to head_dim 96, 64 at 128. A warp's dK and dV
+# accumulators take head_dim / 2 registers per lane when it owns all columns of its 16 keys: at
+# head_dim 128 two warps share each 16-key slice (64 columns each; 8 warps at ~160 registers rather
+# than 4 at ~245), and at head_dim 256 they must (128 columns each), with the tiles shrunk to 16 x 32
+# to fit the shared memory. Every row compiles without spills for sm_90 (ptxas -v).
+FLASH_BACKWARD_DKDV_TILES: dict[int, FlashBackwardTiles] = {
+    64: FlashBackwardTiles(block_m=32, block_n=128, warps=8),
+    96: FlashBackwardTiles(block_m=32, block_n=128, warps=8),
+    128: FlashBackwardTiles(block_m=32, block_n=64, warps=8),
+    256: FlashBackwardTiles(block_m=16, block_n=32, warps=4),
+}
+
+# dQ: like the forward (Q and dO of the block, two K and two V slots), the key tile shrinking as
+# head_dim grows so that the double-buffered K/V slots fit.
+FLASH_BACKWARD_DQ_TILES: dict[int, FlashBackwardTiles] = {
+    64: FlashBackwardTiles(block_m=128, block_n=64, warps=8),
+    96: FlashBackwardTiles(block_m=64, block_n=64, warps=4),
+    128: FlashBackwardTiles(block_m=64, block_n=32, warps=4),
+    256: FlashBackwardTiles(block_m=64, block_n=16, warps=4),
+}
+
+
+def flash_backward_dkdv_shared_bytes(head_dim: int, tiles: FlashBackwardTiles, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of one dK/dV block: flash::KeyBlockTiles<...>::kBytes.
+
+    K and V (block_n rows each), two slots each of Q and dO (block_m rows), every row head_dim + 8
+    elements; Pᵀ and dSᵀ (block_n rows of block_m + 8); then fp32 LSE and Delta, two slots of block_m.
+    """
+    pitch = head_dim + _FLASH_ROW_PAD
+    elements = (2 * tiles.block_n + 4 * tiles.block_m) * pitch + 2 * tiles.block_n * (tiles.block_m + _FLASH_ROW_PAD)
+    return elements * element_bytes + 2 * 2 * tiles.block_m * 4
+
+
+def flash_backward_dq_shared_bytes(head_dim: int, tiles: FlashBackwardTiles, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of one dQ block: flash::QueryBlockTiles<...>::kBytes.
+
+    Q and dO (block_m rows each), then two K and two V slots (block_n rows each), rows head_dim + 8 long.
+    """
+    return (2 * tiles.block_m + 4 * tiles.block_n) * (head_dim + _FLASH_ROW_PAD) * element_bytes
+
+
+def flash_backward_dkdv_spec(dtype: str, head_dim: int, write_dq: bool,
+                             tiles: FlashBackwardTiles | None = None) -> KernelSpec:
+    tiles = tiles or FLASH_BACKWARD_DKDV_TILES[head_dim]
+    return FLASH_BACKWARD_DKDV_MMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m,
+                                        block_n=tiles.block_n, warps=tiles.warps, write_dq=write_dq)
+
+
+def flash_backward_dq_spec(dtype: str, head_dim: int, tiles: FlashBackwardTiles | None = None) -> KernelSpec:
+    tiles = tiles or FLASH_BACKWARD_DQ_TILES[head_dim]
+    return FLASH_BACKWARD_DQ_MMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m, block_n=tiles.block_n,
+                                      warps=tiles.warps)
+
+
+# One struct for both kernels (they share a source file, and a compile unit declares one struct):
+# the dK/dV kernel leaves dq unread, the dQ kernel dq_accum, dk, dv and varlen_records.
+# varlen_records: THD's work list (hipattn.varlen_metadata), or null (BSHD, or THD sized from
+# max_seqlen_k).
+FLASH_BACKWARD_PARAMS = ParamsStruct(
+    "FlashBackwardParams",
+    _strided("q")
+    + _strided("k")
+    + _strided("v")
+    + _strided("dout")
+    + _strided("dq")
+    + _strided("dq_accum")
+    + _strided("dk")
+    + _strided("dv")
+    + (("lse", "const_ptr"), ("lse_batch_stride", "i64"), ("lse_head_stride", "i64"))
+    + (("softmax_d", "const_ptr"), ("softmax_d_batch_stride", "i64"), ("softmax_d_head_stride", "i64"))
+    + _SEQUENCE_FIELDS
+    + (("heads_q", "i32"), ("varlen_records", "const_ptr")),
+)
+
+
+def _flash_backward_dkdv_specs(target: Target) -> list[KernelSpec]:
+    if not runs_nvidia_mma(target):
+        return []
+    return [flash_backward_dkdv_spec(t, d, w) for t in DTYPES for d in FLASH_HEAD_DIMS for w in (False, True)]
+
+
+def _flash_backward_dq_specs(target: Target) -> list[KernelSpec]:
+    if not runs_nvidia_mma(target):
+        return []
+    return [flash_backward_dq_spec(t, d) for t in DTYPES for d in FLASH_HEAD_DIMS]
+
+
+FLASH_BACKWARD_DKDV_MMA = _register(
+    KernelFamily(
+        name="flash_backward_dkdv_mma",
+        source="flash/backward_mma.hip",
+        template="hipattn::flash_backward_dkdv_mma",
+        template_params=("dtype", "head_dim", "block_m", "block_n", "warps", "write_dq"),
+        params=FLASH_BACKWARD_PARAMS,
+        shipped=_flash_backward_dkdv_specs,
+        structs=(VARLEN_RECORD,),
+    )
+)
+
+FLASH_BACKWARD_DQ_MMA = _register(
+    KernelFamily(
+        name="flash_backward_dq_mma",
+        source="flash/backward_mma.hip",
+        template="hipattn::flash_backward_dq_mma",
+        template_params=("dtype", "head_dim", "block_m", "block_n", "warps"),
+        params=FLASH_BACKWARD_PARAMS,
+        shipped=_flash_backward_dq_specs,
+        structs=(VARLEN_RECORD,),
+    )
+)
+
+# ---- the varlen backward's work list, derived on the device (hipattn.varlen_prep) -----------------
+
+# One block walks the batch, one sequence per thread per chunk, carrying a block-wide scan from
+# chunk to chunk. Portable (no warp intrinsics, any wave size): shipped for every target.
+VARLEN_RECORDS_BLOCK_THREADS = 256
+
+
+def varlen_records_spec() -> KernelSpec:
+    return VARLEN_RECORDS.spec(block_threads=VARLEN_RECORDS_BLOCK_THREADS)
+
+
+VARLEN_RECORDS = _register(
+    KernelFamily(
+        name="varlen_records",
+        source="flash/varlen_records.hip",
+        template="hipattn::varlen_records",
+        template_params=("block_threads",),
+        params=ParamsStruct(
+            "VarlenRecordsParams",
+            (
+                ("cu_seqlens_q", "const_ptr"),
+                ("cu_seqlens_k", "const_ptr"),
+                ("seqused_q", "const_ptr"),
+                ("seqused_k", "const_ptr"),
+                ("records", "ptr"),
+                ("batch", "i32"),
+                ("max_seqlen_q", "i32"),
+                ("max_seqlen_k", "i32"),
+                ("total_q", "i32"),
+                ("total_k", "i32"),
+                ("block_n", "i32"),
+                ("key_block_bound", "i32"),
+            ),
+        ),
+        shipped=lambda target: [varlen_records_spec()],
+        structs=(VARLEN_RECORD,),
     )
 )

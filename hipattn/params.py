@@ -55,6 +55,10 @@ class ParamsStruct:
         body = "".join(f"  {FIELD_KINDS[kind][1]} {name};\n" for name, kind in self.fields)
         return f"struct {self.name} {{\n{body}}};\n"
 
+    def cpp_size_assertion(self) -> str:
+        """A static_assert that the C++ compiler lays the struct out in ctypes' size."""
+        return f'static_assert(sizeof({self.name}) == {self.nbytes}, "hipattn: {self.name} layout");\n'
+
     @property
     def nbytes(self) -> int:
         return ctypes.sizeof(self._ctypes_class)

@@ -323,6 +323,28 @@ class PinnedPool:
             del self._held[id(block)]
 
 
+# ---- one pool per device, for hipattn's own launch paths --------------------------------------
+
+_device_pools: dict[tuple[Backend, int], PinnedPool] = {}
+_device_pools_lock = threading.Lock()
+
+
+def device_pool(backend: Backend, device: int) -> PinnedPool:
+    """The process's pinned pool for ``device`` (created on first use; one per backend and device).
+
+    Launch paths that stage data through pinned memory (varlen_prep's host path) share it, so its
+    blocks are recycled across calls. Thread-safe; the pool itself is too.
+    """
+    key = (backend, device)
+    pool = _device_pools.get(key)  # the hot path: a dict hit, no lock
+    if pool is None:
+        with _device_pools_lock:
+            pool = _device_pools.get(key)
+            if pool is None:
+                pool = _device_pools[key] = PinnedPool(backend)
+    return pool
+
+
 # ---- Python host functions --------------------------------------------------------------------
 
 

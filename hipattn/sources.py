@@ -1,8 +1,9 @@
 """Kernel sources: where they live, and the compile unit for one instantiation.
 
-The compile unit is tiny: the platform header, the generated parameter struct, and an include of the
-family's source. Every file it reaches through ``#include "..."`` is handed to the compiler as an
-in-memory header (neither hiprtc nor NVRTC searches directories by default), and the same texts
+The compile unit is tiny: the platform header, the generated structs (the family's further
+``structs``, each with a size check, then its parameter struct), and an include of the family's
+source. Every file it reaches through ``#include "..."`` is handed to the compiler as an in-memory
+header (neither hiprtc nor NVRTC searches directories by default), and the same texts
 feed the cache key, so a change to any included header changes the key.
 """
 
@@ -45,7 +46,8 @@ def compile_unit(family: KernelFamily) -> tuple[str, dict[str, str]]:
         f"// hipattn compile unit for kernel family {family.name}\n"
         '#include "common/platform.h"\n'
         "namespace hipattn {\n"
-        f"{family.params.cpp_declaration()}"
+        + "".join(s.cpp_declaration() + s.cpp_size_assertion() for s in family.structs)
+        + f"{family.params.cpp_declaration()}"
         "}  // namespace hipattn\n"
         f'#include "{family.source}"\n'
     )

@@ -32,6 +32,9 @@ class KernelFamily:
     params: ParamsStruct
     # The instantiations hipattn ships for a target: what `hipattn warm` compiles and CI checks.
     shipped: Callable[[Target], Iterable[KernelSpec]] = lambda target: ()
+    # Further structs the kernel reads through pointers (e.g. varlen_metadata.VARLEN_RECORD),
+    # declared in the compile unit before ``params`` so that both sides share one field list.
+    structs: tuple[ParamsStruct, ...] = ()
 
     def spec(self, **template_args: TemplateValue) -> KernelSpec:
         unknown = set(template_args) - set(self.template_params)

@@ -8,7 +8,7 @@ The forward and backward are registered as ``torch.library`` custom ops (``hipat
 ``hipattn::backward``) with fake (meta) implementations, so ``torch.compile`` treats them as opaque
 calls and traces around them. Gradients flow to q, k and v; the log-sum-exp output is not
 differentiable (its gradient is ignored). Calls the kernels cannot serve raise as hipattn.forward
-does (NotImplementedError for sequences longer than the small-seq tile, for now).
+does (NotImplementedError where no kernel serves the call).
 
 Importing this module needs torch; ``import hipattn`` alone never imports it.
 """
@@ -44,14 +44,17 @@ def _forward_op(
     max_seqlen_k: Optional[int],
     softmax_scale: float,
     causal: bool,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
+    del deterministic  # a forward is deterministic; the flag is kept for the backward (_setup_context)
     return attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                              causal=causal)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                  deterministic):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
@@ -69,24 +72,25 @@ def _backward_op(
     max_seqlen_k: Optional[int],
     softmax_scale: float,
     causal: bool,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return attention.backward(dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                              causal=causal)
+                              causal=causal, deterministic=deterministic)
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   causal):
+                   causal, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
 
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
@@ -94,8 +98,8 @@ def _backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
     # The kernels read rows with 16-byte accesses: a gradient that autograd hands over expanded or
     # transposed is made contiguous first.
     dq, dk, dv = _backward_op(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                              ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None, None, None, None, None
+                              ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -126,11 +130,11 @@ def flash_attn_varlen_func(
     """hipattn.flash_attn_varlen_func with autograd: see its docstring for shapes and conventions.
 
     Returns out, or (out, softmax_lse, None) with return_attn_probs=True; out.backward() runs
-    hipattn's backward. hipattn's backward is deterministic; ``deterministic`` is accepted.
+    hipattn's backward, bit-identical run to run with ``deterministic=True``.
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
     out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale),
-                           causal)
+                           causal, bool(deterministic))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -149,5 +153,5 @@ def flash_attn_func(
 ):
     """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd."""
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
-    out, lse = _forward_op(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal)
+    out, lse = _forward_op(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal, bool(deterministic))
     return (out, lse, None) if return_attn_probs else out

@@ -1,76 +1,92 @@
-"""Stream-async preparation of the varlen backward's metadata (DESIGN.md, seed 000_2d4a19ef11f4b7a1).
+"""Stream-async preparation of the varlen backward's work list (DESIGN.md, seed 000_2d4a19ef11f4b7a1).
 
-The records (hipattn.varlen_metadata) are derived from ``cu_seqlens``, which live on the device,
-and the host must not block to read them. ``prepare_varlen_metadata_async`` enqueues on the
-caller's stream, in this order:
+The records (hipattn.varlen_metadata) are derived from ``cu_seqlens`` (and ``seqused``, when given),
+which live on the device, and the host must not block to read them. Two ways, both enqueued on the
+caller's stream before the kernels that read the records, neither synchronizing, and bit for bit
+alike:
 
-1. two async copies: ``cu_seqlens_q`` and ``cu_seqlens_k``, device -> pinned block A;
-2. a Python host function: ``pack_split_offsets`` reads A and writes the records into pinned block B;
-3. an async copy: B -> the workspace's ``varlen_metadata`` section on the device;
-4. ``pool.release_after(stream, A, B)``: a ``sem_post`` at the stream's tail returns both blocks to
-   the pool once the stream has passed step 3 (pinned.PinnedPool's keepalive).
+- ``prepare_varlen_metadata_on_device``: one launch of the ``varlen_records`` kernel
+  (kernels/flash/varlen_records.hip; one block walks the batch with a block-wide scan). No pinned
+  memory, no host function, nothing special under graph capture.
+- ``prepare_varlen_metadata_async``, the host path (the seed's design):
 
-Kernels enqueued afterwards on the same stream see the records. Nothing synchronizes. The host
-function touches only numpy views of pinned memory: no runtime call, no device memory, nothing
-whose finaliser could call the runtime. Zeroing ``dq_accum`` is the caller's (ops.preprocess),
-before or after this, on the same stream.
+  1. async copies: ``cu_seqlens_q``, ``cu_seqlens_k`` (and ``seqused_q``/``seqused_k``), device ->
+     pinned block A;
+  2. a Python host function: ``pack_varlen_records`` reads A and writes the records into pinned
+     block B;
+  3. an async copy: B -> the workspace's ``varlen_records`` section on the device;
+  4. ``pool.release_after(stream, A, B)``: a ``sem_post`` at the stream's tail returns both blocks
+     to the pool once the stream has passed step 3 (pinned.PinnedPool's keepalive).
 
-Graph capture. Captured, the four steps become graph nodes that replay as a unit: each replay
-copies the *current* contents of the same ``cu_seqlens`` device buffers, packs, and copies the new
-records out. ``launch_python_host_func`` keeps a captured host function for the life of the process
-(a graph may replay it at any time), and the pool makes blocks released during capture
-graph-owned: never recycled, since every replay copies into and out of them again. A capture in
-global mode (PyTorch's default) forbids allocating pinned memory, so call ``reserve_blocks`` before
-capturing.
+  The host function touches only numpy views of pinned memory: no runtime call, no device memory,
+  nothing whose finaliser could call the runtime. Captured into a graph, the four steps replay as a
+  unit: each replay copies the *current* contents of the same device buffers, packs, and copies
+  the new records out. ``launch_python_host_func`` keeps a captured host function for the life of
+  the process, and the pool makes blocks released during capture graph-owned (never recycled). A
+  capture in global mode (PyTorch's default) forbids allocating pinned memory, so call
+  ``reserve_blocks`` before capturing. The GIL: step 2 is Python and runs on the runtime's callback
+  thread; while it is pending, no thread may wait on this stream while holding the GIL (both
+  bindings release it in their blocking calls).
 
-The GIL. Step 2 is Python and runs on the runtime's callback thread: while it is pending, no thread
-may wait on this stream while holding the GIL (both bindings release it in their blocking calls).
-
-The device alternative (DESIGN.md: build both, measure, default to the faster). A small kernel can
-derive the same records: one block walks the batch in chunks, clamps each sequence as
-``sequence_bounds`` does, and carries an exclusive block-wide scan of ``key_splits * query_length``
-from chunk to chunk, writing ``VarlenSequenceRecord`` (declared by ``varlen_record_cpp()``, prepended
-to its compile unit) into the same ``varlen_metadata`` section. It would replace steps 1-4 with one
-launch (no pinned blocks, no host function, no GIL, nothing special under capture) and sit beside
-this function as ``prepare_varlen_metadata_on_device`` with the same arguments minus ``pool``, tested
-against ``pack_split_offsets``. This host path stays, working and tested, for metadata that needs
-host logic.
+``prepare_varlen_records`` is what the backward launcher calls: it reads ``HIPATTN_VARLEN_PREP``
+(``device``, the default, or ``host``) on every call and takes the host path's pool from
+``pinned.device_pool``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections import Counter
 
 import numpy as np
 
 from .backends.base import Backend
-from .pinned import PinnedBlock, PinnedPool, launch_python_host_func, size_class
+from .families import VARLEN_RECORDS_BLOCK_THREADS, varlen_records_spec
+from .pinned import PinnedBlock, PinnedPool, device_pool, launch_python_host_func, size_class
+from .registry import get_kernel
+from .spec import KernelSpec
 from .varlen_metadata import (
-    INT32_MAX,
     VARLEN_RECORD_BYTES,
     VARLEN_RECORD_DTYPE,
     SequenceLimits,
-    pack_split_offsets,
+    check_key_block_bound,
+    pack_varlen_records,
 )
 
 logger = logging.getLogger("hipattn")
 
 _INT32_BYTES = 4
 
+# HIPATTN_VARLEN_PREP=device|host picks the preparation; read on every call.
+PREP_SWITCH = "HIPATTN_VARLEN_PREP"
+PREP_WAYS = ("device", "host")
+DEFAULT_PREP = "device"
+
 
 def block_bytes(batch: int) -> tuple[int, int]:
-    """(bytes of block A: both cu_seqlens, bytes of block B: the records) for ``batch`` sequences."""
-    return 2 * (batch + 1) * _INT32_BYTES, batch * VARLEN_RECORD_BYTES
+    """(bytes of block A: both cu_seqlens and room for both seqused, bytes of block B: the records).
+
+    Block A always has room for the seqused arrays, so one size class serves every call of a batch
+    size (``reserve_blocks`` need not know which arrays a call passes)."""
+    return (2 * (batch + 1) + 2 * batch) * _INT32_BYTES, batch * VARLEN_RECORD_BYTES
 
 
 def reserve_blocks(pool: PinnedPool, batch: int, calls: int = 1) -> None:
-    """Make sure ``calls`` preparations of ``batch`` sequences can acquire their blocks without
-    allocating: required before a stream capture in global mode."""
+    """Make sure ``calls`` host-path preparations of ``batch`` sequences can acquire their blocks
+    without allocating: required before a stream capture in global mode."""
     if batch == 0:
         return
     for size, count in Counter(size_class(n) for n in block_bytes(batch)).items():
         pool.reserve(size, count * calls)
+
+
+def _check_arguments(batch: int, block_n: int, limits: SequenceLimits) -> int:
+    """Validate before anything is enqueued; returns the work list's bound."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+        raise ValueError(f"batch must be an int >= 0; got {batch!r}")
+    return check_key_block_bound(limits, batch, block_n)  # also validates block_n
 
 
 def prepare_varlen_metadata_async(
@@ -81,27 +97,24 @@ def prepare_varlen_metadata_async(
     cu_seqlens_k: int,
     batch: int,
     block_n: int,
-    metadata_ptr: int,
+    records_ptr: int,
     *,
     limits: SequenceLimits,
+    seqused_q: int = 0,
+    seqused_k: int = 0,
 ) -> None:
-    """Enqueue the metadata of ``batch`` sequences into ``metadata_ptr`` on ``stream`` (module docstring).
+    """The host path: enqueue the records of ``batch`` sequences into ``records_ptr`` on ``stream``.
 
-    ``cu_seqlens_q``/``cu_seqlens_k`` are device pointers to ``batch + 1`` int32 each;
-    ``metadata_ptr`` is the device address of the workspace's ``varlen_metadata`` section
-    (``plan.pointer(base, "varlen_metadata")``); ``block_n`` is the backward kernel's BLOCK_N and
-    ``limits`` the host's promises (``SequenceLimits.of(problem)``), against which the records are
-    clamped. The current device must be the stream's. Batch 0 enqueues nothing.
+    ``cu_seqlens_q``/``cu_seqlens_k`` are device pointers to ``batch + 1`` int32 each, and
+    ``seqused_q``/``seqused_k`` to ``batch`` int32 each, or 0 when absent; ``records_ptr`` is the
+    device address of the workspace's ``varlen_records`` section; ``block_n`` is the dK/dV kernel's
+    BLOCK_N and ``limits`` the host's promises (``SequenceLimits.of(problem)``), against which the
+    records are clamped. The current device must be the stream's. Batch 0 enqueues nothing.
     """
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
-        raise ValueError(f"batch must be an int >= 0; got {batch!r}")
-    rows = limits.dq_accum_rows(block_n)  # also validates block_n, before anything is enqueued
-    if rows > INT32_MAX:
-        raise ValueError(f"the deterministic dq_accum would have {rows} rows; its int32 row offsets reach {INT32_MAX}")
+    _check_arguments(batch, block_n, limits)
     if batch == 0:
         return
     input_bytes, record_bytes = block_bytes(batch)
-    seqlens_bytes = input_bytes // 2
     inputs = pool.acquire(input_bytes)
     try:
         records_block = pool.acquire(record_bytes)
@@ -110,19 +123,27 @@ def prepare_varlen_metadata_async(
         raise
     # Views made here, on the main thread; the host function only reads and writes through them.
     words = inputs.array[:input_bytes].view(np.int32)
-    host_cu_seqlens_q, host_cu_seqlens_k = words[: batch + 1], words[batch + 1 :]
+    copies = [(cu_seqlens_q, batch + 1), (cu_seqlens_k, batch + 1), (seqused_q, batch), (seqused_k, batch)]
+    views, offset = [], 0
+    for ptr, count in copies:
+        views.append(words[offset : offset + count] if ptr else None)
+        offset += count
+    host_cu_q, host_cu_k, host_used_q, host_used_k = views
     records = records_block.array[:record_bytes].view(VARLEN_RECORD_DTYPE)
 
     def pack() -> None:
-        pack_split_offsets(host_cu_seqlens_q, host_cu_seqlens_k, block_n, records, limits)
+        pack_varlen_records(host_cu_q, host_cu_k, block_n, records, limits, host_used_q, host_used_k)
 
     enqueued = False
     try:
-        backend.memcpy_async(inputs.ptr, cu_seqlens_q, seqlens_bytes, stream)
-        enqueued = True
-        backend.memcpy_async(inputs.ptr + seqlens_bytes, cu_seqlens_k, seqlens_bytes, stream)
+        offset = 0
+        for ptr, count in copies:
+            if ptr:
+                backend.memcpy_async(inputs.ptr + offset * _INT32_BYTES, ptr, count * _INT32_BYTES, stream)
+                enqueued = True
+            offset += count
         launch_python_host_func(backend, stream, pack)
-        backend.memcpy_async(metadata_ptr, records_block.ptr, record_bytes, stream)
+        backend.memcpy_async(records_ptr, records_block.ptr, record_bytes, stream)
     except BaseException:
         if enqueued:
             _abandon(pool, stream, inputs, records_block)
@@ -139,3 +160,59 @@ def _abandon(pool: PinnedPool, stream: int, *blocks: PinnedBlock) -> None:
         pool.release_after(stream, *blocks)
     except Exception:
         logger.warning("hipattn: could not enqueue the keepalive of %d pinned blocks; they are leaked", len(blocks))
+
+
+@functools.cache
+def _records_spec() -> KernelSpec:
+    return varlen_records_spec()
+
+
+def prepare_varlen_metadata_on_device(
+    backend: Backend,
+    stream: int,
+    cu_seqlens_q: int,
+    cu_seqlens_k: int,
+    batch: int,
+    block_n: int,
+    records_ptr: int,
+    *,
+    limits: SequenceLimits,
+    seqused_q: int = 0,
+    seqused_k: int = 0,
+    device: int | None = None,
+) -> None:
+    """The device path: one ``varlen_records`` launch on ``stream``; the host path's arguments
+    minus the pool. ``device`` is the current device (the stream's), asked of the backend when not
+    given. Batch 0 enqueues nothing."""
+    bound = _check_arguments(batch, block_n, limits)
+    if batch == 0:
+        return
+    kernel = get_kernel(_records_spec(), backend.get_device() if device is None else device)
+    params = kernel.params.from_dict({
+        "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_q": seqused_q, "seqused_k": seqused_k,
+        "records": records_ptr, "batch": batch, "max_seqlen_q": limits.max_seqlen_q,
+        "max_seqlen_k": limits.max_seqlen_k, "total_q": limits.total_q, "total_k": limits.total_k,
+        "block_n": block_n, "key_block_bound": bound,
+    })  # fmt: skip
+    kernel.launch((1, 1, 1), (VARLEN_RECORDS_BLOCK_THREADS, 1, 1), 0, stream, params)
+
+
+def prep_way() -> str:
+    """``HIPATTN_VARLEN_PREP``'s value (read now), or the default."""
+    way = os.environ.get(PREP_SWITCH, "").strip().lower() or DEFAULT_PREP
+    if way not in PREP_WAYS:
+        raise ValueError(f"{PREP_SWITCH}={os.environ[PREP_SWITCH]!r}; expected one of {', '.join(PREP_WAYS)}")
+    return way
+
+
+def prepare_varlen_records(backend: Backend, stream: int, device: int, cu_seqlens_q: int, cu_seqlens_k: int,
+                           batch: int, block_n: int, records_ptr: int, *, limits: SequenceLimits,
+                           seqused_q: int = 0, seqused_k: int = 0) -> None:
+    """Enqueue the records on ``stream`` the way ``HIPATTN_VARLEN_PREP`` says (device by default)."""
+    if prep_way() == "host":
+        prepare_varlen_metadata_async(backend, device_pool(backend, device), stream, cu_seqlens_q, cu_seqlens_k,
+                                      batch, block_n, records_ptr, limits=limits, seqused_q=seqused_q,
+                                      seqused_k=seqused_k)
+    else:
+        prepare_varlen_metadata_on_device(backend, stream, cu_seqlens_q, cu_seqlens_k, batch, block_n, records_ptr,
+                                          limits=limits, seqused_q=seqused_q, seqused_k=seqused_k, device=device)

@@ -3,8 +3,9 @@
 ``plan_workspace`` is the one helper that lays sections out; the forward and backward planners
 below only say which sections they need (the seed review asked for the duplicated forward/backward
 carving to be factored out). Every size comes from host-known facts (the ``Problem``'s shapes and
-``max_seqlen`` bounds, a kernel's tile sizes): nothing here reads device memory, so a plan is
-made before anything is enqueued and a whole call stays capturable into a graph.
+batch): nothing here reads device memory, so a plan is made before anything is enqueued and a whole
+call stays capturable into a graph. What only the device knows (the lengths in ``cu_seqlens``) is
+derived into a section on the launch stream (``varlen_records``, hipattn.varlen_prep).
 
 Sections are laid out in the order given, each at a multiple of ``WORKSPACE_ALIGNMENT`` bytes from
 the base, and the base must be aligned as well (device allocators return 256-byte aligned memory).
@@ -18,13 +19,11 @@ from types import MappingProxyType
 
 from .arrays import element_size
 from .problem import THD, Problem, lse_shape
-from .varlen_metadata import INT32_MAX, VARLEN_RECORD_DTYPE, SequenceLimits, key_block_splits
+from .varlen_metadata import VARLEN_RECORD_WORDS
 
 # Every section starts on this boundary: a multiple of every vector access width the kernels use
 # (16 bytes) and of a cache line's sector group, and what cudaMalloc/hipMalloc return.
 WORKSPACE_ALIGNMENT = 256
-
-VARLEN_RECORD_WORDS = len(VARLEN_RECORD_DTYPE.names)
 
 
 @dataclass(frozen=True)
@@ -115,52 +114,22 @@ def forward_workspace(problem: Problem) -> WorkspacePlan:
     return plan_workspace(())
 
 
-def needs_varlen_metadata(problem: Problem, deterministic: bool) -> bool:
-    """Whether the backward needs the per-sequence records (varlen_metadata).
-
-    Only the deterministic varlen backward does: its dq_accum slices sit at prefix-sum offsets.
-    The atomic backward reads cu_seqlens on the device as the forward does, and skips the host
-    round trip.
-    """
-    return problem.layout == THD and deterministic
-
-
-def backward_workspace(problem: Problem, deterministic: bool, block_n: int) -> WorkspacePlan:
-    """Sections of the flash backward, for key blocks of ``block_n`` (the kernel's tile-table BLOCK_N).
+def backward_workspace(problem: Problem, deterministic: bool) -> WorkspacePlan:
+    """Sections of the flash backward.
 
     - ``softmax_d``: fp32 D = rowsum(dO * O), laid out as the LSE: [Hq, total_q] (THD) or
       [B, Hq, S_q] (BSHD).
-    - ``dq_accum``: fp32. Atomic mode: dq's shape, [total_q, Hq, D] or [B, S_q, Hq, D]. Deterministic
-      mode: one slice per key block. BSHD: [splits, B, S_q, Hq, D] with splits =
-      ceil(max_seqlen_k / block_n). THD: [splits * total_q, Hq, D] rows, of which sequence b uses
-      ``key_splits * query_length`` rows from its record's ``dq_accum_row_offset`` (a bound, since
-      only the device knows the lengths).
-    - ``varlen_metadata``: int32 [batch, VARLEN_RECORD_WORDS], one record per sequence
-      (hipattn.varlen_metadata), only where ``needs_varlen_metadata``.
-
-    Zeroing ``dq_accum`` (ops.preprocess.zero_dq_accum) covers the whole section.
+    - ``dq_accum``: fp32, dq's shape, [total_q, Hq, D] or [B, S_q, Hq, D]; only for the atomic
+      schedule (``deterministic=False``): the deterministic one sums dQ per query tile in registers.
+    - ``varlen_records``: int32 [batch, VARLEN_RECORD_WORDS], one record per sequence: the dK/dV
+      kernel's work list (hipattn.varlen_metadata), prepared on the launch stream; only THD.
     """
     heads, head_dim = problem.heads_q, problem.head_dim
-    splits = key_block_splits(problem.max_seqlen_k, block_n)  # validates block_n in both modes
+    sections = [SectionRequest("softmax_d", lse_shape(problem), "fp32")]
     if not deterministic:
         dq_accum = (problem.total_q, heads, head_dim) if problem.layout == THD else (
             problem.batch, problem.total_q, heads, head_dim)
-    else:
-        if problem.layout == THD:
-            rows = SequenceLimits.of(problem).dq_accum_rows(block_n)
-            if rows > INT32_MAX:
-                raise ValueError(
-                    f"deterministic varlen backward: {splits} key blocks (max_seqlen_k {problem.max_seqlen_k}, "
-                    f"block_n {block_n}) x {problem.total_q} query tokens = {rows} dq_accum rows, beyond the "
-                    f"int32 row offsets ({INT32_MAX}); use deterministic=False or split the batch"
-                )
-            dq_accum = (rows, heads, head_dim)
-        else:
-            dq_accum = (splits, problem.batch, problem.total_q, heads, head_dim)
-    sections = [
-        SectionRequest("softmax_d", lse_shape(problem), "fp32"),
-        SectionRequest("dq_accum", dq_accum, "fp32"),
-    ]
-    if needs_varlen_metadata(problem, deterministic):
-        sections.append(SectionRequest("varlen_metadata", (problem.batch, VARLEN_RECORD_WORDS), "int32"))
+        sections.append(SectionRequest("dq_accum", dq_accum, "fp32"))
+    if problem.layout == THD:
+        sections.append(SectionRequest("varlen_records", (problem.batch, VARLEN_RECORD_WORDS), "int32"))
     return plan_workspace(sections)

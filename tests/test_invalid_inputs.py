@@ -88,9 +88,11 @@ def device(tmp_path_factory):
     patch.delenv(smallseq.KERNEL_SWITCH, raising=False)
     # Remembered per device, and it asks the backend: forget what any other test's backend said.
     capabilities.has_nvidia_mma.cache_clear()
+    capabilities.has_amd_mfma.cache_clear()
     yield fake
     patch.undo()
     capabilities.has_nvidia_mma.cache_clear()
+    capabilities.has_amd_mfma.cache_clear()
 
 
 @pytest.fixture
@@ -277,19 +279,17 @@ CASES = [
     case("heads not a multiple in backward", backward_thd, ValueError, "must be a multiple of the key/value heads",
          k=thd_array((TOTAL_K, 3, HEAD_DIM)), v=thd_array((TOTAL_K, 3, HEAD_DIM)),
          dk=thd_array((TOTAL_K, 3, HEAD_DIM)), dv=thd_array((TOTAL_K, 3, HEAD_DIM))),
-    # head_dim: a degenerate one is invalid; a real one no path serves yet is documented NotImplementedError
+    # head_dim: a degenerate one is invalid; a real one no kernel serves is a documented NotImplementedError
     case("head_dim 0", forward_thd, ValueError, "head_dim is 0; it must be at least 1", **_same_head_dim(0)),
-    case("head_dim 96 (no path yet)", forward_thd, NotImplementedError, "head_dim 96 is not one of (64, 128, 256)",
-         **_same_head_dim(96)),
-    case("head_dim 512 (no path yet)", forward_thd, NotImplementedError, "head_dim is one of (64, 128, 256)",
-         **_same_head_dim(512)),
-    case("head_dim 96 backward (no path yet)", backward_thd, NotImplementedError,
-         "head_dim 96 is not one of (64, 128, 256)",
-         q=thd_array((TOTAL_Q, HEADS_Q, 96)), k=thd_array((TOTAL_K, HEADS_KV, 96)),
-         v=thd_array((TOTAL_K, HEADS_KV, 96)), dout=thd_array((TOTAL_Q, HEADS_Q, 96)),
-         out=thd_array((TOTAL_Q, HEADS_Q, 96))),
-    case("sequences longer than the small-seq tile (no path yet)", forward_thd, NotImplementedError,
-         "at most 17 tokens", max_seqlen_k=18),
+    case("head_dim 80 (no kernel serves it)", forward_thd, NotImplementedError,
+         "not the flash path (head_dim 80 is not one of (64, 96, 128, 256))", **_same_head_dim(80)),
+    case("head_dim 512 (no kernel serves it)", forward_thd, NotImplementedError,
+         "not the small-seq path (head_dim 512 is not one of (64, 128, 256))", **_same_head_dim(512)),
+    case("head_dim 80 backward (no kernel serves it)", backward_thd, NotImplementedError,
+         "not the flash path (head_dim 80 is not one of (64, 96, 128, 256))",
+         q=thd_array((TOTAL_Q, HEADS_Q, 80)), k=thd_array((TOTAL_K, HEADS_KV, 80)),
+         v=thd_array((TOTAL_K, HEADS_KV, 80)), dout=thd_array((TOTAL_Q, HEADS_Q, 80)),
+         out=thd_array((TOTAL_Q, HEADS_Q, 80))),
     # layout: contiguity, alignment
     case("q last dimension strided", forward_thd, ValueError, "its last dimension (head_dim) must be contiguous",
          q=thd_array(Q_SHAPE, strides=(HEADS_Q * HEAD_DIM * 2, HEAD_DIM * 2, 2))),

@@ -19,6 +19,7 @@ from hipattn.pinned import (
     MIN_BLOCK_BYTES,
     PinnedPool,
     Semaphore,
+    device_pool,
     launch_python_host_func,
     pending_host_funcs,
     size_class,
@@ -195,6 +196,27 @@ def test_failed_enqueue_leaves_blocks_with_the_caller(backend):
         pool.release_after(0, block)
     assert pool.stats().held_blocks == 1
     pool.release(block)
+
+
+def test_one_pool_per_backend_and_device_created_once_under_concurrent_first_use():
+    backends = [FakeBackend(), FakeBackend()]
+    barrier = threading.Barrier(8)
+    seen: list[tuple[int, int, PinnedPool]] = []
+
+    def first_use(i: int) -> None:
+        barrier.wait()
+        backend, device = backends[i % 2], i // 2 % 2
+        seen.append((i % 2, device, device_pool(backend, device)))
+
+    threads = [threading.Thread(target=first_use, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    pools = {(b, d): {id(p) for bb, dd, p in seen if (bb, dd) == (b, d)} for b in (0, 1) for d in (0, 1)}
+    assert all(len(ids) == 1 for ids in pools.values()), "a device got two pools"
+    assert len({next(iter(ids)) for ids in pools.values()}) == 4, "devices or backends share a pool"
+    assert device_pool(backends[1], 0) is next(p for b, d, p in seen if (b, d) == (1, 0))
 
 
 def test_host_function_completes_while_main_thread_waits_releasing_the_gil(backend, driver):

@@ -90,7 +90,7 @@ class ReferenceKernels:
         return out.to(q.dtype), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, causal):
+                 softmax_scale, causal, deterministic=False):
         self.backward_calls += 1
         self.last_dout = dout
         grads = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dout)
@@ -151,11 +151,11 @@ def test_unsupported_arguments_are_named():
 def test_the_ops_pass_torch_librarys_checks(kernels):
     """Schema, fake (meta) kernels against the real outputs, and the autograd registration."""
     q, k, v, cu_q, cu_k = _varlen([3, 4], [5, 2])
-    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False)
+    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False, False)  # ..., causal, deterministic
     torch.library.opcheck(torch.ops.hipattn.forward.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     out, lse = torch.ops.hipattn.forward(*args)
-    backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 4, 5, 0.25, False)
+    backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 4, 5, 0.25, False, True)
     torch.library.opcheck(torch.ops.hipattn.backward.default, backward_args, test_utils=("test_schema", "test_faketensor"))
 
 

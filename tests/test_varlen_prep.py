@@ -1,11 +1,13 @@
-"""The varlen metadata: the packer on its own against a slow reference loop, the record's one layout
-on both sides, and the stream-async preparation run by a fake GPU.
+"""The varlen work list: the packer on its own against a slow reference loop (and a model of the
+kernel's block -> sequence search), the record's one layout on both sides, and the host path's
+stream-async preparation run by a fake GPU.
 
 The fake backend's "device" and pinned memory are both host buffers; it queues each stream's
 operations (async copies, host functions) instead of running them, and a fake driver thread runs
 them in order later: copies as real memmoves, host functions through their C addresses, as the
 runtime's callback thread does. So the bytes that land in the "device" workspace are the ones the
-real path would produce, and nothing can come out right by running early.
+real path would produce, and nothing can come out right by running early. The device path (the
+varlen_records kernel) is checked against the packer on the GPU (tests/gpu/test_varlen_prep.py).
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from hipattn import pinned
-from hipattn.pinned import PinnedPool, pending_host_funcs
+from hipattn import families, pinned, sources, varlen_prep
+from hipattn.pinned import PinnedPool, device_pool, pending_host_funcs
+from hipattn.problem import THD, Problem
 from hipattn.varlen_metadata import (
+    INT32_MAX,
     VARLEN_RECORD,
     VARLEN_RECORD_BYTES,
     VARLEN_RECORD_DTYPE,
     SequenceLimits,
-    key_block_splits,
-    pack_split_offsets,
+    key_block_bound,
+    key_blocks,
+    pack_varlen_records,
     varlen_record_cpp,
 )
 from hipattn.varlen_prep import block_bytes, prepare_varlen_metadata_async, reserve_blocks
@@ -40,8 +45,8 @@ FIELDS = VARLEN_RECORD_DTYPE.names
 # ---- the packer on its own ------------------------------------------------------------------------
 
 
-def reference_records(cu_q, cu_k, block_n, limits: SequenceLimits | None) -> list[tuple[int, ...]]:
-    """One sequence at a time, as kernels/common/sequence.h clamps, with the overflow rule spelled out."""
+def reference_records(cu_q, cu_k, block_n, limits: SequenceLimits | None, used_q=None, used_k=None) -> list[tuple[int, ...]]:
+    """One sequence at a time, as kernels/common/sequence.h clamps, with the bound rule spelled out."""
     cu_q, cu_k = [int(x) for x in cu_q], [int(x) for x in cu_k]
     batch = len(cu_q) - 1
     if limits is None:
@@ -50,24 +55,23 @@ def reference_records(cu_q, cu_k, block_n, limits: SequenceLimits | None) -> lis
             max([max(cu_k[b + 1] - cu_k[b], 0) for b in range(batch)], default=0),
             max(cu_q[-1], 0), max(cu_k[-1], 0),
         )  # fmt: skip
-    capacity = -(-limits.max_seqlen_k // block_n) * limits.total_q
+    ceil = lambda n: -(-n // block_n)  # noqa: E731
+    bound = min(ceil(limits.total_k) + batch, batch * ceil(limits.max_seqlen_k))
 
-    def bounds(cu, b, max_seqlen, total):
+    def bounds(cu, used, b, max_seqlen, total):
         start = min(max(cu[b], 0), total)
-        length = max(cu[b + 1] - cu[b], 0)
-        return start, min(length, max_seqlen, total - start)
+        length = int(used[b]) if used is not None else cu[b + 1] - cu[b]
+        return start, min(max(length, 0), max_seqlen, total - start)
 
-    records, offset = [], 0
+    records, asked, placed = [], 0, 0  # blocks asked for by the sequences so far; blocks placed
     for b in range(batch):
-        query_start, query_length = bounds(cu_q, b, limits.max_seqlen_q, limits.total_q)
-        key_start, key_length = bounds(cu_k, b, limits.max_seqlen_k, limits.total_k)
-        splits = (key_length + block_n - 1) // block_n
-        rows = splits * query_length
-        if offset + rows > capacity:  # does not fit: nothing for this sequence, offset clamped
-            records.append((query_start, 0, key_start, key_length, splits, min(offset, capacity)))
-        else:
-            records.append((query_start, query_length, key_start, key_length, splits, offset))
-        offset += rows
+        query_start, query_length = bounds(cu_q, used_q, b, limits.max_seqlen_q, limits.total_q)
+        key_start, key_length = bounds(cu_k, used_k, b, limits.max_seqlen_k, limits.total_k)
+        asked += ceil(key_length)
+        if asked > bound:  # from here on nothing fits: no keys, no blocks
+            key_length = 0
+        records.append((query_start, query_length, key_start, key_length, placed))
+        placed += ceil(key_length)
     return records
 
 
@@ -76,24 +80,66 @@ def random_cu_seqlens(rng: random.Random, batch: int, max_len: int) -> np.ndarra
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
-def packed(cu_q, cu_k, block_n, limits=None) -> np.ndarray:
+def packed(cu_q, cu_k, block_n, limits=None, used_q=None, used_k=None) -> np.ndarray:
     out = np.zeros(len(cu_q) - 1, dtype=VARLEN_RECORD_DTYPE)
-    return pack_split_offsets(np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32), block_n, out, limits)
+    used = [None if u is None else np.asarray(u, np.int32) for u in (used_q, used_k)]
+    return pack_varlen_records(np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32), block_n, out, limits, *used)
 
 
 def as_tuples(records: np.ndarray) -> list[tuple[int, ...]]:
     return [tuple(int(x) for x in r) for r in records]
 
 
+def block_owners(records: np.ndarray, block_n: int, heads_kv: int, grid: int) -> list[tuple[int, int, int] | None]:
+    """What each block of the dK/dV grid does, by the rule of key_block_of (backward_mma.hip): the
+    last record whose first_key_block is not past the block's key block, or nothing."""
+    owners = []
+    first = records["first_key_block"].astype(np.int64)
+    for block in range(grid):
+        work, head = block // heads_kv, block % heads_kv
+        lo, hi = 0, len(records) - 1
+        while lo < hi:
+            mid = hi - (hi - lo) // 2
+            lo, hi = (mid, hi) if first[mid] <= work else (lo, mid - 1)
+        n_block = work - int(first[lo])
+        blocks = key_blocks(int(records["key_length"][lo]), block_n)
+        owners.append((n_block, lo, head) if 0 <= n_block < blocks else None)
+    return owners
+
+
+def assert_the_grid_covers_every_key_block_once(records, block_n, limits, heads_kv=2):
+    batch = len(records)
+    grid = key_block_bound(limits, batch, block_n) * heads_kv
+    owners = block_owners(records, block_n, heads_kv, grid)
+    expected = {(n, b, h) for b in range(batch) for n in range(key_blocks(int(records["key_length"][b]), block_n))
+                for h in range(heads_kv)}
+    real = [o for o in owners if o is not None]
+    assert len(real) == len(set(real)) and set(real) == expected
+    # The real blocks come first: the idle tail of the host-sized grid is one run at its end.
+    assert all(o is not None for o in owners[: len(real)])
+
+
 def test_a_worked_example():
-    # key lengths 65, 0, 135 -> 2, 0, 3 blocks of 64; query lengths 3, 0, 7 -> slices of 6, 0, 21 rows.
+    # key lengths 65, 0, 135 -> 2, 0, 3 blocks of 64: the work list is [seq 0: 0, 1 | seq 2: 2, 3, 4].
     records = packed([0, 3, 3, 10], [0, 65, 65, 200], 64)
-    assert as_tuples(records) == [(0, 3, 0, 65, 2, 0), (3, 0, 65, 0, 0, 6), (3, 7, 65, 135, 3, 6)]
+    assert as_tuples(records) == [(0, 3, 0, 65, 0), (3, 0, 65, 0, 2), (3, 7, 65, 135, 2)]
+    limits = SequenceLimits(7, 135, 10, 200)
+    assert key_block_bound(limits, 3, 64) == min(4 + 3, 3 * 3)
+    assert block_owners(records, 64, 1, 7) == [(0, 0, 0), (1, 0, 0), (0, 2, 0), (1, 2, 0), (2, 2, 0), None, None]
 
 
 def test_batch_zero_packs_nothing():
     assert packed([0], [0], 64).shape == (0,)
     assert packed([5], [7], 64, SequenceLimits(10, 10, 10, 10)).shape == (0,)
+
+
+def test_the_bound_is_the_tighter_of_two_host_facts():
+    assert [key_blocks(n, 64) for n in (0, 1, 64, 65, 128)] == [0, 1, 1, 2, 2]
+    # Many short sequences: max_seqlen_k bounds them better than total_k does.
+    assert key_block_bound(SequenceLimits(1, 1, 1000, 1000), 1000, 128) == 1000
+    # Mixed lengths: total_k does (a grid from max_seqlen_k would be 100 x 32).
+    assert key_block_bound(SequenceLimits(4096, 4096, 20000, 20000), 100, 128) == 157 + 100
+    assert key_block_bound(SequenceLimits(0, 0, 0, 0), 5, 64) == 0
 
 
 def test_well_formed_cu_seqlens_match_the_reference_and_are_never_truncated():
@@ -109,12 +155,15 @@ def test_well_formed_cu_seqlens_match_the_reference_and_are_never_truncated():
             records = packed(cu_q, cu_k, block_n, limits)
             assert as_tuples(records) == reference_records(cu_q, cu_k, block_n, limits)
             assert np.array_equal(records["query_length"], np.diff(cu_q))
-            assert np.array_equal(records["key_splits"], -(-np.diff(cu_k) // block_n))
-            rows = records["key_splits"].astype(np.int64) * records["query_length"]
-            assert np.array_equal(records["dq_accum_row_offset"], np.concatenate([[0], np.cumsum(rows)[:-1]])[:batch])
+            assert np.array_equal(records["key_length"], np.diff(cu_k))
+            blocks = -(-np.diff(cu_k).astype(np.int64) // block_n)
+            assert np.array_equal(records["first_key_block"], (np.cumsum(blocks) - blocks)[:batch])
+            if batch and limits is not None:
+                assert blocks.sum() <= key_block_bound(limits, batch, block_n)
+                assert_the_grid_covers_every_key_block_once(records, block_n, limits)
 
 
-def test_malformed_cu_seqlens_are_clamped_and_every_slice_fits_the_host_bound():
+def test_malformed_cu_seqlens_are_clamped_and_every_block_fits_the_host_bound():
     rng = random.Random()
     for _ in range(300):
         batch = rng.randrange(1, 30)
@@ -122,44 +171,90 @@ def test_malformed_cu_seqlens_are_clamped_and_every_slice_fits_the_host_bound():
         limits = SequenceLimits(rng.randrange(0, 200), rng.randrange(0, 500), rng.randrange(0, 1000), rng.randrange(0, 2000))
         cu_q = np.array([rng.randrange(-2**31, 2**31) if rng.random() < 0.2 else rng.randrange(-50, 1200)
                          for _ in range(batch + 1)], np.int32)
+        # Starts that go back and forth: overlapping sequences, more blocks than total_k allows.
         cu_k = np.array([rng.randrange(-50, 2500) for _ in range(batch + 1)], np.int32)
         records = packed(cu_q, cu_k, block_n, limits)
         assert as_tuples(records) == reference_records(cu_q, cu_k, block_n, limits)
-        capacity = limits.dq_accum_rows(block_n)
-        end = records["dq_accum_row_offset"].astype(np.int64) + records["key_splits"].astype(np.int64) * records["query_length"]
-        assert (end <= capacity).all()
+        bound = key_block_bound(limits, batch, block_n)
+        first = records["first_key_block"].astype(np.int64)
+        end = first + -(-records["key_length"].astype(np.int64) // block_n)
+        assert (np.diff(first) >= 0).all() and (first[1:] == end[:-1]).all() and (end <= bound).all()
         for side, max_seqlen, total in (("query", limits.max_seqlen_q, limits.total_q), ("key", limits.max_seqlen_k, limits.total_k)):
             start, length = records[f"{side}_start"], records[f"{side}_length"]
             assert (start >= 0).all() and (length >= 0).all() and (length <= max_seqlen).all()
             assert (start.astype(np.int64) + length <= total).all()
+        assert_the_grid_covers_every_key_block_once(records, block_n, limits)
+
+
+def test_sequences_past_the_bound_keep_no_blocks():
+    # Four sequences all spanning the same 100 keys: 4 x 2 blocks of 64, but the bound is 2 + 4 = 6.
+    limits = SequenceLimits(10, 100, 40, 100)
+    records = packed([0, 10, 20, 30, 40], [0, 0, 0, 0, 100], 64, limits, used_k=[100, 100, 100, 100])
+    assert key_block_bound(limits, 4, 64) == 6
+    assert records["key_length"].tolist() == [100, 100, 100, 0]
+    assert records["first_key_block"].tolist() == [0, 2, 4, 6]
+    assert_the_grid_covers_every_key_block_once(records, 64, limits)
+
+
+def test_seqused_replaces_the_lengths_and_is_clamped_the_same_way():
+    rng = random.Random()
+    for _ in range(200):
+        batch = rng.randrange(1, 20)
+        cu_q, cu_k = random_cu_seqlens(rng, batch, 100), random_cu_seqlens(rng, batch, 700)
+        limits = SequenceLimits(100, 700, int(cu_q[-1]), int(cu_k[-1]))
+        used_q = [rng.choice([-5, 0, rng.randrange(0, 120), INT32_MAX]) for _ in range(batch)]
+        used_k = [rng.choice([-1, 0, rng.randrange(0, 800), -2**31]) for _ in range(batch)]
+        for uq, uk in ((used_q, None), (None, used_k), (used_q, used_k)):
+            records = packed(cu_q, cu_k, 64, limits, uq, uk)
+            assert as_tuples(records) == reference_records(cu_q, cu_k, 64, limits, uq, uk)
+            assert_the_grid_covers_every_key_block_once(records, 64, limits)
 
 
 def test_packer_refuses_wrong_arguments():
     out = np.zeros(2, VARLEN_RECORD_DTYPE)
     with pytest.raises(ValueError, match="batch \\+ 1"):
-        pack_split_offsets(np.zeros(3, np.int32), np.zeros(4, np.int32), 64, out)
+        pack_varlen_records(np.zeros(3, np.int32), np.zeros(4, np.int32), 64, out)
     with pytest.raises(ValueError, match="VARLEN_RECORD_DTYPE"):
-        pack_split_offsets(np.zeros(3, np.int32), np.zeros(3, np.int32), 64, np.zeros((2, 6), np.int32))
-    with pytest.raises(ValueError, match="block_n"):
-        pack_split_offsets(np.zeros(3, np.int32), np.zeros(3, np.int32), 0, out)
-    with pytest.raises(ValueError, match="int32 row offsets"):
-        pack_split_offsets(np.zeros(3, np.int32), np.zeros(3, np.int32), 1, out, SequenceLimits(1, 2**20, 2**20, 2**20))
+        pack_varlen_records(np.zeros(3, np.int32), np.zeros(3, np.int32), 64, np.zeros((2, 5), np.int32))
+    with pytest.raises(ValueError, match="seqused_k has 3 entries"):
+        pack_varlen_records(np.zeros(3, np.int32), np.zeros(3, np.int32), 64, out, None, None, np.zeros(3, np.int32))
+    for block_n in (0, -64, 64.0, True):
+        with pytest.raises(ValueError, match="block_n"):
+            pack_varlen_records(np.zeros(3, np.int32), np.zeros(3, np.int32), block_n, out)
+    with pytest.raises(ValueError, match="int32 block indices"):
+        pack_varlen_records(np.zeros(3, np.int32), np.zeros(3, np.int32), 1, out, SequenceLimits(1, INT32_MAX, 2**20, INT32_MAX))
 
 
-def test_key_block_splits():
-    assert [key_block_splits(n, 64) for n in (0, 1, 64, 65, 128)] == [0, 1, 1, 2, 2]
+def test_the_launcher_sizes_the_grid_from_the_bound():
+    from hipattn.ops import flash_backward
+
+    problem = Problem(layout=THD, dtype="bf16", batch=100, heads_q=8, heads_kv=2, head_dim=128, max_seqlen_q=4096,
+                      max_seqlen_k=4096, total_q=20000, total_k=20000, causal=True, softmax_scale=0.1, device=0)
+    block_n = families.FLASH_BACKWARD_DKDV_TILES[128].block_n
+    bound = key_block_bound(SequenceLimits.of(problem), 100, block_n)
+    assert flash_backward.dkdv_grid_blocks(problem, work_list=True) == bound * 2
+    assert flash_backward.dkdv_grid_blocks(problem) == 4096 // block_n * 100 * 2 > bound * 2
 
 
 # ---- the record's one layout, on both sides ---------------------------------------------------------
 
 
-def test_record_layout_is_six_int32_in_declaration_order():
-    assert FIELDS == ("query_start", "query_length", "key_start", "key_length", "key_splits", "dq_accum_row_offset")
-    assert VARLEN_RECORD_BYTES == 24 == VARLEN_RECORD.nbytes
-    assert [VARLEN_RECORD_DTYPE.fields[name][1] for name in FIELDS] == [0, 4, 8, 12, 16, 20]
+def test_record_layout_is_five_int32_in_declaration_order():
+    assert FIELDS == ("query_start", "query_length", "key_start", "key_length", "first_key_block")
+    assert VARLEN_RECORD_BYTES == 20 == VARLEN_RECORD.nbytes
+    assert [VARLEN_RECORD_DTYPE.fields[name][1] for name in FIELDS] == [0, 4, 8, 12, 16]
     text = varlen_record_cpp()
-    assert "struct VarlenSequenceRecord {" in text and "static_assert(sizeof(VarlenSequenceRecord) == 24" in text
+    assert "struct VarlenSequenceRecord {" in text and "static_assert(sizeof(VarlenSequenceRecord) == 20" in text
     assert [line.strip() for line in text.splitlines() if line.startswith("  ")] == [f"int {name};" for name in FIELDS]
+
+
+def test_every_kernel_that_reads_or_writes_records_declares_them_from_the_one_list():
+    declaration = VARLEN_RECORD.cpp_declaration() + VARLEN_RECORD.cpp_size_assertion()
+    for name in ("flash_backward_dkdv_mma", "flash_backward_dq_mma", "varlen_records"):
+        family = families.family(name)
+        assert declaration in sources.compile_unit(family)[0], name
+        assert VARLEN_RECORD.cpp_declaration() in varlen_record_cpp()
+    assert ("varlen_records", "const_ptr") in families.FLASH_BACKWARD_PARAMS.fields
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="needs a host C++ compiler")
@@ -323,21 +418,21 @@ def limits_for(cu_q: np.ndarray, cu_k: np.ndarray) -> SequenceLimits:
 def test_operations_are_enqueued_in_the_seeds_order(backend):
     pool = PinnedPool(backend)
     cu_q, cu_k = np.array([0, 3, 10], np.int32), np.array([0, 100, 130], np.int32)
-    q_ptr, k_ptr, metadata = upload(backend, cu_q), upload(backend, cu_k), backend.device_alloc(2 * VARLEN_RECORD_BYTES)
-    prepare_varlen_metadata_async(backend, pool, 5, q_ptr, k_ptr, 2, 64, metadata, limits=limits_for(cu_q, cu_k))
+    q_ptr, k_ptr, records_ptr = upload(backend, cu_q), upload(backend, cu_k), backend.device_alloc(2 * VARLEN_RECORD_BYTES)
+    prepare_varlen_metadata_async(backend, pool, 5, q_ptr, k_ptr, 2, 64, records_ptr, limits=limits_for(cu_q, cu_k))
     operations = [operation for _, operation in backend.log]
     assert [backend.describe(op) for op in operations] == [
         "copy device->pinned", "copy device->pinned", "python host function", "copy pinned->device", "keepalive"]
     (_, a, src_q, n_q), (_, a_k, src_k, n_k), _, (_, dst, b, n_records), _ = operations
     assert (src_q, src_k, n_q, n_k) == (q_ptr, k_ptr, 12, 12) and a_k == a + 12  # both into block A
-    assert (dst, n_records) == (metadata, 2 * VARLEN_RECORD_BYTES)
+    assert (dst, n_records) == (records_ptr, 2 * VARLEN_RECORD_BYTES)
     assert {s for s, _ in backend.log} == {5}
     stats = pool.stats()
     assert (stats.in_flight_blocks, stats.held_blocks) == (2, 0)  # A and B wait for the keepalive
-    assert download(metadata, 2).tobytes() == b"\x7f" * 48, "nothing may run before the stream does"
+    assert download(records_ptr, 2).tobytes() == b"\x7f" * 2 * VARLEN_RECORD_BYTES, "nothing may run before the stream does"
     run_stream(backend, 5)
     assert pool.collect() == 2
-    assert as_tuples(download(metadata, 2)) == as_tuples(packed(cu_q, cu_k, 64))
+    assert as_tuples(download(records_ptr, 2)) == as_tuples(packed(cu_q, cu_k, 64))
 
 
 def test_end_to_end_the_workspace_receives_the_packers_bytes(backend):
@@ -350,15 +445,15 @@ def test_end_to_end_the_workspace_receives_the_packers_bytes(backend):
         cu_q, cu_k = random_cu_seqlens(rng, batch, 300), random_cu_seqlens(rng, batch, 2000)
         limits = limits_for(cu_q, cu_k)
         q_ptr, k_ptr = upload(backend, cu_q), upload(backend, cu_k)
-        metadata = backend.device_alloc(batch * VARLEN_RECORD_BYTES)
-        prepare_varlen_metadata_async(backend, pool, 1, q_ptr, k_ptr, batch, 64, metadata, limits=limits)
-        calls.append((batch, metadata, packed(cu_q, cu_k, 64, limits)))
+        records_ptr = backend.device_alloc(batch * VARLEN_RECORD_BYTES)
+        prepare_varlen_metadata_async(backend, pool, 1, q_ptr, k_ptr, batch, 64, records_ptr, limits=limits)
+        calls.append((batch, records_ptr, packed(cu_q, cu_k, 64, limits)))
     # Per call: block A at two offsets (both cu_seqlens) and block B; all 40 calls are pending.
     pinned_addresses = {ptr for _, op in backend.log if op[0] == "memcpy" for ptr in op[1:3] if backend.where(ptr) == "pinned"}
     assert len(pinned_addresses) == 3 * 40, "a pinned block was handed to two pending calls"
     run_stream(backend, 1)
-    for batch, metadata, expected in calls:
-        assert as_tuples(download(metadata, batch)) == as_tuples(expected)
+    for batch, records_ptr, expected in calls:
+        assert as_tuples(download(records_ptr, batch)) == as_tuples(expected)
     assert len(pinned.host_func_errors) == errors_before
     assert pool.collect() == 80 and pool.stats().in_flight_blocks == 0
     pinned.collect_host_funcs()
@@ -379,15 +474,15 @@ def test_two_streams_running_concurrently_with_the_host(backend):
             batch = rng.randrange(1, 20)
             cu_q, cu_k = random_cu_seqlens(rng, batch, 100), random_cu_seqlens(rng, batch, 500)
             limits = limits_for(cu_q, cu_k)
-            metadata = backend.device_alloc(batch * VARLEN_RECORD_BYTES)
+            records_ptr = backend.device_alloc(batch * VARLEN_RECORD_BYTES)
             prepare_varlen_metadata_async(backend, pool, stream, upload(backend, cu_q), upload(backend, cu_k), batch,
-                                          32, metadata, limits=limits)
-            calls.append((batch, metadata, packed(cu_q, cu_k, 32, limits)))
+                                          32, records_ptr, limits=limits)
+            calls.append((batch, records_ptr, packed(cu_q, cu_k, 32, limits)))
     finally:
         for worker in workers.values():
             worker.finish()
-    for batch, metadata, expected in calls:
-        assert as_tuples(download(metadata, batch)) == as_tuples(expected)
+    for batch, records_ptr, expected in calls:
+        assert as_tuples(download(records_ptr, batch)) == as_tuples(expected)
     pool.collect()
     stats = pool.stats()
     assert stats.in_flight_blocks == 0 and stats.held_blocks == 0
@@ -400,14 +495,14 @@ def test_capture_makes_the_blocks_graph_owned_and_replays_with_new_cu_seqlens(ba
     batch, block_n = 6, 64
     limits = SequenceLimits(max_seqlen_q=50, max_seqlen_k=400, total_q=300, total_k=2400)
     q_ptr, k_ptr = backend.device_alloc(4 * (batch + 1)), backend.device_alloc(4 * (batch + 1))
-    metadata = backend.device_alloc(batch * VARLEN_RECORD_BYTES)
+    records_ptr = backend.device_alloc(batch * VARLEN_RECORD_BYTES)
     reserve_blocks(pool, batch)
     pinned.collect_host_funcs()
     functions_before = pending_host_funcs()
     allocations = len(backend.pinned)
 
     backend.capturing.add(3)
-    prepare_varlen_metadata_async(backend, pool, 3, q_ptr, k_ptr, batch, block_n, metadata, limits=limits)
+    prepare_varlen_metadata_async(backend, pool, 3, q_ptr, k_ptr, batch, block_n, records_ptr, limits=limits)
     backend.capturing.discard(3)
 
     assert len(backend.pinned) == allocations, "reserved blocks serve the capture: no pinned allocation during it"
@@ -426,7 +521,7 @@ def test_capture_makes_the_blocks_graph_owned_and_replays_with_new_cu_seqlens(ba
         ctypes.memmove(q_ptr, cu_q.ctypes.data, cu_q.nbytes)
         ctypes.memmove(k_ptr, cu_k.ctypes.data, cu_k.nbytes)
         run_on_driver_thread(graph)
-        assert as_tuples(download(metadata, batch)) == as_tuples(packed(cu_q, cu_k, block_n, limits))
+        assert as_tuples(download(records_ptr, batch)) == as_tuples(packed(cu_q, cu_k, block_n, limits))
         pinned.collect_host_funcs()
         pool.collect()
         assert pending_host_funcs() == functions_before + 1, "a captured host function must survive replays"
@@ -444,8 +539,8 @@ def test_batch_zero_and_bad_arguments_enqueue_nothing(backend):
         prepare_varlen_metadata_async(backend, pool, 0, 0, 0, 2, 0, 0, limits=limits)
     with pytest.raises(ValueError, match="batch"):
         prepare_varlen_metadata_async(backend, pool, 0, 0, 0, -1, 64, 0, limits=limits)
-    with pytest.raises(ValueError, match="int32 row offsets"):
-        prepare_varlen_metadata_async(backend, pool, 0, 0, 0, 2, 1, 0, limits=SequenceLimits(1, 2**20, 2**20, 2**20))
+    with pytest.raises(ValueError, match="int32 block indices"):
+        prepare_varlen_metadata_async(backend, pool, 0, 0, 0, 2, 1, 0, limits=SequenceLimits(1, INT32_MAX, 1, INT32_MAX))
     assert backend.log == [] and pool.stats().held_blocks == 0 and not backend.pinned
 
 
@@ -454,7 +549,7 @@ def test_a_failure_before_any_copy_returns_the_blocks(backend):
     backend.fail_at = 0
     cu = upload(backend, np.array([0, 1, 2], np.int32))
     with pytest.raises(RuntimeError, match="broken"):
-        prepare_varlen_metadata_async(backend, pool, 0, cu, cu, 2, 64, backend.device_alloc(48),
+        prepare_varlen_metadata_async(backend, pool, 0, cu, cu, 2, 64, backend.device_alloc(2 * VARLEN_RECORD_BYTES),
                                       limits=SequenceLimits(1, 1, 2, 2))
     stats = pool.stats()
     assert (stats.held_blocks, stats.free_blocks) == (0, 2)
@@ -466,7 +561,7 @@ def test_a_failure_after_a_copy_never_frees_blocks_the_stream_may_still_use(back
     limits = SequenceLimits(1, 1, 2, 2)
     backend.fail_at = 2  # the host function's enqueue fails; the copies are already on the stream
     with pytest.raises(RuntimeError, match="broken"):
-        prepare_varlen_metadata_async(backend, pool, 0, cu, cu, 2, 64, backend.device_alloc(48), limits=limits)
+        prepare_varlen_metadata_async(backend, pool, 0, cu, cu, 2, 64, backend.device_alloc(2 * VARLEN_RECORD_BYTES), limits=limits)
     stats = pool.stats()
     assert stats.free_blocks == 0 and stats.held_blocks == 2, "kept held (leaked), never reused under a pending copy"
     assert "leaked" in caplog.text
@@ -477,9 +572,58 @@ def test_a_failed_host_function_enqueue_hands_the_blocks_back_in_stream_order(ba
     cu = upload(backend, np.array([0, 1, 2], np.int32))
     backend.fail_at, backend.fail_once = 2, True  # only the host function's enqueue fails
     with pytest.raises(RuntimeError, match="broken"):
-        prepare_varlen_metadata_async(backend, pool, 4, cu, cu, 2, 64, backend.device_alloc(48),
+        prepare_varlen_metadata_async(backend, pool, 4, cu, cu, 2, 64, backend.device_alloc(2 * VARLEN_RECORD_BYTES),
                                       limits=SequenceLimits(1, 1, 2, 2))
     assert [backend.describe(op) for _, op in backend.log] == ["copy device->pinned", "copy device->pinned", "keepalive"]
     assert pool.stats().in_flight_blocks == 2
     run_stream(backend, 4)
     assert pool.collect() == 2
+
+
+def test_seqused_is_copied_beside_cu_seqlens_and_packed(backend):
+    pool = PinnedPool(backend)
+    cu_q, cu_k = np.array([0, 3, 10, 12], np.int32), np.array([0, 100, 130, 300], np.int32)
+    used_q, used_k = np.array([2, 0, 9], np.int32), np.array([100, 7, 170], np.int32)
+    pointers = [upload(backend, a) for a in (cu_q, cu_k, used_q, used_k)]
+    records_ptr = backend.device_alloc(3 * VARLEN_RECORD_BYTES)
+    limits = SequenceLimits(10, 170, 12, 300)
+    prepare_varlen_metadata_async(backend, pool, 2, *pointers[:2], 3, 64, records_ptr, limits=limits,
+                                  seqused_q=pointers[2], seqused_k=pointers[3])
+    operations = [operation for _, operation in backend.log]
+    assert [backend.describe(op) for op in operations] == ["copy device->pinned"] * 4 + [
+        "python host function", "copy pinned->device", "keepalive"]
+    base = operations[0][1]
+    assert [(op[1] - base, op[2], op[3]) for op in operations[:4]] == [
+        (0, pointers[0], 16), (16, pointers[1], 16), (32, pointers[2], 12), (44, pointers[3], 12)]
+    run_stream(backend, 2)
+    assert as_tuples(download(records_ptr, 3)) == as_tuples(packed(cu_q, cu_k, 64, limits, used_q, used_k))
+    assert pool.collect() == 2
+
+
+def test_the_switch_picks_the_preparation_on_every_call(backend, monkeypatch):
+    device_calls = []
+    monkeypatch.setattr(varlen_prep, "prepare_varlen_metadata_on_device",
+                        lambda *args, **kwargs: device_calls.append((args, kwargs)))
+    cu = upload(backend, np.array([0, 1, 2], np.int32))
+    records_ptr = backend.device_alloc(2 * VARLEN_RECORD_BYTES)
+    limits = SequenceLimits(1, 1, 2, 2)
+
+    def prepare():
+        varlen_prep.prepare_varlen_records(backend, 6, 0, cu, cu, 2, 64, records_ptr, limits=limits)
+
+    monkeypatch.delenv(varlen_prep.PREP_SWITCH, raising=False)
+    prepare()
+    assert len(device_calls) == 1 and backend.log == []  # the default: the kernel, nothing else
+    monkeypatch.setenv(varlen_prep.PREP_SWITCH, "host")
+    prepare()
+    assert len(device_calls) == 1 and len(backend.log) == 5
+    run_stream(backend, 6)
+    assert as_tuples(download(records_ptr, 2)) == as_tuples(packed([0, 1, 2], [0, 1, 2], 64, limits))
+    assert device_pool(backend, 0).collect() == 2, "the host path takes the device's pool"
+    monkeypatch.setenv(varlen_prep.PREP_SWITCH, "Device")
+    prepare()
+    assert len(device_calls) == 2
+    monkeypatch.setenv(varlen_prep.PREP_SWITCH, "gpu")
+    with pytest.raises(ValueError, match="HIPATTN_VARLEN_PREP='gpu'; expected one of device, host"):
+        prepare()
+    assert len(device_calls) == 2 and len(backend.log) == 5

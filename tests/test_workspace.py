@@ -10,7 +10,7 @@ import pytest
 
 from hipattn import workspace
 from hipattn.problem import BSHD, THD, Problem
-from hipattn.varlen_metadata import VARLEN_RECORD_BYTES
+from hipattn.varlen_metadata import VARLEN_RECORD_BYTES, VARLEN_RECORD_WORDS
 from hipattn.workspace import (
     WORKSPACE_ALIGNMENT,
     SectionRequest,
@@ -96,12 +96,13 @@ def test_forward_needs_no_workspace():
 @pytest.mark.parametrize("layout", [THD, BSHD])
 def test_atomic_backward_sections(layout):
     problem = make_problem(layout, batch=3, heads_q=8, head_dim=128, total_q=1000)
-    plan = backward_workspace(problem, deterministic=False, block_n=64)
-    assert plan.names == ("softmax_d", "dq_accum")  # no metadata: the atomic kernels read cu_seqlens
+    plan = backward_workspace(problem, deterministic=False)
     if layout == THD:
+        assert plan.names == ("softmax_d", "dq_accum", "varlen_records")
         assert plan["softmax_d"].shape == (8, 1000)
         assert plan["dq_accum"].shape == (1000, 8, 128)
     else:
+        assert plan.names == ("softmax_d", "dq_accum")  # BSHD: no work list, the grid has fixed strides
         assert plan["softmax_d"].shape == (3, 8, 1000)
         assert plan["dq_accum"].shape == (3, 1000, 8, 128)
     assert plan["softmax_d"].nbytes == 4 * 8 * 1000 * (3 if layout == BSHD else 1)
@@ -109,44 +110,27 @@ def test_atomic_backward_sections(layout):
     assert_well_formed(plan)
 
 
-def test_deterministic_varlen_backward_is_bounded_by_host_facts():
-    # ceil(700 / 64) = 11 key blocks bound the splits of every query row.
-    problem = make_problem(THD, batch=3, heads_q=8, head_dim=128, max_seqlen_k=700, total_q=1000)
-    plan = backward_workspace(problem, deterministic=True, block_n=64)
-    assert plan.names == ("softmax_d", "dq_accum", "varlen_metadata")
-    assert plan["dq_accum"].shape == (11 * 1000, 8, 128)
-    assert plan["dq_accum"].nbytes == 11 * 1000 * 8 * 128 * 4
-    assert plan["varlen_metadata"].shape == (3, 6) and plan["varlen_metadata"].dtype == "int32"
-    assert plan["varlen_metadata"].nbytes == 3 * VARLEN_RECORD_BYTES
+@pytest.mark.parametrize("layout", [THD, BSHD])
+def test_deterministic_backward_has_no_dq_accum(layout):
+    plan = backward_workspace(make_problem(layout), deterministic=True)
+    assert plan.names == (("softmax_d", "varlen_records") if layout == THD else ("softmax_d",))
     assert_well_formed(plan)
-    # block_n is the caller's (the kernel's tile table): a smaller one means more splits.
-    assert backward_workspace(problem, deterministic=True, block_n=32)["dq_accum"].shape == (22 * 1000, 8, 128)
-    assert backward_workspace(problem, deterministic=True, block_n=700)["dq_accum"].shape == (1000, 8, 128)
 
 
-def test_deterministic_batch_backward_has_one_slice_per_key_block():
-    problem = make_problem(BSHD, batch=3, heads_q=8, head_dim=64, max_seqlen_k=129, total_q=200, total_k=129)
-    plan = backward_workspace(problem, deterministic=True, block_n=64)
-    assert plan.names == ("softmax_d", "dq_accum")  # BSHD: fixed strides, nothing to pack
-    assert plan["dq_accum"].shape == (3, 3, 200, 8, 64)
-    assert_well_formed(plan)
+def test_varlen_records_are_one_record_per_sequence_in_both_modes():
+    for deterministic in (False, True):
+        plan = backward_workspace(make_problem(THD, batch=3), deterministic=deterministic)
+        assert plan["varlen_records"].shape == (3, VARLEN_RECORD_WORDS) and plan["varlen_records"].dtype == "int32"
+        assert plan["varlen_records"].nbytes == 3 * VARLEN_RECORD_BYTES
+        # Host facts only: the lengths in cu_seqlens, which the records hold, do not change the plan.
+        assert plan == backward_workspace(make_problem(THD, batch=3, max_seqlen_k=5, total_k=9), deterministic)
 
 
 def test_empty_problems_plan_empty_sections():
     plan = backward_workspace(make_problem(THD, batch=0, total_q=0, total_k=0, max_seqlen_q=0, max_seqlen_k=0),
-                              deterministic=True, block_n=64)
+                              deterministic=False)
+    assert plan.names == ("softmax_d", "dq_accum", "varlen_records")
     assert all(s.nbytes == 0 for s in plan.sections) and plan.total_bytes == 0
-
-
-def test_backward_refuses_bad_block_n_and_int32_overflow():
-    problem = make_problem(THD)
-    for block_n in (0, -64, 64.0, True):
-        with pytest.raises(ValueError, match="block_n must be a positive int"):
-            backward_workspace(problem, deterministic=False, block_n=block_n)
-    huge = make_problem(THD, max_seqlen_k=2**20, total_q=2**20, total_k=2**20)
-    with pytest.raises(ValueError, match="int32 row offsets"):
-        backward_workspace(huge, deterministic=True, block_n=64)
-    assert backward_workspace(huge, deterministic=False, block_n=64)["dq_accum"].shape == (2**20, 8, 128)
 
 
 def test_forward_and_backward_carve_through_the_one_helper(monkeypatch):
@@ -160,6 +144,6 @@ def test_forward_and_backward_carve_through_the_one_helper(monkeypatch):
 
     monkeypatch.setattr(workspace, "plan_workspace", spy)
     forward_workspace(make_problem())
-    backward_workspace(make_problem(), deterministic=True, block_n=64)
-    backward_workspace(make_problem(BSHD), deterministic=False, block_n=64)
-    assert calls == [[], ["softmax_d", "dq_accum", "varlen_metadata"], ["softmax_d", "dq_accum"]]
+    backward_workspace(make_problem(), deterministic=True)
+    backward_workspace(make_problem(BSHD), deterministic=False)
+    assert calls == [[], ["softmax_d", "varlen_records"], ["softmax_d", "dq_accum"]]

@@ -1,12 +1,19 @@
-"""General attention forward on the GPU: hipattn's flash kernel against torch SDPA, in TFLOP/s.
+"""General attention on the GPU: hipattn's flash path against torch's, in TFLOP/s, forward and backward.
 
-    python tools/bench_flash.py --out bench_flash.json
+    python tools/bench_flash.py --out bench_flash.json                       # the issue's table
+    python tools/bench_flash.py --peers hipattn,hipattn@128x64x1x2 --no-backward   # a forward tile sweep
 
-Workloads (issue 4): BSHD, bf16, head_dim 128, 16 heads, 16k tokens per batch (B = 16384 / S),
-S in 512 .. 16384, causal and not. FLOPs = 4 * B * H * S^2 * D, halved when causal. Peers: hipattn's
-flash forward (called through hipattn.ops.flash directly: it is not yet wired into dispatch), torch
-SDPA's flash (FA2) and cuDNN backends. Each measurement runs in its own process, so a failing peer
-cannot take the others down.
+Workloads (issues 4 and 5): bf16, head_dim 128, 16 heads, 16k tokens per batch. Batch mode: BSHD with
+B = 16384 / S for S in 512 .. 16384. Varlen: the same 16k tokens split into sequences of lengths
+drawn uniformly from 128..4096 (fixed seed), THD. Causal and not. FLOPs of the forward: 4 * H * D
+per visible (query, key) pair (4 * B * H * S^2 * D, about halved when causal); forward + backward
+counts 3.5 times that (the backward does 2.5 forwards' worth of matrix products).
+
+Peers, each in its own process so that a failing one cannot take the others down: hipattn through
+its public entry points (hipattn.forward / hipattn.backward, the flash path), torch SDPA's flash
+(FA2) and cuDNN backends on the same data in [B, H, S, D] views (batch mode), and torch's varlen
+attention (varlen mode). ``hipattn@BMxBNxSTAGESxMTILES`` times hipattn's forward kernel with those
+tiles (ops.flash.forward directly) and checks its output against SDPA's.
 """
 
 from __future__ import annotations
@@ -15,22 +22,47 @@ import argparse
 import datetime
 import json
 import os
+import random
 import sys
 
 from benchlib import median_ms, run_child  # tools/ is on sys.path when a tool runs as a script
 
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
-PEERS = ["hipattn", "sdpa_flash", "sdpa_cudnn"]
+VARLEN_RANGE = (128, 4096)
+PEERS = ["hipattn", "sdpa_flash", "sdpa_cudnn", "varlen_attn"]
+BACKWARD_FLOP_FACTOR = 3.5  # forward + backward FLOPs over forward FLOPs
 
 
-def flops(batch: int, seqlen: int, causal: bool) -> float:
-    total = 4.0 * batch * HEADS * seqlen * seqlen * HEAD_DIM
-    return total / 2 if causal else total
+def varlen_lengths() -> list[int]:
+    """Sequence lengths uniform in VARLEN_RANGE summing to TOKENS (the last one trimmed)."""
+    draw = random.Random(2026)
+    lengths: list[int] = []
+    while sum(lengths) < TOKENS:
+        lengths.append(min(draw.randint(*VARLEN_RANGE), TOKENS - sum(lengths)))
+    return lengths
 
 
-def _hipattn_forward(q, k, v, out, lse, causal: bool):
-    """A closure that enqueues hipattn's flash forward as attention.forward would (minus dispatch)."""
+def pair_count(lengths: list[int], causal: bool) -> int:
+    """Visible (query, key) pairs of self-attention over sequences of ``lengths``."""
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+
+
+def forward_flops(lengths: list[int], causal: bool) -> float:
+    return 4.0 * HEADS * HEAD_DIM * pair_count(lengths, causal)
+
+
+def _tiles(peer: str):
+    """The tile override of a peer named ``hipattn@BMxBNxSTAGESxMTILES`` (a tile sweep), else None."""
+    from hipattn.families import FlashForwardTiles
+
+    block_m, block_n, stages, m_tiles = map(int, peer.split("@", 1)[1].split("x"))
+    return FlashForwardTiles(block_m=block_m, block_n=block_n, stages=stages, m_tiles=m_tiles)
+
+
+def _tile_variant_forward(q, k, v, out, lse, causal: bool, tiles):
+    """A closure that enqueues hipattn's flash forward kernel with ``tiles`` (what attention.forward
+    does, with the tile override that only ops.flash.forward takes)."""
     from hipattn import arrays
     from hipattn import problem as problem_mod
     from hipattn.backends import get_backend
@@ -45,65 +77,142 @@ def _hipattn_forward(q, k, v, out, lse, causal: bool):
         problem = problem_mod.describe(qa, ka, va, causal=causal)
         with on_device(backend, problem.device):
             stream = resolve_stream((qa, ka, va), None, device=problem.device)
-            flash.forward(problem, qa, ka, va, out_a, lse_a, stream)
+            flash.forward(problem, qa, ka, va, out_a, lse_a, stream, tiles=tiles)
 
     return run
 
 
-def measure(peer: str, seqlen: int, causal: bool) -> dict:
+def measure(peer: str, workload: str, causal: bool, backward: bool) -> dict:
     import torch
 
-    batch = TOKENS // seqlen
-    gen = torch.Generator(device="cuda").manual_seed(seqlen)
-    shape = (batch, seqlen, HEADS, HEAD_DIM)  # BSHD, hipattn's and flash-attn's layout
-    q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    result = {"peer": peer, "batch": batch, "seqlen": seqlen, "heads": HEADS, "head_dim": HEAD_DIM,
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    if workload == "varlen":
+        lengths = varlen_lengths()
+        shape = (TOKENS, HEADS, HEAD_DIM)
+    else:
+        seqlen = int(workload)
+        lengths = [seqlen] * (TOKENS // seqlen)
+        shape = (len(lengths), seqlen, HEADS, HEAD_DIM)  # BSHD
+    q, k, v, dout = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    result = {"peer": peer, "workload": workload, "sequences": len(lengths), "heads": HEADS, "head_dim": HEAD_DIM,
               "causal": causal}
+    fwd = bwd = None
+    if workload == "varlen":
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        longest = max(lengths)
     if peer == "hipattn":
+        import hipattn
+
+        args = {"causal": causal}
+        if workload == "varlen":
+            args.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+        out, lse = hipattn.forward(q, k, v, **args)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        def fwd():
+            hipattn.forward(q, k, v, out=out, lse=lse, **args)
+
+        def bwd():
+            hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
+    elif peer.startswith("hipattn@"):
         out = torch.empty_like(q)
-        lse = torch.empty(batch, HEADS, seqlen, device="cuda", dtype=torch.float32)
-        fn = _hipattn_forward(q, k, v, out, lse, causal)
+        lse = torch.empty(shape[0], HEADS, shape[1], device="cuda", dtype=torch.float32)
+        fwd = _tile_variant_forward(q, k, v, out, lse, causal, _tiles(peer))
+        fwd()
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal).transpose(1, 2)
+        result["max_abs_diff_vs_sdpa"] = float((out.float() - reference.float()).abs().max())
+    elif peer == "varlen_attn":
+        from torch.nn.attention.varlen import varlen_attn
+
+        def fwd():
+            return varlen_attn(q, k, v, cu, cu, longest, longest, is_causal=causal)
+
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        graph_out = varlen_attn(qg, kg, vg, cu, cu, longest, longest, is_causal=causal)
+
+        def bwd():
+            torch.autograd.grad(graph_out, (qg, kg, vg), dout, retain_graph=True)
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[peer]
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA's [B, H, S, D] view of the same data
+        qt, kt, vt, dt = (t.transpose(1, 2) for t in (q, k, v, dout))  # SDPA's [B, H, S, D] view of the same data
 
-        def fn():
+        def fwd():
             with sdpa_kernel(backend):
-                torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-    result["forward_ms"] = median_ms(fn, warmup=5, repeat=30)
-    result["tflops"] = flops(batch, seqlen, causal) / (result["forward_ms"] * 1e-3) / 1e12
+        qg, kg, vg = (t.detach().requires_grad_() for t in (qt, kt, vt))
+        with sdpa_kernel(backend):
+            graph_out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+
+        def bwd():
+            with sdpa_kernel(backend):
+                torch.autograd.grad(graph_out, (qg, kg, vg), dt, retain_graph=True)
+
+    flops = forward_flops(lengths, causal)
+    result["forward_ms"] = median_ms(fwd, warmup=5, repeat=30)
+    result["forward_tflops"] = flops / (result["forward_ms"] * 1e-3) / 1e12
+    if backward and bwd is not None:
+        result["backward_ms"] = median_ms(bwd, warmup=5, repeat=30)
+        total_ms = result["forward_ms"] + result["backward_ms"]
+        result["fwd_bwd_tflops"] = BACKWARD_FLOP_FACTOR * flops / (total_ms * 1e-3) / 1e12
     torch.cuda.synchronize()
     return result
 
 
-def _run_child(peer: str, seqlen: int, causal: bool) -> dict:
-    failure = {"peer": peer, "batch": TOKENS // seqlen, "seqlen": seqlen, "heads": HEADS, "head_dim": HEAD_DIM,
-               "causal": causal}
-    return run_child(__file__, [peer, str(seqlen), str(int(causal))], failure)
+def applies(peer: str, workload: str) -> bool:
+    """Whether ``peer`` takes ``workload``: SDPA and the tile variants have no varlen layout, and
+    torch's varlen attention is timed on the varlen workload only."""
+    if workload == "varlen":
+        return peer in ("hipattn", "varlen_attn")
+    return peer != "varlen_attn"
+
+
+def _run_child(peer: str, workload: str, causal: bool, backward: bool) -> dict:
+    failure = {"peer": peer, "workload": workload, "heads": HEADS, "head_dim": HEAD_DIM, "causal": causal}
+    return run_child(__file__, [peer, workload, str(int(causal)), str(int(backward))], failure)
+
+
+def _table(rows: list[dict], peers: list[str], workloads: list[str], key: str) -> str:
+    lines = [f"{'causal':>6} {'workload':>8} " + " ".join(f"{p:>14}" for p in peers) + f"   ({key}, TFLOP/s)"]
+    for causal in (False, True):
+        for workload in workloads:
+            cells = []
+            for p in peers:
+                row = next((r for r in rows if r["peer"] == p and r["workload"] == workload and r["causal"] == causal),
+                           {})
+                cells.append(f"{row[key]:14.1f}" if key in row else f"{'-':>14}")
+            lines.append(f"{causal!s:>6} {workload:>8} " + " ".join(cells))
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_flash.json")
-    parser.add_argument("--peers", default=",".join(PEERS))
-    parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
-    parser.add_argument("--child", nargs=3, metavar=("PEER", "S", "CAUSAL"), help=argparse.SUPPRESS)
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="comma-separated; hipattn@BMxBNxSTAGESxMTILES times hipattn's forward with those tiles")
+    parser.add_argument("--workloads", default=",".join([*map(str, SEQLENS), "varlen"]),
+                        help="sequence lengths S of batch mode, and/or 'varlen'")
+    parser.add_argument("--no-backward", action="store_true", help="time the forward only")
+    parser.add_argument("--child", nargs=4, metavar=("PEER", "WORKLOAD", "CAUSAL", "BACKWARD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        peer, seqlen, causal = args.child[0], int(args.child[1]), bool(int(args.child[2]))
-        print(json.dumps(measure(peer, seqlen, causal)), flush=True)
+        peer, workload, causal, backward = args.child
+        print(json.dumps(measure(peer, workload, bool(int(causal)), bool(int(backward)))), flush=True)
         return
 
     import torch
 
+    peers, workloads = args.peers.split(","), args.workloads.split(",")
     rows = []
     for causal in (False, True):
-        for seqlen in map(int, args.seqlens.split(",")):
-            for peer in args.peers.split(","):
-                row = _run_child(peer, seqlen, causal)
+        for workload in workloads:
+            for peer in peers:
+                if not applies(peer, workload):
+                    continue
+                row = _run_child(peer, workload, causal, not args.no_backward)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     report = {
@@ -111,20 +220,17 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "command": "python tools/bench_flash.py " + " ".join(sys.argv[1:]),
         "torch": torch.__version__,
-        "flops": "4 * B * H * S^2 * D, halved when causal",
+        "flops": "forward: 4 * H * D per visible (query, key) pair; forward + backward: 3.5 x that",
+        "varlen_lengths": varlen_lengths(),
         "rows": rows,
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    peers = args.peers.split(",")
-    print(f"\n{'causal':>6} {'S':>6} " + " ".join(f"{p:>12}" for p in peers) + "   (TFLOP/s)")
-    for causal in (False, True):
-        for seqlen in map(int, args.seqlens.split(",")):
-            cells = []
-            for p in peers:
-                row = next(r for r in rows if r["peer"] == p and r["seqlen"] == seqlen and r["causal"] == causal)
-                cells.append(f"{row['tflops']:12.1f}" if "tflops" in row else f"{'failed':>12}")
-            print(f"{causal!s:>6} {seqlen:>6} " + " ".join(cells))
+    print()
+    print(_table(rows, peers, workloads, "forward_tflops"))
+    if not args.no_backward:
+        print()
+        print(_table(rows, peers, workloads, "fwd_bwd_tflops"))
 
 
 if __name__ == "__main__":

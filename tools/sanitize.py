@@ -5,8 +5,9 @@
     tools/sanitize.sh                                               # all four tools, one summary line each
 
 Each case runs one call with tiny batches: the small-seq forward and backward (tensor-core and
-portable kernels, MHA and GQA/MQA, THD and BSHD), the flash forward, bwd_dot_do_o and
-bwd_convert_dq. Besides valid inputs, the sequence descriptions are adversarial: non-monotonic,
+portable kernels, MHA and GQA/MQA, THD and BSHD), the flash forward, the flash backward (THD with
+its work list, both dQ schedules, the work list prepared by the varlen_records kernel and by the
+host path), bwd_dot_do_o and bwd_convert_dq. Besides valid inputs, the sequence descriptions are adversarial: non-monotonic,
 decreasing, the last entry beyond the tensor, lengths above max_seqlen, negative entries, int32
 extremes, seqused out of range. Such input gives meaningless numbers, but the kernels must clamp
 it (kernels/common/sequence.h) and touch no memory outside their tensors.
@@ -45,6 +46,7 @@ BATCH = 4
 TOTAL_Q = 40  # tokens of the THD q tensor in every small-seq case
 TOTAL_K = 36
 KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"  # hipattn.ops.smallseq.KERNEL_SWITCH, without importing torch paths
+PREP_SWITCH = "HIPATTN_VARLEN_PREP"  # hipattn.varlen_prep.PREP_SWITCH
 
 
 # ---- the sequence descriptions (pure Python: tests/test_sanitize_cases.py checks them on the CPU) ----
@@ -133,7 +135,7 @@ def rows_a_kernel_may_write(cu_seqlens: list[int] | None, seqused: list[int] | N
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # smallseq | flash_forward | dot_do_o | convert_dq
+    kind: str  # smallseq | flash_forward | flash_backward | dot_do_o | convert_dq
     dtype: str = "bf16"
     head_dim: int = 64
     heads_q: int = 8
@@ -151,6 +153,8 @@ class Case:
     total_k: int = TOTAL_K
     allocate_outputs: bool = False  # let hipattn allocate out/lse/dq/dk/dv (valid, fully covered inputs only)
     adversarial: bool = False
+    deterministic: bool = False  # flash_backward: the dQ kernel (True) or atomics + bwd_convert_dq
+    varlen_prep: str = "device"  # flash_backward: HIPATTN_VARLEN_PREP, how the work list is prepared
     families: tuple[str, ...] = field(default=())
 
 
@@ -161,6 +165,9 @@ def families_of(case: Case) -> tuple[str, ...]:
         forward = "smallseq_forward_mma" if tensor_cores else "smallseq_forward"
         mma_backward = tensor_cores and case.heads_q == case.heads_kv and case.head_dim in SMALLSEQ_MMA_BACKWARD_WARPS
         return (forward, "smallseq_backward_mma" if mma_backward else "smallseq_backward")
+    if case.kind == "flash_backward":  # the forward gives O and LSE, then the backward's kernels in order
+        return ("flash_forward_mma", *(("varlen_records",) if case.varlen_prep == "device" else ()), "bwd_dot_do_o",
+                "flash_backward_dkdv_mma", "flash_backward_dq_mma" if case.deterministic else "bwd_convert_dq")
     return {"flash_forward": ("flash_forward_mma",), "dot_do_o": ("bwd_dot_do_o",),
             "convert_dq": ("bwd_convert_dq",)}[case.kind]
 
@@ -227,6 +234,33 @@ def build_cases(quick: bool = False) -> list[Case]:
         for name in bad_q:
             cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}", cu_seqlens_q=bad_q[name],
                               cu_seqlens_k=bad_k[name], adversarial=True, **base))
+    # The flash backward (not yet reachable through hipattn.backward), THD with its work list: key
+    # lengths across the dK/dV tiles (128 keys at head_dim 64, 64 at 128), both dQ schedules, the
+    # work list from the kernel and from the host path; then adversarial descriptions.
+    backward_q = cumulative([0, 1, 90, 33])
+    backward_k = cumulative([5, 150, 0, 70])
+    backward_configs = (("bf16", 64, 4, 4), ("fp16", 128, 4, 2))
+    for dtype, head_dim, hq, hkv in backward_configs[1:] if quick else backward_configs:
+        base = dict(kind="flash_backward", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv,
+                    total_q=backward_q[-1] + 7, total_k=backward_k[-1] + 3, max_seqlen_q=90, max_seqlen_k=150)
+        tag = f"flash backward {dtype} d{head_dim} h{hq}/{hkv}"
+        for deterministic in (False, True):
+            for prep in ("device", "host"):
+                for causal in (deterministic,) if quick else (False, True):
+                    cases.append(Case(name=f"{tag} valid causal={causal} det={deterministic} prep={prep}",
+                                      cu_seqlens_q=backward_q, cu_seqlens_k=backward_k, causal=causal,
+                                      deterministic=deterministic, varlen_prep=prep, **base))
+        bad_q, bad_k = adversarial_cu_seqlens(base["total_q"]), adversarial_cu_seqlens(base["total_k"])
+        for i, name in enumerate(bad_q):
+            deterministic, prep = bool(i % 2), ("device", "host")[i // 2 % 2]
+            cases.append(Case(name=f"{tag} {name} det={deterministic} prep={prep}", cu_seqlens_q=bad_q[name],
+                              cu_seqlens_k=bad_k[name], causal=bool(i % 3 == 0), deterministic=deterministic,
+                              varlen_prep=prep, adversarial=True, **base))
+        for i, (name, used) in enumerate(ADVERSARIAL_SEQUSED.items()):
+            cases.append(Case(name=f"{tag} {name} with valid cu_seqlens prep={('device', 'host')[i % 2]}",
+                              cu_seqlens_q=backward_q, cu_seqlens_k=backward_k, seqused_q=used, seqused_k=used[::-1],
+                              deterministic=bool(i % 2), varlen_prep=("device", "host")[i % 2], adversarial=True,
+                              **base))
     preprocess_configs = (("bf16", 64), ("fp16", 256), ("fp16", 128), ("bf16", 96))
     for dtype, head_dim in preprocess_configs[:2] if quick else preprocess_configs:
         for layout in ("thd", "bshd"):
@@ -255,7 +289,8 @@ class Runner:
 
     # -- tensors --
     def _dtype(self, name: str):
-        return {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32}[name]
+        return {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32,
+                "int32": self.torch.int32}[name]
 
     def input(self, shape, dtype: str):
         """Random values; between NaN guards when guards are on (a read past the tensor gives NaN)."""
@@ -417,6 +452,69 @@ def run_flash_forward(runner: Runner, case: Case) -> None:
     })
 
 
+def run_flash_backward(runner: Runner, case: Case) -> None:
+    """The flash forward for O and LSE, then hipattn.ops.flash_backward.backward with every workspace
+    section its own guarded buffer (an overrun of one shows in its guard)."""
+    from hipattn import arrays
+    from hipattn import problem as problem_mod
+    from hipattn.backends import get_backend
+    from hipattn.ops import flash, flash_backward
+    from hipattn.streams import on_device, resolve_stream
+    from hipattn.workspace import backward_workspace
+
+    torch = runner.torch
+    q = runner.input((case.total_q, case.heads_q, case.head_dim), case.dtype)
+    k = runner.input((case.total_k, case.heads_kv, case.head_dim), case.dtype)
+    v = runner.input((case.total_k, case.heads_kv, case.head_dim), case.dtype)
+    dout = runner.input((case.total_q, case.heads_q, case.head_dim), case.dtype)
+    # O and LSE are inputs here: rows no sequence covers keep finite fills (dot_do_o reads every row).
+    out = torch.zeros_like(q)
+    lse = torch.zeros((case.heads_q, case.total_q), device="cuda")
+    dq = runner.output("dq", tuple(q.shape), case.dtype)
+    dk = runner.output("dk", tuple(k.shape), case.dtype)
+    dv = runner.output("dv", tuple(k.shape), case.dtype)
+
+    def array(t, name):
+        return None if t is None else arrays.as_device_array(t, name)
+
+    sequences = dict(cu_seqlens_q=array(runner.int32(case.cu_seqlens_q), "cu_seqlens_q"),
+                     cu_seqlens_k=array(runner.int32(case.cu_seqlens_k), "cu_seqlens_k"),
+                     seqused_q=array(runner.int32(case.seqused_q), "seqused_q"),
+                     seqused_k=array(runner.int32(case.seqused_k), "seqused_k"))
+    qa, ka, va = array(q, "q"), array(k, "k"), array(v, "v")
+    problem = problem_mod.describe(qa, ka, va, max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k,
+                                   causal=case.causal, **sequences)
+    plan = backward_workspace(problem, case.deterministic)
+    workspace = {section.name: array(runner.output(section.name, section.shape, section.dtype, fill=0), section.name)
+                 for section in plan.sections}
+    previous = os.environ.get(PREP_SWITCH)
+    os.environ[PREP_SWITCH] = case.varlen_prep
+    try:
+        with on_device(get_backend(), problem.device):
+            stream = resolve_stream((qa, ka, va), None, device=problem.device)
+            out_a, lse_a = array(out, "out"), array(lse, "lse")
+            flash.forward(problem, qa, ka, va, out_a, lse_a, stream, **sequences)
+            flash_backward.backward(problem, qa, ka, va, out_a, array(dout, "dout"), lse_a, array(dq, "dq"),
+                                    array(dk, "dk"), array(dv, "dv"), stream, deterministic=case.deterministic,
+                                    **workspace, **sequences)
+    finally:
+        if previous is None:
+            os.environ.pop(PREP_SWITCH, None)
+        else:
+            os.environ[PREP_SWITCH] = previous
+    # The flash kernels pass max_seqlen as their tile. The atomic schedule's bwd_convert_dq writes
+    # every row of dq; the deterministic dQ kernel only the sequences' rows.
+    rows_q = rows_a_kernel_may_write(case.cu_seqlens_q, case.seqused_q, BATCH, case.max_seqlen_q, case.total_q,
+                                     case.max_seqlen_q)
+    rows_k = rows_a_kernel_may_write(case.cu_seqlens_k, case.seqused_k, BATCH, case.max_seqlen_k, case.total_k,
+                                     case.max_seqlen_k)
+    untouched = {"dk": lambda t: _row_mask(torch, t.shape, rows_k, 0, None),
+                 "dv": lambda t: _row_mask(torch, t.shape, rows_k, 0, None)}
+    if case.deterministic:
+        untouched["dq"] = lambda t: _row_mask(torch, t.shape, rows_q, 0, None)
+    runner.check_outputs(untouched)
+
+
 def run_preprocess(runner: Runner, case: Case) -> None:
     from hipattn import arrays
     from hipattn.backends import get_backend
@@ -453,7 +551,8 @@ def run_preprocess(runner: Runner, case: Case) -> None:
     runner.check_outputs({})
 
 
-RUNNERS = {"smallseq": run_smallseq, "flash_forward": run_flash_forward, "dot_do_o": run_preprocess,
+RUNNERS = {"smallseq": run_smallseq, "flash_forward": run_flash_forward, "flash_backward": run_flash_backward,
+           "dot_do_o": run_preprocess,
            "convert_dq": run_preprocess}
 
 

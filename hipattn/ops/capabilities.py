@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from ..backends import get_backend
-from ..families import runs_nvidia_mma
+from ..families import runs_amd_mfma, runs_nvidia_mma
 
 
 @functools.cache
@@ -15,3 +15,9 @@ def has_nvidia_mma(device: int) -> bool:
     Cached per device: callers that swap the backend (tests) call ``has_nvidia_mma.cache_clear()``.
     """
     return runs_nvidia_mma(get_backend().device_target(device))
+
+
+@functools.cache
+def has_amd_mfma(device: int) -> bool:
+    """Whether ``device`` runs the MFMA 16x16x16 kernels (AMD gfx90a and gfx94x). Cached as above."""
+    return runs_amd_mfma(get_backend().device_target(device))

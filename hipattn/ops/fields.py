@@ -32,7 +32,7 @@ def sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
 # A tensor's four field names (families._strided), spelled once rather than formatted per launch.
 _TENSOR_FIELD_NAMES = {
     name: (name, f"{name}_batch_stride", f"{name}_token_stride", f"{name}_head_stride")
-    for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")
+    for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum")
 }
 
 
@@ -47,9 +47,21 @@ def put_tensor(fields: dict, name: str, a: DeviceArray, layout: str) -> None:
         fields[batch_name], fields[token_name], fields[head_name] = strides[0], strides[1], strides[2]
 
 
+def put_absent_tensor(fields: dict, name: str) -> None:
+    """A tensor field the kernel does not read on this launch: null pointer, zero strides."""
+    for field_name in _TENSOR_FIELD_NAMES[name]:
+        fields[field_name] = 0
+
+
 def put_lse(fields: dict, lse: DeviceArray, problem: Problem) -> None:
     fields["lse"] = lse.ptr
     fields["lse_batch_stride"], fields["lse_head_stride"] = lse_strides(lse, problem)
+
+
+def put_softmax_d(fields: dict, softmax_d: DeviceArray, problem: Problem) -> None:
+    """The backward's Delta = rowsum(dO * O): fp32, laid out like the LSE."""
+    fields["softmax_d"] = softmax_d.ptr
+    fields["softmax_d_batch_stride"], fields["softmax_d_head_stride"] = lse_strides(softmax_d, problem)
 
 
 def forward_fields(problem: Problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:

@@ -1,8 +1,5 @@
-"""Launch the general attention forward (FlashAttention-2 on NVIDIA tensor cores, sm_80+).
-
-NOT WIRED IN: nothing in hipattn.dispatch or the public API reaches this module yet. It becomes the
-path for every call the small-seq kernels cannot take once tests/gpu/test_flash_forward.py has
-passed on the GPU; until then only that test and tools/bench_flash.py call it.
+"""Launch the general attention forward (FlashAttention-2 on tensor cores): mma.sync on NVIDIA sm_80+,
+MFMA on AMD gfx90a/gfx94x. Every call the small-seq path cannot take comes here (hipattn.dispatch).
 
 The caller has validated the problem (problem.describe), made the device current and resolved the
 stream; everything here is enqueued on that stream, nothing synchronizes, and the grid is sized from
@@ -12,59 +9,86 @@ host-known facts only (batch, heads and max_seqlen_q), so a call can be captured
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 from ..backends import get_backend
-from ..families import FLASH_FORWARD_TILES, FLASH_HEAD_DIMS, flash_forward_shared_bytes, flash_forward_spec
+from ..families import (
+    FLASH_FORWARD_MFMA_TILES,
+    FLASH_FORWARD_TILES,
+    FLASH_HEAD_DIMS,
+    FlashForwardMfmaTiles,
+    FlashForwardTiles,
+    flash_forward_mfma_shared_bytes,
+    flash_forward_mfma_spec,
+    flash_forward_shared_bytes,
+    flash_forward_spec,
+)
 from ..problem import Problem
 from ..registry import get_kernel
 from ..spec import KernelSpec
-from .capabilities import has_nvidia_mma
+from .capabilities import has_amd_mfma, has_nvidia_mma
 from .fields import forward_fields
 
-# grid.x is at most 2^31 - 1 blocks on every sm_80+ part.
+# grid.x is at most 2^31 - 1 blocks on every sm_80+ part. HIP counts the grid in work-items, in 32
+# bits: blocks x threads per block must stay below 2^32.
 MAX_GRID_X = 2**31 - 1
+MAX_AMD_WORK_ITEMS = 2**32 - 1
+
+
+class _Launch(NamedTuple):
+    """The device's matrix-core forward for one problem: its spec, tiles and dynamic shared bytes."""
+
+    spec: KernelSpec
+    tiles: FlashForwardTiles | FlashForwardMfmaTiles
+    shared_bytes: int
+    amd: bool
 
 
 def ineligibility(problem: Problem) -> str | None:
     """Why the flash forward cannot take ``problem`` on its device, or None when it can."""
     if problem.head_dim not in FLASH_HEAD_DIMS:
         return f"head_dim {problem.head_dim} is not one of {FLASH_HEAD_DIMS}"
-    if not has_nvidia_mma(problem.device):
+    if not (has_nvidia_mma(problem.device) or has_amd_mfma(problem.device)):
         arch = get_backend().device_target(problem.device).arch
-        return f"the flash forward needs NVIDIA sm_80 or newer; device {problem.device} is {arch}"
+        return f"the flash forward needs NVIDIA sm_80+ or AMD gfx90a/gfx94x; device {problem.device} is {arch}"
     return None
 
 
 @functools.cache
-def _spec(dtype: str, head_dim: int) -> KernelSpec:
-    return flash_forward_spec(dtype, head_dim)
+def _launch_of(dtype: str, head_dim: int, amd: bool, tiles: FlashForwardTiles | FlashForwardMfmaTiles | None):
+    if amd:
+        tiles = tiles or FLASH_FORWARD_MFMA_TILES[head_dim]
+        return _Launch(flash_forward_mfma_spec(dtype, head_dim, tiles), tiles,
+                       flash_forward_mfma_shared_bytes(head_dim, tiles), True)
+    tiles = tiles or FLASH_FORWARD_TILES[head_dim]
+    return _Launch(flash_forward_spec(dtype, head_dim, tiles), tiles, flash_forward_shared_bytes(head_dim, tiles), False)
 
 
-def grid_blocks(problem: Problem) -> int:
-    """Query tiles for max_seqlen_q, times batch, times query heads: the kernel's grid.x."""
-    block_m = FLASH_FORWARD_TILES[problem.head_dim].block_m
+def grid_blocks(problem: Problem, block_m: int) -> int:
+    """Query tiles of ``block_m`` rows for max_seqlen_q, times batch, times query heads: grid.x."""
     return -(-problem.max_seqlen_q // block_m) * problem.batch * problem.heads_q
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None) -> None:
+            seqused_q=None, seqused_k=None, tiles: FlashForwardTiles | None = None) -> None:
     """Enqueue O and LSE: one block per (query tile, sequence, query head).
 
     Rows beyond a sequence's length are not written (as flash-attn). A row that sees no key gets
-    O = 0 and LSE = +inf.
+    O = 0 and LSE = +inf. ``tiles`` overrides the NVIDIA table row for head_dim
+    (tools/bench_flash.py sweeps tiles this way); the default is FLASH_FORWARD_TILES.
     """
     reason = ineligibility(problem)
     if reason is not None:
         raise ValueError(f"flash forward: {reason}")
-    blocks = grid_blocks(problem)
+    launch = _launch_of(problem.dtype, problem.head_dim, has_amd_mfma(problem.device), tiles)
+    threads = launch.tiles.threads
+    blocks = grid_blocks(problem, launch.tiles.block_m)
     if blocks == 0:
         return  # batch 0 or max_seqlen_q 0: nothing to write
-    if blocks > MAX_GRID_X:
-        raise ValueError(f"{blocks} query tiles x sequences x heads exceed the grid limit of {MAX_GRID_X} blocks")
-    tiles = FLASH_FORWARD_TILES[problem.head_dim]
-    kernel = get_kernel(_spec(problem.dtype, problem.head_dim), problem.device)
-    shared = flash_forward_shared_bytes(problem.head_dim, tiles)
-    kernel.reserve_dynamic_shared_memory(shared)
+    if blocks > MAX_GRID_X or (launch.amd and blocks * threads > MAX_AMD_WORK_ITEMS):
+        raise ValueError(f"{blocks} query tiles x sequences x heads exceed the device's grid limit; split the batch")
+    kernel = get_kernel(launch.spec, problem.device)
+    kernel.reserve_dynamic_shared_memory(launch.shared_bytes)
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     fields["heads_q"] = problem.heads_q
-    kernel.launch((blocks, 1, 1), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
+    kernel.launch((blocks, 1, 1), (threads, 1, 1), launch.shared_bytes, stream, kernel.params.from_dict(fields))

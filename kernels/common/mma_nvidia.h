@@ -19,6 +19,29 @@ HIPATTN_DEVICE unsigned int shared_address(const void* pointer) {
   return address;
 }
 
+// `x`, hidden from the optimiser. A shared tile's base address passed through this at the top of a
+// loop keeps each fragment address inside the loop "base + constant", which ptxas folds into the
+// ldmatrix's immediate offset; otherwise the compiler hoists every unrolled fragment address out of
+// the loop into a register of its own (80 of them in the flash forward, which then spills).
+HIPATTN_DEVICE unsigned int opaque(unsigned int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// Four 8x8 b16 matrices from a shared-state-space address (shared_address); lane l gives the row
+// address of matrix l / 8.
+HIPATTN_DEVICE void ldmatrix_x4(unsigned int (&r)[4], unsigned int row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row_address));
+}
+
+HIPATTN_DEVICE void ldmatrix_x4_trans(unsigned int (&r)[4], unsigned int row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row_address));
+}
+
 // Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8.
 HIPATTN_DEVICE void ldmatrix_x4(unsigned int (&r)[4], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -88,6 +111,11 @@ HIPATTN_DEVICE unsigned int pack2<half_t>(float low, float high) {
 // 16 bytes global -> shared without a register round trip; completes at wait_async_copies().
 HIPATTN_DEVICE void copy_async_16(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared)), "l"(global));
+}
+
+// 4 bytes global -> shared (cp.async takes 4-byte copies through L1 only, .ca): one fp32 row statistic.
+HIPATTN_DEVICE void copy_async_4(void* shared, const void* global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(shared_address(shared)), "l"(global));
 }
 
 HIPATTN_DEVICE void wait_async_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }

@@ -1,7 +1,9 @@
 // General attention forward on NVIDIA tensor cores (sm_80+): FlashAttention-2 with mma.sync m16n8k16.
 //
-// A block owns BLOCK_M query rows of one (sequence, query head); each of its BLOCK_M / 16 warps owns
-// 16 of those rows from start to end. The block walks the key tiles of BLOCK_N keys that its rows
+// A block owns BLOCK_M query rows of one (sequence, query head); each of its warps owns M_TILES
+// 16-row tiles of them (16 * M_TILES rows) from start to end. With M_TILES = 2 every K and V
+// fragment a warp loads from shared memory feeds two MMAs, halving the shared-memory traffic per
+// FLOP (ldmatrix bandwidth, not the tensor cores, limits a 16-row warp). The block walks the key tiles of BLOCK_N keys that its rows
 // can see, last tile first (the tiles that need masking come first; the rest run unmasked). Per tile:
 // S = Q Kᵀ on the tensor cores, an online softmax on the accumulators in base 2 (softmax_scale·log2 e
 // folded into one multiply), and O += P V with the probabilities reused in registers as the A
@@ -21,6 +23,7 @@
 #pragma once
 #include "common/mma_nvidia.h"
 #include "common/sequence.h"
+#include "flash/staging.h"
 
 namespace hipattn {
 namespace flash {
@@ -29,10 +32,11 @@ namespace flash {
 // STAGES V slots, each row padded by 8 elements (16 bytes) so the eight row reads of an ldmatrix hit
 // distinct banks. hipattn/families.py's flash_forward_shared_bytes computes kBytes from the same
 // template arguments with the same formula; the launcher passes that as dynamic shared memory.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int M_TILES>
 struct ForwardTiles {
   static constexpr int kPitch = HEAD_DIM + 8;
-  static constexpr int kWarps = BLOCK_M / 16;
+  static constexpr int kWarpRows = 16 * M_TILES;
+  static constexpr int kWarps = BLOCK_M / kWarpRows;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kChunks = HEAD_DIM / 8;  // 16-byte pieces of a row
   static constexpr int kQElements = BLOCK_M * kPitch;
@@ -44,7 +48,8 @@ struct ForwardTiles {
 
   static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
   static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "head_dim is a multiple of 16 up to 256");
-  static_assert(BLOCK_M % 16 == 0 && BLOCK_M >= 16 && BLOCK_M <= 128, "one warp per 16 query rows, at most 8 warps");
+  static_assert(M_TILES >= 1 && M_TILES <= 2, "a warp owns one or two 16-row tiles");
+  static_assert(BLOCK_M % kWarpRows == 0 && kWarps >= 1 && kWarps <= 8, "whole warps, at most 8");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16, "key tiles are whole k-steps of P V");
   static_assert(STAGES >= 1 && STAGES <= 3, "one to three K/V slots");
   // 99 KiB is the opt-in limit of the smallest sm_80+ parts (sm_86, sm_89); every shipped tile
@@ -52,31 +57,11 @@ struct ForwardTiles {
   static_assert(kBytes <= 99 * 1024, "the tiles must fit 99 KiB of shared memory");
 };
 
-// Copy rows [0, rows) of a BLOCK_N- or BLOCK_M-row tile with cp.async; rows [rows, tile_rows) are
-// zero-filled when ZERO_TAIL (V: a stale NaN times a probability of 0 would poison O) and left
-// alone otherwise (K, Q: their rows only reach scores that are masked or rows that are never stored).
-template <typename T, int HEAD_DIM, int THREADS, bool ZERO_TAIL>
-HIPATTN_DEVICE void stage_tile(T* tile, const T* first_row, long long token_stride, int rows, int tile_rows) {
-  constexpr int kChunks = HEAD_DIM / 8;
-  constexpr int kPitch = HEAD_DIM + 8;
-  const int limit = ZERO_TAIL ? tile_rows : rows;
-  for (int c = threadIdx.x; c < limit * kChunks; c += THREADS) {
-    const int row = c / kChunks;
-    const int chunk = c % kChunks;
-    T* destination = tile + row * kPitch + chunk * 8;
-    if (row < rows) {
-      mma::copy_async_16(destination, first_row + row * token_stride + chunk * 8);
-    } else {
-      *reinterpret_cast<Vec<T, 8>*>(destination) = Vec<T, 8>{};
-    }
-  }
-}
-
 }  // namespace flash
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES>
-__global__ void __launch_bounds__(BLOCK_M * 2) flash_forward_mma(const FlashForwardParams p) {
-  using Tiles = flash::ForwardTiles<T, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>;
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int M_TILES>
+__global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const FlashForwardParams p) {
+  using Tiles = flash::ForwardTiles<T, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, M_TILES>;
   constexpr int kThreads = Tiles::kThreads;
   constexpr int kPitch = Tiles::kPitch;
   constexpr int kNTiles = BLOCK_N / 8;    // 8-key accumulator tiles of S
@@ -164,26 +149,38 @@ __global__ void __launch_bounds__(BLOCK_M * 2) flash_forward_mma(const FlashForw
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int g = lane / 4;  // accumulator rows g and g + 8 of the warp's 16
+  const int g = lane / 4;  // accumulator rows g and g + 8 of each 16-row tile
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  // Per accumulator row r (g, g + 8): keys [0, key_limit[r]) are visible to it.
-  int key_limit[2];
+  const int warp_first = m0 + Tiles::kWarpRows * warp;  // the warp's first query row in the sequence
+  // Per accumulator row (m-tile mt, r = 0 for g, 1 for g + 8): keys [0, key_limit[mt][r]) are visible.
+  int key_limit[M_TILES][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = m0 + 16 * warp + g + 8 * r;
-    key_limit[r] = p.causal ? clamp_int(row + diagonal + 1, 0, len_k) : len_k;
-  }
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp_first + 16 * mt + g + 8 * r;
+      key_limit[mt][r] = p.causal ? clamp_int(row + diagonal + 1, 0, len_k) : len_k;
+    }
   // A tile needs masking when it reaches past the sequence or past the first row's diagonal.
   const int unmasked_end = p.causal ? clamp_int(m0 + diagonal + 1, 0, len_k) : len_k;
 
-  float o[kDTiles][4];
+  float o[M_TILES][kDTiles][4];
 #pragma unroll
-  for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
-  float row_max[2] = {-infinity(), -infinity()};  // in the scaled base-2 domain
-  float row_sum[2] = {0.0f, 0.0f};                // this lane's share of the row; summed at the end
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.0f;
+  // In the scaled base-2 domain; row_sum is this lane's share of the row, summed at the end.
+  float row_max[M_TILES][2], row_sum[M_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[mt][r] = -infinity();
+      row_sum[mt][r] = 0.0f;
+    }
 
-  const T* const q_warp = q_tile + 16 * warp * kPitch;
+  const T* const q_warp = q_tile + Tiles::kWarpRows * warp * kPitch;
   for (int i = 0; i < n_tiles; ++i) {
     const int n0 = (n_tiles - 1 - i) * BLOCK_N;
     const T* const k_tile = k_slots + (i % STAGES) * Tiles::kSlotElements;
@@ -192,90 +189,120 @@ __global__ void __launch_bounds__(BLOCK_M * 2) flash_forward_mma(const FlashForw
     mma::wait_async_copies_except<kInFlight>();  // K[i] (and Q) have landed for this thread
     __syncthreads();                             // ... for every thread; V[i - 1]'s slot is free
     load_v(i + STAGES - 1);
+    // This lane's ldmatrix row in each tile (mma_nvidia.h's fragment layouts); every fragment below
+    // is at a constant byte offset from these (mma::opaque says why they are recomputed per tile).
+    const unsigned int q_lane = mma::opaque(mma::shared_address(q_warp + (lane % 16) * kPitch + 8 * (lane / 16)));
+    const unsigned int k_lane = mma::opaque(
+        mma::shared_address(k_tile + (8 * (lane / 16) + lane % 8) * kPitch + 8 * ((lane / 8) % 2)));
+    const unsigned int v_lane = mma::opaque(
+        mma::shared_address(v_tile + (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + 8 * (lane / 16)));
+    constexpr int kBytes = static_cast<int>(sizeof(T));
 
-    // ---- S = Q Kᵀ: 16 rows x BLOCK_N keys per warp ----
-    float s[kNTiles][4];
+    // ---- S = Q Kᵀ: 16 * M_TILES rows x BLOCK_N keys per warp; each K fragment feeds M_TILES MMAs ----
+    float s[M_TILES][kNTiles][4];
 #pragma unroll
-    for (int n = 0; n < kNTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      unsigned int a[4];
-      mma::ldmatrix_x4(a, q_warp + (lane % 16) * kPitch + 16 * ks + 8 * (lane / 16));
+      unsigned int a[M_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+        mma::ldmatrix_x4(a[mt], q_lane + ((16 * mt) * kPitch + 16 * ks) * kBytes);
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         unsigned int b[4];
-        mma::ldmatrix_x4(b, k_tile + (16 * np + 8 * (lane / 16) + lane % 8) * kPitch + 16 * ks + 8 * ((lane / 8) % 2));
-        mma::mma_16816<T>(s[2 * np], a, b[0], b[1]);
-        mma::mma_16816<T>(s[2 * np + 1], a, b[2], b[3]);
+        mma::ldmatrix_x4(b, k_lane + ((16 * np) * kPitch + 16 * ks) * kBytes);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma::mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma::mma_16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
       }
     }
 
     // ---- online softmax, base 2; masked scores become -inf by selection (a NaN from a stale K
     // row is discarded, not multiplied) ----
-    if (n0 + BLOCK_N > unmasked_end) {
+    const bool masked = n0 + BLOCK_N > unmasked_end;
+    unsigned int p_packed[M_TILES][kNTiles][2];  // P in T, the A operand of P V
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      if (masked) {
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = n0 + 8 * n + 2 * t + (e & 1);
+            s[mt][n][e] = key < key_limit[mt][e / 2] ? s[mt][n][e] * scale_log2 : -infinity();
+          }
+      } else {
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][n][e] *= scale_log2;
+      }
+      float tile_max[2] = {row_max[mt][0], row_max[mt][1]};
 #pragma unroll
       for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[mt][n][e]);
+      float reference[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // A row's BLOCK_N scores live in the 4 lanes of one quad.
+        tile_max[r] = fmaxf(tile_max[r], shfl_xor(tile_max[r], 1, 32, 0xffffffffu));
+        tile_max[r] = fmaxf(tile_max[r], shfl_xor(tile_max[r], 2, 32, 0xffffffffu));
+        // A row that has seen nothing yet keeps max -inf; subtracting 0 instead makes every p 0
+        // (exp2(-inf) = 0) rather than NaN (-inf - -inf).
+        reference[r] = tile_max[r] == -infinity() ? 0.0f : tile_max[r];
+        const float correction = fast_exp2(row_max[mt][r] - reference[r]);  // 0 when row_max was -inf
+        row_max[mt][r] = tile_max[r];
+        row_sum[mt][r] *= correction;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+          o[mt][d][2 * r] *= correction;
+          o[mt][d][2 * r + 1] *= correction;
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n0 + 8 * n + 2 * t + (e & 1);
-          s[n][e] = key < key_limit[e / 2] ? s[n][e] * scale_log2 : -infinity();
+          s[mt][n][e] = fast_exp2(s[mt][n][e] - reference[e / 2]);
+          row_sum[mt][e / 2] += s[mt][n][e];
         }
-    } else {
-#pragma unroll
-      for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
-    }
-    float tile_max[2] = {row_max[0], row_max[1]};
-#pragma unroll
-    for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
-    float reference[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      // A row's BLOCK_N scores live in the 4 lanes of one quad.
-      tile_max[r] = fmaxf(tile_max[r], shfl_xor(tile_max[r], 1, 32, 0xffffffffu));
-      tile_max[r] = fmaxf(tile_max[r], shfl_xor(tile_max[r], 2, 32, 0xffffffffu));
-      // A row that has seen nothing yet keeps max -inf; subtracting 0 instead makes every p 0
-      // (exp2(-inf) = 0) rather than NaN (-inf - -inf).
-      reference[r] = tile_max[r] == -infinity() ? 0.0f : tile_max[r];
-      const float correction = fast_exp2(row_max[r] - reference[r]);  // 0 when row_max was -inf
-      row_max[r] = tile_max[r];
-      row_sum[r] *= correction;
-#pragma unroll
-      for (int d = 0; d < kDTiles; ++d) {
-        o[d][2 * r] *= correction;
-        o[d][2 * r + 1] *= correction;
+        // Rounded to T at once: P lives on as half as many registers until P V.
+        p_packed[mt][n][0] = mma::pack2<T>(s[mt][n][0], s[mt][n][1]);  // row g
+        p_packed[mt][n][1] = mma::pack2<T>(s[mt][n][2], s[mt][n][3]);  // row g + 8
       }
     }
-#pragma unroll
-    for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[n][e] = fast_exp2(s[n][e] - reference[e / 2]);
-        row_sum[e / 2] += s[n][e];
-      }
 
     mma::wait_async_copies_except<kInFlight>();  // V[i] has landed for this thread
     __syncthreads();                             // ... for every thread; K[i]'s slot is free
     load_k(i + STAGES);
 
-    // ---- O += P V: n-tiles 2 kk and 2 kk + 1 of P are the A operand of k-step kk ----
+    // ---- O += P V: n-tiles 2 kk and 2 kk + 1 of P are the A operand of k-step kk; each V fragment
+    // feeds M_TILES MMAs ----
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      unsigned int pa[4];
-      pa[0] = mma::pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = mma::pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = mma::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = mma::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      unsigned int pa[M_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        pa[mt][0] = p_packed[mt][2 * kk][0];
+        pa[mt][1] = p_packed[mt][2 * kk][1];
+        pa[mt][2] = p_packed[mt][2 * kk + 1][0];
+        pa[mt][3] = p_packed[mt][2 * kk + 1][1];
+      }
 #pragma unroll
       for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
         unsigned int b[4];
-        mma::ldmatrix_x4_trans(b, v_tile + (16 * kk + lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + 16 * dp +
-                                      8 * (lane / 16));
-        mma::mma_16816<T>(o[2 * dp], pa, b[0], b[1]);
-        mma::mma_16816<T>(o[2 * dp + 1], pa, b[2], b[3]);
+        mma::ldmatrix_x4_trans(b, v_lane + ((16 * kk) * kPitch + 16 * dp) * kBytes);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma::mma_16816<T>(o[mt][2 * dp], pa[mt], b[0], b[1]);
+          mma::mma_16816<T>(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+        }
       }
     }
   }
@@ -285,31 +312,33 @@ __global__ void __launch_bounds__(BLOCK_M * 2) flash_forward_mma(const FlashForw
   __syncthreads();
 
   // ---- epilogue: normalise, LSE, and O through the warp's own Q rows (only this warp read them) ----
-  float inv_sum[2];
-  const int row0 = m0 + 16 * warp + g;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += shfl_xor(row_sum[r], 1, 32, 0xffffffffu);
-    row_sum[r] += shfl_xor(row_sum[r], 2, 32, 0xffffffffu);
-    inv_sum[r] = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
-    const int row = row0 + 8 * r;
-    if (t == 0 && row < len_q) {
-      static_cast<float*>(p.lse)[batch_index * p.lse_batch_stride + head * p.lse_head_stride + seq_q.start + row] =
-          row_sum[r] > 0.0f ? (row_max[r] + fast_log2(row_sum[r])) * 0.6931471805599453f : infinity();
-    }
-  }
   T* const o_stage = const_cast<T*>(q_warp);
   __syncwarp();
 #pragma unroll
-  for (int d = 0; d < kDTiles; ++d)
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    float inv_sum[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      *reinterpret_cast<unsigned int*>(o_stage + (g + 8 * r) * kPitch + 8 * d + 2 * t) =
-          mma::pack2<T>(o[d][2 * r] * inv_sum[r], o[d][2 * r + 1] * inv_sum[r]);
+      float sum = row_sum[mt][r];
+      sum += shfl_xor(sum, 1, 32, 0xffffffffu);
+      sum += shfl_xor(sum, 2, 32, 0xffffffffu);
+      inv_sum[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int row = warp_first + 16 * mt + g + 8 * r;
+      if (t == 0 && row < len_q) {
+        static_cast<float*>(p.lse)[batch_index * p.lse_batch_stride + head * p.lse_head_stride + seq_q.start + row] =
+            sum > 0.0f ? (row_max[mt][r] + fast_log2(sum)) * 0.6931471805599453f : infinity();
+      }
     }
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        *reinterpret_cast<unsigned int*>(o_stage + (16 * mt + g + 8 * r) * kPitch + 8 * d + 2 * t) =
+            mma::pack2<T>(o[mt][d][2 * r] * inv_sum[r], o[mt][d][2 * r + 1] * inv_sum[r]);
+      }
+  }
   __syncwarp();
-  const int warp_first = m0 + 16 * warp;
-  const int rows = len_q - warp_first < 16 ? len_q - warp_first : 16;
+  const int rows = len_q - warp_first < Tiles::kWarpRows ? len_q - warp_first : Tiles::kWarpRows;
   T* const o_rows = static_cast<T*>(p.o) + batch_index * p.o_batch_stride +
                     static_cast<long long>(seq_q.start + warp_first) * p.o_token_stride + head * p.o_head_stride;
   for (int c = lane; c < rows * Tiles::kChunks; c += 32) {

@@ -1,5 +1,8 @@
 """GPU tests: run on a machine with an NVIDIA GPU, torch with CUDA, and hipattn's NVIDIA extra."""
 
+import json
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,18 +26,25 @@ def relative_error(actual, expected) -> float:
 
 
 def worst_row_error(actual, expected) -> float:
-    """The largest ||a_r - e_r|| over rows (last dimension), relative to the RMS row norm of expected.
+    """The largest ||a_r - e_r|| over rows (last dimension), relative to the RMS norm of the rows of
+    expected that are not zero.
 
     The whole-tensor error can hide one wrong column among hundreds of rows; a row's share of it
     cannot. Bounded at a few times the tolerance (a single row's error is noisier than the mean).
+    Rows that are exactly zero in the reference (queries that see no key, or one key only, whose
+    gradient cancels) stay out of the denominator: with many of them the RMS of all rows shrinks
+    towards zero and turns the rounding of the 16-bit O that D = rowsum(dO * O) is computed from
+    (as FlashAttention-2 does) into a large "relative" error.
     """
     actual = actual.double().reshape(-1, actual.shape[-1])
     expected = expected.double().reshape(-1, expected.shape[-1])
-    if expected.numel() == 0:
-        return 0.0
-    rms_row_norm = expected.norm(dim=-1).pow(2).mean().sqrt().item()
+    norms = expected.norm(dim=-1)
+    carrying = norms > 0
+    if not bool(carrying.any()):
+        return (actual - expected).norm(dim=-1).max().item() if expected.numel() else 0.0
+    rms_row_norm = norms[carrying].pow(2).mean().sqrt().item()
     worst = (actual - expected).norm(dim=-1).max().item()
-    return worst / rms_row_norm if rms_row_norm > 0 else worst
+    return worst / rms_row_norm
 
 
 # Per-row errors may reach a few times the whole-tensor figure.
@@ -43,3 +53,16 @@ ROW_TOLERANCE_FACTOR = 4
 # bf16 keeps 8 mantissa bits, fp16 11: the kernels' error should sit near PyTorch's own at that
 # precision (flash-attn's tests allow about twice it). Measured figures are reported in the issue.
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3}
+
+# Worst relative error per case across every module of the run, written out (HIPATTN_ERROR_REPORT)
+# for the issue note: one dict, so that one module's report does not overwrite another's.
+ERRORS: dict[str, float] = {}
+
+
+def record_errors(case: str, **errors: float) -> None:
+    for name, value in errors.items():
+        ERRORS[f"{case} {name}"] = value
+    path = os.environ.get("HIPATTN_ERROR_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(ERRORS, f, indent=1, sort_keys=True)

@@ -4,9 +4,7 @@ outputs poisoned with NaN first, every written element checked and every unwritt
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 import torch
@@ -18,11 +16,10 @@ from hipattn.families import FLASH_FORWARD_TILES, FLASH_HEAD_DIMS
 from hipattn.ops import flash
 from hipattn.streams import on_device, resolve_stream
 
-from .conftest import TOLERANCE, relative_error
+from .conftest import TOLERANCE, record_errors, relative_error
 from .reference import attention_reference
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
-ERRORS: dict[str, float] = {}  # worst relative error per case, written out for the issue note
 
 # Lengths that hit every edge: empty, one token, the small-seq tile (17) and one past it, a long
 # sequence, and lengths that are not multiples of any tile (63, 65, 129, 200, 333). Q shorter and
@@ -31,13 +28,6 @@ LENGTHS_Q = [0, 1, 17, 18, 1000, 65, 200, 129, 5, 333, 40]
 LENGTHS_K = [9, 1, 18, 17, 1000, 63, 129, 200, 0, 40, 333]
 
 
-def _record(case: str, **errors: float) -> None:
-    for name, value in errors.items():
-        ERRORS[f"{case} {name}"] = value
-    path = os.environ.get("HIPATTN_ERROR_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(ERRORS, f, indent=1, sort_keys=True)
 
 
 def _array(t, name):
@@ -113,7 +103,7 @@ def _check(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, case):
     seen = ~empty_rows
     sdpa_error = relative_error(sdpa[seen], ref_out[seen])
     errors["out_vs_sdpa"] = relative_error(out[seen], sdpa[seen])
-    _record(case, sdpa_to_float64=sdpa_error, **errors)
+    record_errors(case, sdpa_to_float64=sdpa_error, **errors)
     assert max(errors.values()) < TOLERANCE[dtype], (case, errors)
     assert errors["out"] <= 2 * sdpa_error + TOLERANCE[dtype] / 10, (case, errors, sdpa_error)
     return errors

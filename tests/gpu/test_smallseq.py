@@ -3,9 +3,7 @@ outputs poisoned with NaN first, every element checked."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 import torch
@@ -13,20 +11,12 @@ import torch
 import hipattn
 from hipattn.families import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
 
-from .conftest import ROW_TOLERANCE_FACTOR, TOLERANCE, relative_error, worst_row_error
+from .conftest import ROW_TOLERANCE_FACTOR, TOLERANCE, record_errors, relative_error, worst_row_error
 from .reference import attention_reference
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
-ERRORS: dict[str, float] = {}  # worst relative error per case, written out for the issue note
 
 
-def _record(case: str, **errors: float) -> None:
-    for name, value in errors.items():
-        ERRORS[f"{case} {name}"] = value
-    path = os.environ.get("HIPATTN_ERROR_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(ERRORS, f, indent=1, sort_keys=True)
 
 
 def _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, rng):
@@ -105,7 +95,7 @@ def test_every_shipped_instantiation_matches_float64(dtype, head_dim, heads, for
     lengths_k = [3, 1, 17, 0, 17, 0, 17] + random_k
     for causal in (False, True):
         errors = _run_and_check(lengths_q, lengths_k, heads, heads, head_dim, dtype, causal, rng)
-        _record(f"{dtype} d{head_dim} h{heads} causal={causal} {forward_kernel}", **errors)
+        record_errors(f"{dtype} d{head_dim} h{heads} causal={causal} {forward_kernel}", **errors)
         assert max(errors.values()) < TOLERANCE[dtype], errors
 
 
@@ -115,7 +105,7 @@ def test_gqa_and_mqa_sum_kv_gradients_over_the_group(heads_q, heads_kv, causal, 
     lengths_q = [17, 9, 0, 4, 1, 13, 17, 2]
     lengths_k = [17, 3, 6, 0, 1, 16, 8, 17]
     errors = _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, 128, "bf16", causal, rng)
-    _record(f"gqa {heads_q}/{heads_kv} causal={causal} {forward_kernel}", **errors)
+    record_errors(f"gqa {heads_q}/{heads_kv} causal={causal} {forward_kernel}", **errors)
     assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
@@ -199,7 +189,7 @@ def test_max_seqlen_is_an_upper_bound_and_graph_replays_new_cu_seqlens(rng):
             "dk": relative_error(dk[:nk], ref[3]),
             "dv": relative_error(dv[:nk], ref[4]),
         }
-        _record(f"graph replay {replay}", **errors)
+        record_errors(f"graph replay {replay}", **errors)
         assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
@@ -222,7 +212,7 @@ def test_bshd_with_per_sequence_lengths(forward_kernel, rng):
     out_thd = torch.cat([out[b, : lq[b]] for b in range(batch)])
     lse_thd = torch.cat([lse[b, :, : lq[b]] for b in range(batch)], dim=1)
     error = relative_error(out_thd, ref_out)
-    _record("bshd seqused causal", out=error)
+    record_errors("bshd seqused causal", out=error)
     assert error < TOLERANCE["bf16"]
     assert torch.equal(torch.isinf(lse_thd), torch.isinf(ref_lse))
 

@@ -1,0 +1,170 @@
+"""Launch the general attention backward (FlashAttention-2 on NVIDIA tensor cores, sm_80+).
+
+NOT WIRED IN: nothing in hipattn.dispatch or the public API reaches this module yet; until
+tests/gpu/test_flash_backward.py has passed on the GPU only that test calls it.
+
+Two schedules, both enqueued on the caller's stream after Delta = rowsum(dO * O) (preprocess.dot_do_o):
+
+* ``deterministic=False``: dq_accum is zeroed, the dK/dV kernel adds each key tile's share of dQ
+  into it with fp32 atomics, and preprocess.convert_dq writes dq = softmax_scale * dq_accum. The
+  order of the atomic additions varies, so dQ may differ in its last bits from run to run.
+* ``deterministic=True``: the dK/dV kernel without dQ, then the dQ kernel, one block per query tile
+  summing over its key tiles in a fixed order: bit-identical run to run, no dq_accum.
+
+Varlen (THD) work list. Given the workspace's ``varlen_records`` section, the backward first
+enqueues its preparation (hipattn.varlen_prep: a small kernel, or the host path with a host
+function; ``HIPATTN_VARLEN_PREP``), and the dK/dV kernel's grid covers only the key blocks the
+sequences can have, ``key_block_bound`` (hipattn.varlen_metadata) times the KV heads, instead of
+ceil(max_seqlen_k / BLOCK_N) per sequence; each block finds its sequence in the records. Without
+it (and always in BSHD) the grid is sized from max_seqlen_k. The dQ kernel keeps its grid.
+
+The caller has validated the problem, made the device current and resolved the stream; nothing here
+synchronizes, and grids are sized from host facts only (batch, heads, max_seqlen, total_k), so a
+call can be captured into a graph. Keys of a sequence that no query sees get dK = dV = 0; rows past a sequence's
+length are not written by the kernels (convert_dq, on the atomic schedule, writes every row of dq:
+zeros where no sequence is).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..arrays import DeviceArray
+from ..backends import get_backend
+from ..families import (
+    FLASH_BACKWARD_DKDV_TILES,
+    FLASH_BACKWARD_DQ_TILES,
+    FLASH_HEAD_DIMS,
+    flash_backward_dkdv_shared_bytes,
+    flash_backward_dkdv_spec,
+    flash_backward_dq_shared_bytes,
+    flash_backward_dq_spec,
+)
+from ..problem import THD, Problem
+from ..registry import get_kernel
+from ..spec import KernelSpec
+from ..varlen_metadata import VARLEN_RECORD_WORDS, SequenceLimits, key_block_bound
+from ..varlen_prep import prep_way, prepare_varlen_records
+from . import preprocess
+from .capabilities import has_nvidia_mma
+from .fields import put_absent_tensor, put_lse, put_softmax_d, put_tensor, sequence_fields
+
+# grid.x is at most 2^31 - 1 blocks on every sm_80+ part.
+MAX_GRID_X = 2**31 - 1
+
+
+def ineligibility(problem: Problem) -> str | None:
+    """Why the flash backward cannot take ``problem`` on its device, or None when it can."""
+    if problem.head_dim not in FLASH_HEAD_DIMS:
+        return f"head_dim {problem.head_dim} is not one of {FLASH_HEAD_DIMS}"
+    if not has_nvidia_mma(problem.device):
+        arch = get_backend().device_target(problem.device).arch
+        return f"the flash backward needs NVIDIA sm_80 or newer; device {problem.device} is {arch}"
+    return None
+
+
+@functools.cache
+def _dkdv_spec(dtype: str, head_dim: int, write_dq: bool) -> KernelSpec:
+    return flash_backward_dkdv_spec(dtype, head_dim, write_dq)
+
+
+@functools.cache
+def _dq_spec(dtype: str, head_dim: int) -> KernelSpec:
+    return flash_backward_dq_spec(dtype, head_dim)
+
+
+def dkdv_grid_blocks(problem: Problem, work_list: bool = False) -> int:
+    """The dK/dV kernel's grid.x: with a varlen work list, its bound (key_block_bound) times KV
+    heads; else key tiles for max_seqlen_k, times batch, times KV heads."""
+    block_n = FLASH_BACKWARD_DKDV_TILES[problem.head_dim].block_n
+    if work_list:
+        return key_block_bound(SequenceLimits.of(problem), problem.batch, block_n) * problem.heads_kv
+    return -(-problem.max_seqlen_k // block_n) * problem.batch * problem.heads_kv
+
+
+def dq_grid_blocks(problem: Problem) -> int:
+    """Query tiles for max_seqlen_q, times batch, times query heads: the dQ kernel's grid.x."""
+    block_m = FLASH_BACKWARD_DQ_TILES[problem.head_dim].block_m
+    return -(-problem.max_seqlen_q // block_m) * problem.batch * problem.heads_q
+
+
+def _check_grid(blocks: int, what: str) -> None:
+    if blocks > MAX_GRID_X:
+        raise ValueError(f"{blocks} {what} exceed the grid limit of {MAX_GRID_X} blocks")
+
+
+def _check_records(varlen_records: DeviceArray, problem: Problem) -> None:
+    if problem.layout != THD:
+        raise ValueError("flash backward: varlen_records is the THD (cu_seqlens) work list; this call is BSHD")
+    expected = (problem.batch, VARLEN_RECORD_WORDS)
+    if varlen_records.dtype != "int32" or tuple(varlen_records.shape) != expected or (
+            problem.batch and varlen_records.strides != (VARLEN_RECORD_WORDS, 1)):
+        raise ValueError(f"flash backward: varlen_records must be contiguous int32 {expected}; got "
+                         f"{varlen_records.dtype} {varlen_records.shape} strides {varlen_records.strides}")
+
+
+def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int, *, softmax_d: DeviceArray,
+             dq_accum: DeviceArray | None = None, varlen_records: DeviceArray | None = None,
+             deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None) -> None:
+    """Enqueue dQ, dK and dV of attention ``out`` = softmax(scale q kᵀ) v, given dout and the forward's lse.
+
+    All arguments are DeviceArrays in ``problem``'s layout; dq, dk, dv take q, k, v's shapes and dtype.
+    ``softmax_d`` is fp32 workspace shaped like ``lse`` (it receives Delta = rowsum(dout * out)).
+    ``dq_accum`` is contiguous fp32 workspace shaped like dq, needed unless ``deterministic``.
+    ``varlen_records`` (THD only) is contiguous int32 workspace [batch, VARLEN_RECORD_WORDS]: the
+    dK/dV kernel's work list, prepared here on ``stream`` (workspace.backward_workspace's section).
+    """
+    reason = ineligibility(problem)
+    if reason is not None:
+        raise ValueError(f"flash backward: {reason}")
+    if not deterministic and dq_accum is None:
+        raise ValueError("flash backward: the atomic dQ schedule (deterministic=False) needs dq_accum")
+    work_list = varlen_records is not None
+    if work_list:
+        _check_records(varlen_records, problem)
+        prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
+    dkdv_blocks = dkdv_grid_blocks(problem, work_list)
+    dq_blocks = dq_grid_blocks(problem)
+    _check_grid(dkdv_blocks, "key blocks x KV heads" if work_list else "key tiles x sequences x KV heads")
+    _check_grid(dq_blocks, "query tiles x sequences x heads")
+
+    block_n = FLASH_BACKWARD_DKDV_TILES[problem.head_dim].block_n
+    if work_list and dkdv_blocks:
+        prepare_varlen_records(
+            get_backend(), stream, problem.device, cu_seqlens_q.ptr, cu_seqlens_k.ptr, problem.batch, block_n,
+            varlen_records.ptr, limits=SequenceLimits.of(problem),
+            seqused_q=seqused_q.ptr if seqused_q is not None else 0,
+            seqused_k=seqused_k.ptr if seqused_k is not None else 0)
+    preprocess.dot_do_o(out, dout, softmax_d, stream)
+    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    layout = problem.layout
+    for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
+        put_tensor(fields, name, a, layout)
+    if dq_accum is not None:
+        put_tensor(fields, "dq_accum", dq_accum, layout)
+    else:
+        put_absent_tensor(fields, "dq_accum")
+    put_lse(fields, lse, problem)
+    put_softmax_d(fields, softmax_d, problem)
+    fields["heads_q"] = problem.heads_q
+    fields["varlen_records"] = varlen_records.ptr if work_list else 0
+
+    if not deterministic:
+        preprocess.zero_dq_accum(dq_accum, stream)
+    # With no query rows (max_seqlen_q 0) the dK/dV kernel still runs: its keys get dK = dV = 0.
+    if dkdv_blocks:
+        tiles = FLASH_BACKWARD_DKDV_TILES[problem.head_dim]
+        kernel = get_kernel(_dkdv_spec(problem.dtype, problem.head_dim, not deterministic), problem.device)
+        shared = flash_backward_dkdv_shared_bytes(problem.head_dim, tiles)
+        kernel.reserve_dynamic_shared_memory(shared)
+        kernel.launch((dkdv_blocks, 1, 1), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
+    if not deterministic:
+        # The kernel adds unscaled dS K; the conversion applies softmax_scale once.
+        preprocess.convert_dq(dq_accum, dq, problem.softmax_scale, stream)
+    elif dq_blocks:
+        # With no keys (max_seqlen_k 0) the dQ kernel still runs: its rows get dQ = 0.
+        tiles = FLASH_BACKWARD_DQ_TILES[problem.head_dim]
+        kernel = get_kernel(_dq_spec(problem.dtype, problem.head_dim), problem.device)
+        shared = flash_backward_dq_shared_bytes(problem.head_dim, tiles)
+        kernel.reserve_dynamic_shared_memory(shared)
+        kernel.launch((dq_blocks, 1, 1), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))

@@ -1,0 +1,83 @@
+// AMD wave-level matrix-core helpers (CDNA2 gfx90a, CDNA3 gfx940/941/942; wave64): MFMA 16x16x16
+// with fp32 accumulation for 16-bit inputs.
+//
+// Fragment layouts, from AMD's matrix instruction calculator (github.com/ROCm/
+// amd_matrix_instruction_calculator, `--detail-instruction` for v_mfma_f32_16x16x16f16 and
+// v_mfma_f32_16x16x16bf16_1k on CDNA2, and their CDNA3 spellings v_mfma_f32_16x16x16_f16/_bf16,
+// which keep the same layout). With column = lane % 16 and quarter = lane / 16, a lane holds:
+//   A (16x16, M x K): row `column`, k = 4 quarter .. 4 quarter + 3
+//   B (16x16, K x N): column `column`, k = 4 quarter .. 4 quarter + 3
+//   C/D (16x16 fp32): column `column`, rows 4 quarter .. 4 quarter + 3 (Accumulator elements 0..3)
+// An Operand holds its four k in ascending order (k % 4 = element; elements 0 and 1 share the low
+// register). Two consequences the kernels build on:
+//   - both operands are "4 consecutive k of one row of A / one column of B": from a matrix stored with
+//     k contiguous, a lane's fragment is one 8-byte load;
+//   - D has the B layout with D's rows as B's k: an accumulator rounded to 16 bits (to_operand) is the
+//     B operand of a next product that contracts over D's rows, with no data movement between lanes.
+#pragma once
+#include "common/types.h"
+
+#if !defined(HIPATTN_AMD)
+#error "mma_amd.h is for AMD targets; NVIDIA kernels use mma_nvidia.h"
+#endif
+#if !(defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__))
+// gfx908 has MFMA but not the 4-wide bf16 (_1k) instructions; RDNA has WMMA, not MFMA.
+#error "mma_amd.h needs the MFMA 16x16x16 f16 and bf16_1k instructions of gfx90a or gfx94x"
+#endif
+
+namespace hipattn {
+namespace mfma {
+
+// The instructions' operand and accumulator registers, as the builtins take them. bf16 operands
+// travel as 16-bit integers (the builtin's signature); fp16 ones are bit-cast at the call.
+typedef short Operand __attribute__((ext_vector_type(4)));
+typedef float Accumulator __attribute__((ext_vector_type(4)));
+typedef _Float16 HalfOperand __attribute__((ext_vector_type(4)));
+
+// The edge of every MFMA tile: M = N = K = 16.
+constexpr int kTile = 16;
+
+HIPATTN_DEVICE Operand zero_operand() { return Operand{0, 0, 0, 0}; }
+HIPATTN_DEVICE Accumulator zero_accumulator() { return Accumulator{0.0f, 0.0f, 0.0f, 0.0f}; }
+
+// d = a * b + c for one 16x16x16 tile, fp32 accumulation.
+template <typename T>
+HIPATTN_DEVICE Accumulator mfma_16x16x16(Operand a, Operand b, Accumulator c);
+
+template <>
+HIPATTN_DEVICE Accumulator mfma_16x16x16<bf16_t>(Operand a, Operand b, Accumulator c) {
+  return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);
+}
+
+template <>
+HIPATTN_DEVICE Accumulator mfma_16x16x16<half_t>(Operand a, Operand b, Accumulator c) {
+  return __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(HalfOperand, a), __builtin_bit_cast(HalfOperand, b),
+                                              c, 0, 0, 0);
+}
+
+// Four consecutive 16-bit elements from an 8-byte-aligned address (LDS or global).
+template <typename T>
+HIPATTN_DEVICE Operand load_operand(const T* source) {
+  static_assert(sizeof(T) == 2, "MFMA operands here are 16-bit");
+  return *reinterpret_cast<const Operand*>(source);
+}
+
+template <typename T>
+HIPATTN_DEVICE void store_operand(T* destination, Operand value) {
+  static_assert(sizeof(T) == 2, "MFMA operands here are 16-bit");
+  *reinterpret_cast<Operand*>(destination) = value;
+}
+
+// An accumulator rounded to T (to nearest even), element for element: the B operand of a product
+// that contracts over the accumulator's rows (see the layouts above).
+template <typename T>
+HIPATTN_DEVICE Operand to_operand(Accumulator x) {
+  static_assert(sizeof(T) == 2, "MFMA operands here are 16-bit");
+  Operand y;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) y[e] = static_cast<short>(from_float<T>(x[e]).bits);
+  return y;
+}
+
+}  // namespace mfma
+}  // namespace hipattn

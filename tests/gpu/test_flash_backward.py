@@ -1,0 +1,290 @@
+"""The general (flash) backward on the GPU, called through hipattn.ops.flash_backward directly (it is
+not yet wired into dispatch): O and LSE from the flash forward, then dQ, dK and dV against float64
+autograd through the reference attention, fresh random inputs, gradients poisoned with NaN first,
+every written element checked and every unwritten one left alone. Both schedules run: the atomic dQ
+(deterministic=False) and the two-kernel deterministic one. THD calls give the dK/dV kernel its
+work list (varlen_records, prepared the HIPATTN_VARLEN_PREP way) unless a test asks for the grid
+sized from max_seqlen_k."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hipattn import arrays
+from hipattn import problem as problem_mod
+from hipattn.backends import get_backend
+from hipattn.families import FLASH_BACKWARD_DKDV_TILES, FLASH_HEAD_DIMS
+from hipattn.ops import flash, flash_backward
+from hipattn.streams import on_device, resolve_stream
+from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
+
+from .conftest import ROW_TOLERANCE_FACTOR, TOLERANCE, record_errors, relative_error, worst_row_error
+from .reference import attention_reference
+
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Lengths that hit every edge: empty on either side (queries with no key, keys with no query), one
+# token, 17/18 around the small-seq tile, and lengths that are not multiples of any tile (63, 65,
+# 129, 200); Q shorter and longer than KV both appear.
+LENGTHS_Q = [0, 1, 17, 18, 63, 65, 129, 200, 5, 0, 40]
+LENGTHS_K = [9, 1, 18, 17, 65, 63, 200, 129, 0, 0, 31]
+
+
+
+
+def _array(t, name):
+    return None if t is None else arrays.as_device_array(t, name)
+
+
+def _poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _cumulative(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                           seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
+                           deterministic=False, out=None, lse=None, work_list=True):
+    """The flash forward (O, LSE), then the flash backward into dq, dk, dv; returns (out, lse).
+
+    ``out`` and ``lse`` are allocated unless given (a given pair is reused as it is: the deterministic
+    test replays the backward on one forward's output). ``work_list``: THD calls pass the
+    varlen_records section (poisoned: the backward prepares it)."""
+    qa, ka, va = arrays.as_device_array(q, "q"), arrays.as_device_array(k, "k"), arrays.as_device_array(v, "v")
+    cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
+    used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
+    problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
+                                   seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                   causal=causal, softmax_scale=softmax_scale)
+    sequences = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+    run_forward = out is None
+    if run_forward:
+        out = _poisoned(q.shape, q.dtype)
+        lse = _poisoned(problem_mod.lse_shape(problem), torch.float32)
+    softmax_d = _poisoned(problem_mod.lse_shape(problem), torch.float32)
+    dq_accum = None if deterministic else _poisoned(q.shape, torch.float32)  # zeroed by the backward
+    records = None
+    if work_list and cu_seqlens_q is not None:
+        records = torch.full((problem.batch, VARLEN_RECORD_WORDS), -1, dtype=torch.int32, device="cuda")
+    with on_device(get_backend(), problem.device):
+        stream = resolve_stream((qa, ka, va), None, device=problem.device)
+        out_a, lse_a = arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse")
+        if run_forward:
+            flash.forward(problem, qa, ka, va, out_a, lse_a, stream, **sequences)
+        flash_backward.backward(
+            problem, qa, ka, va, out_a, arrays.as_device_array(dout, "dout"), lse_a, arrays.as_device_array(dq, "dq"),
+            arrays.as_device_array(dk, "dk"), arrays.as_device_array(dv, "dv"), stream,
+            softmax_d=arrays.as_device_array(softmax_d, "softmax_d"), dq_accum=_array(dq_accum, "dq_accum"),
+            varlen_records=_array(records, "varlen_records"), deterministic=deterministic, **sequences)
+    return out, lse
+
+
+def _check_gradients(dq, dk, dv, q, k, v, dout, cu_q, cu_k, *, causal, scale, dtype, case):
+    """Compare the written rows (THD, exactly the sequences' rows) with float64 autograd."""
+    _, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale,
+                                                             dout=dout)
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"{case}: {name} has unwritten (NaN) elements"
+    # A row that sees no key has dQ = 0 exactly; the keys of a sequence without queries dK = dV = 0.
+    empty_rows = torch.isinf(ref_lse).transpose(0, 1)  # [total_q, Hq]
+    assert bool((dq[empty_rows] == 0).all()), f"{case}: dq of a row that sees no key is not 0"
+    for b in range(len(cu_q) - 1):
+        if cu_q[b + 1] == cu_q[b]:
+            keys = slice(cu_k[b], cu_k[b + 1])
+            assert bool((dk[keys] == 0).all() and (dv[keys] == 0).all()), f"{case}: unseen keys' dk/dv are not 0"
+    errors = {"dq": relative_error(dq, ref_dq), "dk": relative_error(dk, ref_dk), "dv": relative_error(dv, ref_dv)}
+    row_errors = {f"{name}_worst_row": worst_row_error(t, ref)
+                  for name, t, ref in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv))}
+    record_errors(case, **errors, **row_errors)
+    assert max(errors.values()) < TOLERANCE[dtype], (case, errors)
+    assert max(row_errors.values()) < ROW_TOLERANCE_FACTOR * TOLERANCE[dtype], (case, row_errors)
+    return errors
+
+
+def _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case):
+    """Rows past the last sequence: dK, dV never written; dQ neither by the deterministic kernel, while
+    the atomic schedule's convert_dq writes every row of dq (zeros there)."""
+    assert torch.isnan(dk[nk:]).all() and torch.isnan(dv[nk:]).all(), f"{case}: dk/dv rows past the end written"
+    if deterministic:
+        assert torch.isnan(dq[nq:]).all(), f"{case}: dq rows past the end written"
+    else:
+        assert bool((dq[nq:] == 0).all()), f"{case}: convert_dq left dq rows past the end non-zero"
+
+
+def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, deterministic=False,
+                 bound_slack=0, tail_rows=0, work_list=True, case=""):
+    """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
+    cu_q, cu_k = _cumulative(lengths_q), _cumulative(lengths_k)
+    t = TORCH_DTYPE[dtype]
+    q = torch.randn(cu_q[-1] + tail_rows, heads_q, head_dim, generator=rng, device="cuda").to(t)
+    k = torch.randn(cu_k[-1] + tail_rows, heads_kv, head_dim, generator=rng, device="cuda").to(t)
+    v = torch.randn(cu_k[-1] + tail_rows, heads_kv, head_dim, generator=rng, device="cuda").to(t)
+    dout = torch.randn(q.shape, generator=rng, device="cuda").to(t)
+    dq, dk, dv = (_poisoned(x.shape, t) for x in (q, k, v))
+    scale = 1.0 / math.sqrt(head_dim)
+    flash_forward_backward(q, k, v, dout, dq, dk, dv, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
+                           cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
+                           max_seqlen_q=max(lengths_q, default=0) + bound_slack,
+                           max_seqlen_k=max(lengths_k, default=0) + bound_slack, causal=causal,
+                           deterministic=deterministic, work_list=work_list)
+    torch.cuda.synchronize()
+    nq, nk = cu_q[-1], cu_k[-1]
+    _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case)
+    return _check_gradients(dq[:nq], dk[:nk], dv[:nk], q[:nq], k[:nk], v[:nk], dout[:nq], cu_q, cu_k, causal=causal,
+                            scale=scale, dtype=dtype, case=case)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_every_shipped_instantiation_matches_float64(dtype, head_dim, causal, deterministic, rng):
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 2, 2, head_dim, dtype, causal, rng, deterministic=deterministic, tail_rows=3,
+                 case=f"{dtype} d{head_dim} causal={causal} deterministic={deterministic}")
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (6, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_and_mqa_sum_kv_gradients_over_the_group(heads_q, heads_kv, causal, head_dim, rng):
+    for deterministic in (False, True):
+        _varlen_case(LENGTHS_Q, LENGTHS_K, heads_q, heads_kv, head_dim, "bf16", causal, rng,
+                     deterministic=deterministic, tail_rows=2,
+                     case=f"gqa {heads_q}/{heads_kv} d{head_dim} causal={causal} deterministic={deterministic}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths_q,lengths_k", [
+    ([1000], [17]),  # Q much longer than KV: causal rows before 983 see nothing
+    ([17], [1000]),  # Q much shorter: every key tile but the last is seen by all rows
+    ([1], [1]),
+    ([127, 128, 129], [129, 128, 127]),  # one short of, exactly, one past the tile multiples
+    ([0, 0, 3], [0, 5, 0]),
+])
+def test_lengths_around_the_tiles(lengths_q, lengths_k, causal, rng):
+    for head_dim in (64, 256):  # the tile shapes at the ends of the tables
+        for deterministic in (False, True):
+            _varlen_case(lengths_q, lengths_k, 2, 1, head_dim, "bf16", causal, rng, deterministic=deterministic,
+                         case=f"lengths {lengths_q}/{lengths_k} d{head_dim} causal={causal} det={deterministic}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_long_sequence_walks_many_tiles(head_dim, causal, rng):
+    for deterministic in (False, True):
+        _varlen_case([1000, 777], [1000, 1200], 4, 2, head_dim, "bf16", causal, rng, deterministic=deterministic,
+                     case=f"long d{head_dim} causal={causal} deterministic={deterministic}")
+
+
+@pytest.mark.parametrize("work_list", [True, False])
+def test_max_seqlen_is_an_upper_bound(work_list, rng):
+    """A bound far above every real length launches idle blocks that must write nothing: with the
+    work list (blocks past its end) and with the grid sized from max_seqlen_k."""
+    slack = 3 * max(tiles.block_n for tiles in FLASH_BACKWARD_DKDV_TILES.values()) + 5
+    for deterministic in (False, True):
+        _varlen_case([33, 250, 7], [250, 33, 7], 4, 2, 128, "bf16", True, rng, deterministic=deterministic,
+                     bound_slack=slack, tail_rows=2, work_list=work_list,
+                     case=f"bound slack deterministic={deterministic} work_list={work_list}")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_keys_without_queries_get_zero_gradients(deterministic, rng):
+    """max_seqlen_q 0 with keys present: the forward does nothing, the backward still zeroes dK, dV."""
+    q = torch.empty(0, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(7, 2, 64, generator=rng, device="cuda").bfloat16()
+    v = torch.randn_like(k)
+    dq, dk, dv = _poisoned(q.shape, q.dtype), _poisoned(k.shape, k.dtype), _poisoned(v.shape, v.dtype)
+    flash_forward_backward(q, k, v, torch.empty_like(q), dq, dk, dv,
+                           cu_seqlens_q=torch.zeros(2, dtype=torch.int32, device="cuda"),
+                           cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32, device="cuda"),
+                           max_seqlen_q=0, max_seqlen_k=7, deterministic=deterministic)
+    torch.cuda.synchronize()
+    assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_batch_zero_does_nothing(deterministic):
+    q = torch.randn(0, 2, 64, device="cuda", dtype=torch.bfloat16)
+    dq, dk, dv = (_poisoned(q.shape, q.dtype) for _ in range(3))
+    cu = torch.zeros(1, dtype=torch.int32, device="cuda")
+    flash_forward_backward(q, q, q, q, dq, dk, dv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=0, max_seqlen_k=0,
+                           deterministic=deterministic)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_bshd_with_and_without_seqused(dtype, causal, rng):
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = 4, 300, 211, 4, 2, 128
+    t = TORCH_DTYPE[dtype]
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=rng, device="cuda").to(t)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=rng, device="cuda").to(t)
+    v = torch.randn_like(k)
+    dout = torch.randn(q.shape, generator=rng, device="cuda").to(t)
+    scale = 1.0 / math.sqrt(head_dim)
+    for used in (None, ([300, 0, 17, 129], [211, 5, 0, 64])):
+        for deterministic in (False, True):
+            dq, dk, dv = (_poisoned(x.shape, t) for x in (q, k, v))
+            kwargs = {}
+            lq, lk = [seqlen_q] * batch, [seqlen_k] * batch
+            if used is not None:
+                lq, lk = used
+                kwargs = dict(seqused_q=torch.tensor(lq, dtype=torch.int32, device="cuda"),
+                              seqused_k=torch.tensor(lk, dtype=torch.int32, device="cuda"))
+            flash_forward_backward(q, k, v, dout, dq, dk, dv, causal=causal, deterministic=deterministic, **kwargs)
+            torch.cuda.synchronize()
+            case = f"bshd {dtype} causal={causal} seqused={used is not None} deterministic={deterministic}"
+            for b in range(batch):  # rows past seqused: dK, dV never written; dQ see _check_rows_past_the_end
+                assert torch.isnan(dk[b, lk[b]:]).all() and torch.isnan(dv[b, lk[b]:]).all(), case
+                if deterministic:
+                    assert torch.isnan(dq[b, lq[b]:]).all(), case
+            thd = [torch.cat([x[b, :n[b]] for b in range(batch)]) for x, n in
+                   ((dq, lq), (dk, lk), (dv, lk), (q, lq), (k, lk), (v, lk), (dout, lq))]
+            _check_gradients(*thd, _cumulative(lq), _cumulative(lk), causal=causal, scale=scale, dtype=dtype,
+                             case=case)
+
+
+def test_softmax_scale_is_honoured(rng):
+    lengths = [129, 300]
+    cu = _cumulative(lengths)
+    q = torch.randn(cu[-1], 4, 64, generator=rng, device="cuda").bfloat16()
+    k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    for deterministic in (False, True):
+        dq, dk, dv = (_poisoned(x.shape, x.dtype) for x in (q, k, v))
+        flash_forward_backward(q, k, v, dout, dq, dk, dv, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev, max_seqlen_q=300,
+                               max_seqlen_k=300, softmax_scale=0.3, deterministic=deterministic)
+        torch.cuda.synchronize()
+        _check_gradients(dq, dk, dv, q, k, v, dout, cu, cu, causal=False, scale=0.3, dtype="bf16",
+                         case=f"softmax_scale 0.3 deterministic={deterministic}")
+
+
+def test_deterministic_is_bit_identical_run_to_run(rng):
+    """Three backward runs on one forward's output: identical bits, and close to float64."""
+    lengths_q, lengths_k = [700, 65, 0, 333], [512, 129, 40, 333]
+    cu_q, cu_k = _cumulative(lengths_q), _cumulative(lengths_k)
+    q = torch.randn(cu_q[-1], 8, 128, generator=rng, device="cuda").bfloat16()
+    k = torch.randn(cu_k[-1], 2, 128, generator=rng, device="cuda").bfloat16()
+    v, dout = torch.randn_like(k), torch.randn_like(q)
+    args = dict(cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
+                cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
+                max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), causal=True, deterministic=True)
+    runs = []
+    out = lse = None
+    for _ in range(3):
+        dq, dk, dv = (_poisoned(x.shape, x.dtype) for x in (q, k, v))
+        out, lse = flash_forward_backward(q, k, v, dout, dq, dk, dv, out=out, lse=lse, **args)
+        torch.cuda.synchronize()
+        runs.append((dq, dk, dv))
+    for dq, dk, dv in runs[1:]:
+        assert torch.equal(dq, runs[0][0]) and torch.equal(dk, runs[0][1]) and torch.equal(dv, runs[0][2])
+    _check_gradients(*runs[0], q, k, v, dout, cu_q, cu_k, causal=True, scale=1 / math.sqrt(128), dtype="bf16",
+                     case="deterministic repeat")

@@ -1,0 +1,84 @@
+"""The AMD MFMA flash forward's tile table: which targets ship it, and the LDS bytes the launcher
+passes agree with the layout the kernel computes (checked by hiprtc, no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+from local_rocm import use_local_rocm
+
+from hipattn.families import (
+    AMD_LDS_BYTES,
+    DTYPES,
+    FLASH_FORWARD_MFMA,
+    FLASH_FORWARD_MFMA_TILES,
+    FLASH_HEAD_DIMS,
+    flash_forward_mfma_shared_bytes,
+    runs_amd_mfma,
+)
+from hipattn.sources import compile_unit
+from hipattn.spec import name_expression
+from hipattn.target import Target
+
+use_local_rocm()
+
+
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_every_head_dim_has_a_row_that_fits_the_hardware(head_dim):
+    tiles = FLASH_FORWARD_MFMA_TILES[head_dim]
+    assert head_dim % 16 == 0, "head_dim is walked in 16-wide MFMA k-steps"
+    assert tiles.block_m % 16 == 0 and tiles.block_n % 16 == 0
+    assert tiles.threads == tiles.block_m // 16 * 64
+    assert tiles.threads <= 1024, "a workgroup holds at most 16 waves"
+    assert flash_forward_mfma_shared_bytes(head_dim, tiles) <= AMD_LDS_BYTES
+
+
+def test_shared_bytes_formula():
+    # K: 64 rows of 128 + 4 elements; Vᵀ: 128 rows of 64 + 4 elements; 2 bytes each.
+    tiles = FLASH_FORWARD_MFMA_TILES[128]
+    assert (tiles.block_m, tiles.block_n) == (128, 64)
+    assert flash_forward_mfma_shared_bytes(128, tiles) == (64 * 132 + 128 * 68) * 2
+
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx90a:xnack-", "gfx940", "gfx941", "gfx942", "gfx942:sramecc+:xnack-"])
+def test_ships_every_dtype_and_head_dim_for_mfma_targets(arch):
+    target = Target.parse(arch)
+    assert runs_amd_mfma(target)
+    specs = FLASH_FORWARD_MFMA.shipped(target)
+    assert {(spec.arg("dtype"), spec.arg("head_dim")) for spec in specs} == {
+        (dtype, head_dim) for dtype in DTYPES for head_dim in FLASH_HEAD_DIMS
+    }
+    assert len(specs) == len(DTYPES) * len(FLASH_HEAD_DIMS)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "gfx908", "gfx1030", "gfx1100"])
+def test_ships_nothing_without_the_mfma_instructions(arch):
+    assert not runs_amd_mfma(Target.parse(arch))
+    assert list(FLASH_FORWARD_MFMA.shipped(Target.parse(arch))) == []
+
+
+def test_kernel_layout_matches_the_launcher_bytes():
+    """One hiprtc compile of the kernel's unit with a static_assert per table row."""
+    pytest.importorskip("hip", reason="hip-python is not installed")
+    from hipattn.backends.hip import HipBackend
+    from hipattn.errors import BackendUnavailableError
+
+    backend = HipBackend()
+    try:
+        backend.compiler_identity()
+    except BackendUnavailableError as error:
+        pytest.skip(f"hiprtc is not loadable: {error}")
+    target = Target.parse("gfx90a")
+    if not backend.can_compile_for(target):
+        pytest.skip(backend.unsupported_reason(target))
+
+    source, headers = compile_unit(FLASH_FORWARD_MFMA)
+    checks = []
+    for head_dim, tiles in sorted(FLASH_FORWARD_MFMA_TILES.items()):
+        layout = f"hipattn::flash::MfmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_m}, {tiles.block_n}>"
+        checks.append(f"static_assert({layout}::kBytes == {flash_forward_mfma_shared_bytes(head_dim, tiles)}, "
+                      f'"LDS bytes of head_dim {head_dim} differ from families.flash_forward_mfma_shared_bytes");')
+        checks.append(f"static_assert({layout}::kThreads == {tiles.threads}, "
+                      f'"threads of head_dim {head_dim} differ from FlashForwardMfmaTiles.threads");')
+    spec = FLASH_FORWARD_MFMA.shipped(target)[0]
+    backend.compile(source + "\n".join(checks) + "\n", headers, name_expression(FLASH_FORWARD_MFMA, spec), target,
+                    backend.compile_options(target), spec.canonical())
