@@ -125,11 +125,13 @@ def measure(peer: str, workload: str, causal: bool, backward: bool) -> dict:
     elif peer == "varlen_attn":
         from torch.nn.attention.varlen import varlen_attn
 
+        mask = {"window_size": (-1, 0)} if causal else {}  # torch spells causal as a (left, right) window
+
         def fwd():
-            return varlen_attn(q, k, v, cu, cu, longest, longest, is_causal=causal)
+            return varlen_attn(q, k, v, cu, cu, longest, longest, **mask)
 
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        graph_out = varlen_attn(qg, kg, vg, cu, cu, longest, longest, is_causal=causal)
+        graph_out = varlen_attn(qg, kg, vg, cu, cu, longest, longest, **mask)
 
         def bwd():
             torch.autograd.grad(graph_out, (qg, kg, vg), dout, retain_graph=True)

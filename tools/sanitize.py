@@ -220,7 +220,7 @@ def build_cases(quick: bool = False) -> list[Case]:
                 if not quick:
                     cases.append(Case(name=f"{tag} thd {name} with valid cu_seqlens", cu_seqlens_q=valid_q,
                                       cu_seqlens_k=valid_k, seqused_q=used, seqused_k=used, **base))
-    # The flash forward (not yet reachable through hipattn.forward): valid, then adversarial.
+    # The flash forward, called directly (dispatch would send short sequences elsewhere): valid, then adversarial.
     flash_q = cumulative([0, 1, 70, 33])
     flash_k = cumulative([5, 64, 0, 40])
     flash_configs = (("bf16", 64, 4, 4), ("fp16", 128, 4, 2))
@@ -234,7 +234,7 @@ def build_cases(quick: bool = False) -> list[Case]:
         for name in bad_q:
             cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}", cu_seqlens_q=bad_q[name],
                               cu_seqlens_k=bad_k[name], adversarial=True, **base))
-    # The flash backward (not yet reachable through hipattn.backward), THD with its work list: key
+    # The flash backward, called directly, THD with its work list: key
     # lengths across the dK/dV tiles (128 keys at head_dim 64, 64 at 128), both dQ schedules, the
     # work list from the kernel and from the host path; then adversarial descriptions.
     backward_q = cumulative([0, 1, 90, 33])

@@ -1,7 +1,7 @@
 """Launch the general attention backward (FlashAttention-2 on NVIDIA tensor cores, sm_80+).
 
-NOT WIRED IN: nothing in hipattn.dispatch or the public API reaches this module yet; until
-tests/gpu/test_flash_backward.py has passed on the GPU only that test calls it.
+hipattn.attention.backward calls it for every call the small-seq path cannot take (hipattn.dispatch),
+with the workspace sections of workspace.backward_workspace.
 
 Two schedules, both enqueued on the caller's stream after Delta = rowsum(dO * O) (preprocess.dot_do_o):
 

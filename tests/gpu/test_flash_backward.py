@@ -1,5 +1,6 @@
-"""The general (flash) backward on the GPU, called through hipattn.ops.flash_backward directly (it is
-not yet wired into dispatch): O and LSE from the flash forward, then dQ, dK and dV against float64
+"""The general (flash) backward on the GPU, called through hipattn.ops.flash_backward directly (so that
+every case reaches it whatever dispatch would choose; tests/gpu/test_flash_dispatch.py goes through
+hipattn.backward): O and LSE from the flash forward, then dQ, dK and dV against float64
 autograd through the reference attention, fresh random inputs, gradients poisoned with NaN first,
 every written element checked and every unwritten one left alone. Both schedules run: the atomic dQ
 (deterministic=False) and the two-kernel deterministic one. THD calls give the dK/dV kernel its

@@ -1,5 +1,5 @@
-"""The general (flash) forward on the GPU, called through hipattn.ops.flash directly (it is not yet
-wired into dispatch): against the float64 reference and against torch SDPA, fresh random inputs,
+"""The general (flash) forward on the GPU, called through hipattn.ops.flash directly (so that every
+case reaches it whatever dispatch would choose): against the float64 reference and against torch SDPA, fresh random inputs,
 outputs poisoned with NaN first, every written element checked and every unwritten one left alone."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _array(t, name):
 
 def flash_forward(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                   max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None, stream=None):
-    """What attention.forward does, with ops.flash.forward in place of dispatch (not wired in yet)."""
+    """What attention.forward does, with ops.flash.forward in place of dispatch's choice."""
     qa, ka, va = arrays.as_device_array(q, "q"), arrays.as_device_array(k, "k"), arrays.as_device_array(v, "v")
     cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
     used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
