@@ -49,6 +49,13 @@ def _strided(name: str) -> tuple[tuple[str, str], ...]:
     return ((name, kind), (f"{name}_batch_stride", "i64"), (f"{name}_token_stride", "i64"), (f"{name}_head_stride", "i64"))
 
 
+def _row_statistic(name: str, kind: str) -> tuple[tuple[str, str], ...]:
+    """An fp32 value per (batch, head, token) laid out as the LSE, [Hq, total] or [B, Hq, S]: its
+    pointer (``kind``: the LSE is the forward's output and the backward's input) and (batch, head)
+    element strides; the token stride is 1."""
+    return ((name, kind), (f"{name}_batch_stride", "i64"), (f"{name}_head_stride", "i64"))
+
+
 DTYPES = ("fp16", "bf16")
 
 # ---- backward pre-processing: D = rowsum(dO * O), and dq_accum (fp32) -> dq ----------------------
@@ -169,7 +176,7 @@ SMALLSEQ_FORWARD = _register(
             + _strided("k")
             + _strided("v")
             + _strided("o")
-            + (("lse", "ptr"), ("lse_batch_stride", "i64"), ("lse_head_stride", "i64"))
+            + _row_statistic("lse", "ptr")
             + _SEQUENCE_FIELDS,
         ),
         shipped=lambda target: _smallseq_specs(SMALLSEQ_FORWARD),
@@ -232,7 +239,7 @@ SMALLSEQ_BACKWARD = _register(
             + _strided("dq")
             + _strided("dk")
             + _strided("dv")
-            + (("lse", "const_ptr"), ("lse_batch_stride", "i64"), ("lse_head_stride", "i64"))
+            + _row_statistic("lse", "const_ptr")
             + _SEQUENCE_FIELDS,
         ),
         shipped=lambda target: _smallseq_specs(SMALLSEQ_BACKWARD),
@@ -324,7 +331,7 @@ FLASH_FORWARD_MMA = _register(
             + _strided("k")
             + _strided("v")
             + _strided("o")
-            + (("lse", "ptr"), ("lse_batch_stride", "i64"), ("lse_head_stride", "i64"))
+            + _row_statistic("lse", "ptr")
             + _SEQUENCE_FIELDS
             + (("heads_q", "i32"),),
         ),
@@ -500,8 +507,8 @@ FLASH_BACKWARD_PARAMS = ParamsStruct(
     + _strided("dq_accum")
     + _strided("dk")
     + _strided("dv")
-    + (("lse", "const_ptr"), ("lse_batch_stride", "i64"), ("lse_head_stride", "i64"))
-    + (("softmax_d", "const_ptr"), ("softmax_d_batch_stride", "i64"), ("softmax_d_head_stride", "i64"))
+    + _row_statistic("lse", "const_ptr")
+    + _row_statistic("softmax_d", "const_ptr")
     + _SEQUENCE_FIELDS
     + (("heads_q", "i32"), ("varlen_records", "const_ptr")),
 )

@@ -53,15 +53,11 @@ def put_absent_tensor(fields: dict, name: str) -> None:
         fields[field_name] = 0
 
 
-def put_lse(fields: dict, lse: DeviceArray, problem: Problem) -> None:
-    fields["lse"] = lse.ptr
-    fields["lse_batch_stride"], fields["lse_head_stride"] = lse_strides(lse, problem)
-
-
-def put_softmax_d(fields: dict, softmax_d: DeviceArray, problem: Problem) -> None:
-    """The backward's Delta = rowsum(dO * O): fp32, laid out like the LSE."""
-    fields["softmax_d"] = softmax_d.ptr
-    fields["softmax_d_batch_stride"], fields["softmax_d_head_stride"] = lse_strides(softmax_d, problem)
+def put_row_statistic(fields: dict, name: str, a: DeviceArray, problem: Problem) -> None:
+    """Add an fp32 array laid out as the LSE (families._row_statistic: "lse", or the backward's
+    "softmax_d" = rowsum(dO * O)): its pointer and (batch, head) strides."""
+    fields[name] = a.ptr
+    fields[f"{name}_batch_stride"], fields[f"{name}_head_stride"] = lse_strides(a, problem)
 
 
 def forward_fields(problem: Problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:
@@ -72,5 +68,5 @@ def forward_fields(problem: Problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     put_tensor(fields, "k", k, layout)
     put_tensor(fields, "v", v, layout)
     put_tensor(fields, "o", out, layout)
-    put_lse(fields, lse, problem)
+    put_row_statistic(fields, "lse", lse, problem)
     return fields

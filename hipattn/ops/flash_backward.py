@@ -47,7 +47,7 @@ from ..varlen_metadata import VARLEN_RECORD_WORDS, SequenceLimits, key_block_bou
 from ..varlen_prep import prep_way, prepare_varlen_records
 from . import preprocess
 from .capabilities import has_nvidia_mma
-from .fields import put_absent_tensor, put_lse, put_softmax_d, put_tensor, sequence_fields
+from .fields import put_absent_tensor, put_row_statistic, put_tensor, sequence_fields
 
 # grid.x is at most 2^31 - 1 blocks on every sm_80+ part.
 MAX_GRID_X = 2**31 - 1
@@ -144,8 +144,8 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
         put_tensor(fields, "dq_accum", dq_accum, layout)
     else:
         put_absent_tensor(fields, "dq_accum")
-    put_lse(fields, lse, problem)
-    put_softmax_d(fields, softmax_d, problem)
+    put_row_statistic(fields, "lse", lse, problem)
+    put_row_statistic(fields, "softmax_d", softmax_d, problem)
     fields["heads_q"] = problem.heads_q
     fields["varlen_records"] = varlen_records.ptr if work_list else 0
 

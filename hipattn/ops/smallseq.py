@@ -27,7 +27,7 @@ from ..problem import Problem
 from ..registry import get_kernel
 from ..spec import KernelSpec
 from .capabilities import has_nvidia_mma
-from .fields import forward_fields, put_lse, put_tensor, sequence_fields
+from .fields import forward_fields, put_row_statistic, put_tensor, sequence_fields
 
 # HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) kernels, forward
 # and backward, on a GPU that has the tensor-core ones: for A/B comparisons and to test both on one
@@ -124,7 +124,7 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
     layout = problem.layout
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         put_tensor(fields, name, a, layout)
-    put_lse(fields, lse, problem)
+    put_row_statistic(fields, "lse", lse, problem)
     params = kernel.params.from_dict(fields)
     blocks = (problems + problems_per_block - 1) // problems_per_block
     kernel.launch((blocks, 1, 1), (block_threads, 1, 1), shared, stream, params)
