@@ -123,12 +123,14 @@ def prepare_varlen_metadata_async(
         raise
     # Views made here, on the main thread; the host function only reads and writes through them.
     words = inputs.array[:input_bytes].view(np.int32)
-    copies = [(cu_seqlens_q, batch + 1), (cu_seqlens_k, batch + 1), (seqused_q, batch), (seqused_k, batch)]
-    views, offset = [], 0
-    for ptr, count in copies:
-        views.append(words[offset : offset + count] if ptr else None)
+    # (device pointer or 0, first word in block A, words) per array; block A keeps room for all four.
+    copies = []
+    offset = 0
+    for ptr, count in ((cu_seqlens_q, batch + 1), (cu_seqlens_k, batch + 1), (seqused_q, batch), (seqused_k, batch)):
+        copies.append((ptr, offset, count))
         offset += count
-    host_cu_q, host_cu_k, host_used_q, host_used_k = views
+    host_cu_q, host_cu_k, host_used_q, host_used_k = (
+        words[first : first + count] if ptr else None for ptr, first, count in copies)
     records = records_block.array[:record_bytes].view(VARLEN_RECORD_DTYPE)
 
     def pack() -> None:
@@ -136,12 +138,10 @@ def prepare_varlen_metadata_async(
 
     enqueued = False
     try:
-        offset = 0
-        for ptr, count in copies:
+        for ptr, first, count in copies:
             if ptr:
-                backend.memcpy_async(inputs.ptr + offset * _INT32_BYTES, ptr, count * _INT32_BYTES, stream)
+                backend.memcpy_async(inputs.ptr + first * _INT32_BYTES, ptr, count * _INT32_BYTES, stream)
                 enqueued = True
-            offset += count
         launch_python_host_func(backend, stream, pack)
         backend.memcpy_async(records_ptr, records_block.ptr, record_bytes, stream)
     except BaseException:
@@ -207,9 +207,10 @@ def prep_way() -> str:
 
 def prepare_varlen_records(backend: Backend, stream: int, device: int, cu_seqlens_q: int, cu_seqlens_k: int,
                            batch: int, block_n: int, records_ptr: int, *, limits: SequenceLimits,
-                           seqused_q: int = 0, seqused_k: int = 0) -> None:
-    """Enqueue the records on ``stream`` the way ``HIPATTN_VARLEN_PREP`` says (device by default)."""
-    if prep_way() == "host":
+                           seqused_q: int = 0, seqused_k: int = 0, way: str | None = None) -> None:
+    """Enqueue the records on ``stream`` the ``way`` given (one of PREP_WAYS), or, by default, the
+    way ``HIPATTN_VARLEN_PREP`` says now (device unless it says host)."""
+    if (way or prep_way()) == "host":
         prepare_varlen_metadata_async(backend, device_pool(backend, device), stream, cu_seqlens_q, cu_seqlens_k,
                                       batch, block_n, records_ptr, limits=limits, seqused_q=seqused_q,
                                       seqused_k=seqused_k)

@@ -35,6 +35,7 @@ from ..families import (
     FLASH_BACKWARD_DKDV_TILES,
     FLASH_BACKWARD_DQ_TILES,
     FLASH_HEAD_DIMS,
+    FlashBackwardTiles,
     flash_backward_dkdv_shared_bytes,
     flash_backward_dkdv_spec,
     flash_backward_dq_shared_bytes,
@@ -122,20 +123,12 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     work_list = varlen_records is not None
     if work_list:
         _check_records(varlen_records, problem)
-        prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
+        way = prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
     dkdv_blocks = dkdv_grid_blocks(problem, work_list)
     dq_blocks = dq_grid_blocks(problem)
     _check_grid(dkdv_blocks, "key blocks x KV heads" if work_list else "key tiles x sequences x KV heads")
     _check_grid(dq_blocks, "query tiles x sequences x heads")
 
-    block_n = FLASH_BACKWARD_DKDV_TILES[problem.head_dim].block_n
-    if work_list and dkdv_blocks:
-        prepare_varlen_records(
-            get_backend(), stream, problem.device, cu_seqlens_q.ptr, cu_seqlens_k.ptr, problem.batch, block_n,
-            varlen_records.ptr, limits=SequenceLimits.of(problem),
-            seqused_q=seqused_q.ptr if seqused_q is not None else 0,
-            seqused_k=seqused_k.ptr if seqused_k is not None else 0)
-    preprocess.dot_do_o(out, dout, softmax_d, stream)
     fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     layout = problem.layout
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -149,22 +142,32 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     fields["heads_q"] = problem.heads_q
     fields["varlen_records"] = varlen_records.ptr if work_list else 0
 
+    dkdv_tiles = FLASH_BACKWARD_DKDV_TILES[problem.head_dim]
+    if work_list and dkdv_blocks:
+        prepare_varlen_records(
+            get_backend(), stream, problem.device, fields["cu_seqlens_q"], fields["cu_seqlens_k"], problem.batch,
+            dkdv_tiles.block_n, varlen_records.ptr, limits=SequenceLimits.of(problem),
+            seqused_q=fields["seqused_q"], seqused_k=fields["seqused_k"], way=way)
+    preprocess.dot_do_o(out, dout, softmax_d, stream)
     if not deterministic:
         preprocess.zero_dq_accum(dq_accum, stream)
     # With no query rows (max_seqlen_q 0) the dK/dV kernel still runs: its keys get dK = dV = 0.
     if dkdv_blocks:
-        tiles = FLASH_BACKWARD_DKDV_TILES[problem.head_dim]
-        kernel = get_kernel(_dkdv_spec(problem.dtype, problem.head_dim, not deterministic), problem.device)
-        shared = flash_backward_dkdv_shared_bytes(problem.head_dim, tiles)
-        kernel.reserve_dynamic_shared_memory(shared)
-        kernel.launch((dkdv_blocks, 1, 1), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
+        _launch(_dkdv_spec(problem.dtype, problem.head_dim, not deterministic), dkdv_tiles,
+                flash_backward_dkdv_shared_bytes(problem.head_dim, dkdv_tiles), dkdv_blocks, problem, stream, fields)
     if not deterministic:
         # The kernel adds unscaled dS K; the conversion applies softmax_scale once.
         preprocess.convert_dq(dq_accum, dq, problem.softmax_scale, stream)
     elif dq_blocks:
         # With no keys (max_seqlen_k 0) the dQ kernel still runs: its rows get dQ = 0.
-        tiles = FLASH_BACKWARD_DQ_TILES[problem.head_dim]
-        kernel = get_kernel(_dq_spec(problem.dtype, problem.head_dim), problem.device)
-        shared = flash_backward_dq_shared_bytes(problem.head_dim, tiles)
-        kernel.reserve_dynamic_shared_memory(shared)
-        kernel.launch((dq_blocks, 1, 1), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
+        dq_tiles = FLASH_BACKWARD_DQ_TILES[problem.head_dim]
+        _launch(_dq_spec(problem.dtype, problem.head_dim), dq_tiles,
+                flash_backward_dq_shared_bytes(problem.head_dim, dq_tiles), dq_blocks, problem, stream, fields)
+
+
+def _launch(spec: KernelSpec, tiles: FlashBackwardTiles, shared_bytes: int, blocks: int, problem: Problem,
+            stream: int, fields: dict) -> None:
+    """One of the two kernels, on ``blocks`` blocks of ``tiles.threads``; both read the one struct."""
+    kernel = get_kernel(spec, problem.device)
+    kernel.reserve_dynamic_shared_memory(shared_bytes)
+    kernel.launch((blocks, 1, 1), (tiles.threads, 1, 1), shared_bytes, stream, kernel.params.from_dict(fields))
