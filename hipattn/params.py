@@ -59,6 +59,11 @@ class ParamsStruct:
         """A static_assert that the C++ compiler lays the struct out in ctypes' size."""
         return f'static_assert(sizeof({self.name}) == {self.nbytes}, "hipattn: {self.name} layout");\n'
 
+    def cpp_checked_declaration(self) -> str:
+        """The declaration followed by its size check: how a struct that kernels read through a
+        pointer (``KernelFamily.structs``) enters a compile unit."""
+        return self.cpp_declaration() + self.cpp_size_assertion()
+
     @property
     def nbytes(self) -> int:
         return ctypes.sizeof(self._ctypes_class)

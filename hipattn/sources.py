@@ -46,7 +46,7 @@ def compile_unit(family: KernelFamily) -> tuple[str, dict[str, str]]:
         f"// hipattn compile unit for kernel family {family.name}\n"
         '#include "common/platform.h"\n'
         "namespace hipattn {\n"
-        + "".join(s.cpp_declaration() + s.cpp_size_assertion() for s in family.structs)
+        + "".join(s.cpp_checked_declaration() for s in family.structs)
         + f"{family.params.cpp_declaration()}"
         "}  // namespace hipattn\n"
         f'#include "{family.source}"\n'

@@ -63,7 +63,7 @@ if VARLEN_RECORD_BYTES != VARLEN_RECORD.nbytes:  # pragma: no cover - numpy and 
 
 def varlen_record_cpp() -> str:
     """The C++ declaration of one record, as ``sources.compile_unit`` emits it for a kernel family."""
-    return f"namespace hipattn {{\n{VARLEN_RECORD.cpp_declaration()}{VARLEN_RECORD.cpp_size_assertion()}}}  // namespace hipattn\n"
+    return f"namespace hipattn {{\n{VARLEN_RECORD.cpp_checked_declaration()}}}  // namespace hipattn\n"
 
 
 def key_blocks(keys: int, block_n: int) -> int:
