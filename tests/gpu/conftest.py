@@ -16,6 +16,26 @@ def rng():
     return torch.Generator(device="cuda").manual_seed(torch.seed() % (2**63))
 
 
+def poisoned(shape, dtype):
+    """An output buffer filled with NaN: an element a kernel should write and did not stays NaN."""
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def cumulative(lengths) -> list[int]:
+    """cu_seqlens (host list) of sequences of ``lengths``: 0, then the running sums."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def device_array_or_none(t, name: str):
+    """hipattn's description of an optional tensor argument (None stays None)."""
+    from hipattn import arrays
+
+    return None if t is None else arrays.as_device_array(t, name)
+
+
 def relative_error(actual, expected) -> float:
     """||actual - expected|| / ||expected|| in float64 (METHOD.md's measure); NaN fails every bound."""
     actual = actual.double()

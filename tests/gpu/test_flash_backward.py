@@ -22,7 +22,16 @@ from hipattn.ops import flash, flash_backward
 from hipattn.streams import on_device, resolve_stream
 from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
 
-from .conftest import ROW_TOLERANCE_FACTOR, TOLERANCE, record_errors, relative_error, worst_row_error
+from .conftest import (
+    ROW_TOLERANCE_FACTOR,
+    TOLERANCE,
+    cumulative,
+    device_array_or_none,
+    poisoned,
+    record_errors,
+    relative_error,
+    worst_row_error,
+)
 from .reference import attention_reference
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -34,23 +43,6 @@ LENGTHS_Q = [0, 1, 17, 18, 63, 65, 129, 200, 5, 0, 40]
 LENGTHS_K = [9, 1, 18, 17, 65, 63, 200, 129, 0, 0, 31]
 
 
-
-
-def _array(t, name):
-    return None if t is None else arrays.as_device_array(t, name)
-
-
-def _poisoned(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-
-
-def _cumulative(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return cu
-
-
 def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                            seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
                            deterministic=False, out=None, lse=None, work_list=True):
@@ -60,18 +52,18 @@ def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_s
     test replays the backward on one forward's output). ``work_list``: THD calls pass the
     varlen_records section (poisoned: the backward prepares it)."""
     qa, ka, va = arrays.as_device_array(q, "q"), arrays.as_device_array(k, "k"), arrays.as_device_array(v, "v")
-    cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
-    used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
+    cu_q, cu_k = device_array_or_none(cu_seqlens_q, "cu_seqlens_q"), device_array_or_none(cu_seqlens_k, "cu_seqlens_k")
+    used_q, used_k = device_array_or_none(seqused_q, "seqused_q"), device_array_or_none(seqused_k, "seqused_k")
     problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
                                    seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale)
     sequences = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
     run_forward = out is None
     if run_forward:
-        out = _poisoned(q.shape, q.dtype)
-        lse = _poisoned(problem_mod.lse_shape(problem), torch.float32)
-    softmax_d = _poisoned(problem_mod.lse_shape(problem), torch.float32)
-    dq_accum = None if deterministic else _poisoned(q.shape, torch.float32)  # zeroed by the backward
+        out = poisoned(q.shape, q.dtype)
+        lse = poisoned(problem_mod.lse_shape(problem), torch.float32)
+    softmax_d = poisoned(problem_mod.lse_shape(problem), torch.float32)
+    dq_accum = None if deterministic else poisoned(q.shape, torch.float32)  # zeroed by the backward
     records = None
     if work_list and cu_seqlens_q is not None:
         records = torch.full((problem.batch, VARLEN_RECORD_WORDS), -1, dtype=torch.int32, device="cuda")
@@ -83,8 +75,8 @@ def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_s
         flash_backward.backward(
             problem, qa, ka, va, out_a, arrays.as_device_array(dout, "dout"), lse_a, arrays.as_device_array(dq, "dq"),
             arrays.as_device_array(dk, "dk"), arrays.as_device_array(dv, "dv"), stream,
-            softmax_d=arrays.as_device_array(softmax_d, "softmax_d"), dq_accum=_array(dq_accum, "dq_accum"),
-            varlen_records=_array(records, "varlen_records"), deterministic=deterministic, **sequences)
+            softmax_d=arrays.as_device_array(softmax_d, "softmax_d"), dq_accum=device_array_or_none(dq_accum, "dq_accum"),
+            varlen_records=device_array_or_none(records, "varlen_records"), deterministic=deterministic, **sequences)
     return out, lse
 
 
@@ -123,13 +115,13 @@ def _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case):
 def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, deterministic=False,
                  bound_slack=0, tail_rows=0, work_list=True, case=""):
     """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
-    cu_q, cu_k = _cumulative(lengths_q), _cumulative(lengths_k)
+    cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
     t = TORCH_DTYPE[dtype]
     q = torch.randn(cu_q[-1] + tail_rows, heads_q, head_dim, generator=rng, device="cuda").to(t)
     k = torch.randn(cu_k[-1] + tail_rows, heads_kv, head_dim, generator=rng, device="cuda").to(t)
     v = torch.randn(cu_k[-1] + tail_rows, heads_kv, head_dim, generator=rng, device="cuda").to(t)
     dout = torch.randn(q.shape, generator=rng, device="cuda").to(t)
-    dq, dk, dv = (_poisoned(x.shape, t) for x in (q, k, v))
+    dq, dk, dv = (poisoned(x.shape, t) for x in (q, k, v))
     scale = 1.0 / math.sqrt(head_dim)
     flash_forward_backward(q, k, v, dout, dq, dk, dv, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
@@ -202,7 +194,7 @@ def test_keys_without_queries_get_zero_gradients(deterministic, rng):
     q = torch.empty(0, 2, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(7, 2, 64, generator=rng, device="cuda").bfloat16()
     v = torch.randn_like(k)
-    dq, dk, dv = _poisoned(q.shape, q.dtype), _poisoned(k.shape, k.dtype), _poisoned(v.shape, v.dtype)
+    dq, dk, dv = poisoned(q.shape, q.dtype), poisoned(k.shape, k.dtype), poisoned(v.shape, v.dtype)
     flash_forward_backward(q, k, v, torch.empty_like(q), dq, dk, dv,
                            cu_seqlens_q=torch.zeros(2, dtype=torch.int32, device="cuda"),
                            cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32, device="cuda"),
@@ -214,7 +206,7 @@ def test_keys_without_queries_get_zero_gradients(deterministic, rng):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_batch_zero_does_nothing(deterministic):
     q = torch.randn(0, 2, 64, device="cuda", dtype=torch.bfloat16)
-    dq, dk, dv = (_poisoned(q.shape, q.dtype) for _ in range(3))
+    dq, dk, dv = (poisoned(q.shape, q.dtype) for _ in range(3))
     cu = torch.zeros(1, dtype=torch.int32, device="cuda")
     flash_forward_backward(q, q, q, q, dq, dk, dv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=0, max_seqlen_k=0,
                            deterministic=deterministic)
@@ -233,7 +225,7 @@ def test_bshd_with_and_without_seqused(dtype, causal, rng):
     scale = 1.0 / math.sqrt(head_dim)
     for used in (None, ([300, 0, 17, 129], [211, 5, 0, 64])):
         for deterministic in (False, True):
-            dq, dk, dv = (_poisoned(x.shape, t) for x in (q, k, v))
+            dq, dk, dv = (poisoned(x.shape, t) for x in (q, k, v))
             kwargs = {}
             lq, lk = [seqlen_q] * batch, [seqlen_k] * batch
             if used is not None:
@@ -249,18 +241,18 @@ def test_bshd_with_and_without_seqused(dtype, causal, rng):
                     assert torch.isnan(dq[b, lq[b]:]).all(), case
             thd = [torch.cat([x[b, :n[b]] for b in range(batch)]) for x, n in
                    ((dq, lq), (dk, lk), (dv, lk), (q, lq), (k, lk), (v, lk), (dout, lq))]
-            _check_gradients(*thd, _cumulative(lq), _cumulative(lk), causal=causal, scale=scale, dtype=dtype,
+            _check_gradients(*thd, cumulative(lq), cumulative(lk), causal=causal, scale=scale, dtype=dtype,
                              case=case)
 
 
 def test_softmax_scale_is_honoured(rng):
     lengths = [129, 300]
-    cu = _cumulative(lengths)
+    cu = cumulative(lengths)
     q = torch.randn(cu[-1], 4, 64, generator=rng, device="cuda").bfloat16()
     k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
     for deterministic in (False, True):
-        dq, dk, dv = (_poisoned(x.shape, x.dtype) for x in (q, k, v))
+        dq, dk, dv = (poisoned(x.shape, x.dtype) for x in (q, k, v))
         flash_forward_backward(q, k, v, dout, dq, dk, dv, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev, max_seqlen_q=300,
                                max_seqlen_k=300, softmax_scale=0.3, deterministic=deterministic)
         torch.cuda.synchronize()
@@ -271,7 +263,7 @@ def test_softmax_scale_is_honoured(rng):
 def test_deterministic_is_bit_identical_run_to_run(rng):
     """Three backward runs on one forward's output: identical bits, and close to float64."""
     lengths_q, lengths_k = [700, 65, 0, 333], [512, 129, 40, 333]
-    cu_q, cu_k = _cumulative(lengths_q), _cumulative(lengths_k)
+    cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
     q = torch.randn(cu_q[-1], 8, 128, generator=rng, device="cuda").bfloat16()
     k = torch.randn(cu_k[-1], 2, 128, generator=rng, device="cuda").bfloat16()
     v, dout = torch.randn_like(k), torch.randn_like(q)
@@ -281,7 +273,7 @@ def test_deterministic_is_bit_identical_run_to_run(rng):
     runs = []
     out = lse = None
     for _ in range(3):
-        dq, dk, dv = (_poisoned(x.shape, x.dtype) for x in (q, k, v))
+        dq, dk, dv = (poisoned(x.shape, x.dtype) for x in (q, k, v))
         out, lse = flash_forward_backward(q, k, v, dout, dq, dk, dv, out=out, lse=lse, **args)
         torch.cuda.synchronize()
         runs.append((dq, dk, dv))

@@ -16,7 +16,7 @@ from hipattn.families import FLASH_FORWARD_TILES, FLASH_HEAD_DIMS
 from hipattn.ops import flash
 from hipattn.streams import on_device, resolve_stream
 
-from .conftest import TOLERANCE, record_errors, relative_error
+from .conftest import TOLERANCE, cumulative, device_array_or_none, poisoned, record_errors, relative_error
 from .reference import attention_reference
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -28,18 +28,12 @@ LENGTHS_Q = [0, 1, 17, 18, 1000, 65, 200, 129, 5, 333, 40]
 LENGTHS_K = [9, 1, 18, 17, 1000, 63, 129, 200, 0, 40, 333]
 
 
-
-
-def _array(t, name):
-    return None if t is None else arrays.as_device_array(t, name)
-
-
 def flash_forward(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                   max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None, stream=None):
     """What attention.forward does, with ops.flash.forward in place of dispatch's choice."""
     qa, ka, va = arrays.as_device_array(q, "q"), arrays.as_device_array(k, "k"), arrays.as_device_array(v, "v")
-    cu_q, cu_k = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
-    used_q, used_k = _array(seqused_q, "seqused_q"), _array(seqused_k, "seqused_k")
+    cu_q, cu_k = device_array_or_none(cu_seqlens_q, "cu_seqlens_q"), device_array_or_none(cu_seqlens_k, "cu_seqlens_k")
+    used_q, used_k = device_array_or_none(seqused_q, "seqused_q"), device_array_or_none(seqused_k, "seqused_k")
     problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
                                    seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale)
@@ -49,17 +43,6 @@ def flash_forward(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, se
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
                       launch_stream, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
     return problem
-
-
-def _cumulative(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return cu
-
-
-def _poisoned(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
 def sdpa_reference(q, k, v, cu_q, cu_k, *, causal, scale):
@@ -112,13 +95,13 @@ def _check(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, case):
 def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, bound_slack=0,
                  tail_rows=0, case=""):
     """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
-    cu_q, cu_k = _cumulative(lengths_q), _cumulative(lengths_k)
+    cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
     t = TORCH_DTYPE[dtype]
     q = torch.randn(cu_q[-1] + tail_rows, heads_q, head_dim, generator=rng, device="cuda").to(t)
     k = torch.randn(cu_k[-1] + tail_rows, heads_kv, head_dim, generator=rng, device="cuda").to(t)
     v = torch.randn(cu_k[-1] + tail_rows, heads_kv, head_dim, generator=rng, device="cuda").to(t)
-    out = _poisoned(q.shape, t)
-    lse = _poisoned((heads_q, q.shape[0]), torch.float32)
+    out = poisoned(q.shape, t)
+    lse = poisoned((heads_q, q.shape[0]), torch.float32)
     scale = 1.0 / math.sqrt(head_dim)
     flash_forward(q, k, v, out, lse, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                   cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
@@ -170,8 +153,8 @@ def test_max_seqlen_is_an_upper_bound(rng):
 
 def test_batch_zero_does_nothing(rng):
     q = torch.randn(0, 2, 64, device="cuda", dtype=torch.bfloat16)
-    out = _poisoned(q.shape, q.dtype)
-    lse = _poisoned((2, 0), torch.float32)
+    out = poisoned(q.shape, q.dtype)
+    lse = poisoned((2, 0), torch.float32)
     cu = torch.zeros(1, dtype=torch.int32, device="cuda")
     flash_forward(q, q, q, out, lse, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=0, max_seqlen_k=0)
     torch.cuda.synchronize()
@@ -187,8 +170,8 @@ def test_bshd_with_and_without_seqused(dtype, causal, rng):
     v = torch.randn_like(k)
     scale = 1.0 / math.sqrt(head_dim)
     for used in (None, ([300, 0, 17, 129], [211, 5, 0, 64])):
-        out = _poisoned(q.shape, t)
-        lse = _poisoned((batch, heads_q, seqlen_q), torch.float32)
+        out = poisoned(q.shape, t)
+        lse = poisoned((batch, heads_q, seqlen_q), torch.float32)
         kwargs = {}
         lq, lk = [seqlen_q] * batch, [seqlen_k] * batch
         if used is not None:
@@ -204,17 +187,17 @@ def test_bshd_with_and_without_seqused(dtype, causal, rng):
         v_thd = torch.cat([v[b, :lk[b]] for b in range(batch)])
         out_thd = torch.cat([out[b, :lq[b]] for b in range(batch)])
         lse_thd = torch.cat([lse[b, :, :lq[b]] for b in range(batch)], dim=1)
-        _check(out_thd, lse_thd, q_thd, k_thd, v_thd, _cumulative(lq), _cumulative(lk), causal=causal, scale=scale,
+        _check(out_thd, lse_thd, q_thd, k_thd, v_thd, cumulative(lq), cumulative(lk), causal=causal, scale=scale,
                dtype=dtype, case=f"bshd {dtype} causal={causal} seqused={used is not None}")
 
 
 def test_softmax_scale_is_honoured(rng):
     lengths = [129, 300]
-    cu = _cumulative(lengths)
+    cu = cumulative(lengths)
     q = torch.randn(cu[-1], 4, 64, generator=rng, device="cuda").bfloat16()
     k, v = torch.randn_like(q), torch.randn_like(q)
-    out = _poisoned(q.shape, q.dtype)
-    lse = _poisoned((4, cu[-1]), torch.float32)
+    out = poisoned(q.shape, q.dtype)
+    lse = poisoned((4, cu[-1]), torch.float32)
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
     flash_forward(q, k, v, out, lse, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev, max_seqlen_q=300, max_seqlen_k=300,
                   softmax_scale=0.3)
@@ -246,7 +229,7 @@ def test_graph_replays_new_cu_seqlens(rng):
         gen = torch.Generator().manual_seed(1000 + replay + int(torch.seed() % 1000))
         lengths_q = torch.randint(0, capacity_per_sequence + 1, (batch,), generator=gen).tolist()
         lengths_k = torch.randint(0, capacity_per_sequence + 1, (batch,), generator=gen).tolist()
-        host_q, host_k = _cumulative(lengths_q), _cumulative(lengths_k)
+        host_q, host_k = cumulative(lengths_q), cumulative(lengths_k)
         cu_q.copy_(torch.tensor(host_q, dtype=torch.int32))
         cu_k.copy_(torch.tensor(host_k, dtype=torch.int32))
         for buffer in (q, k, v):
@@ -265,8 +248,8 @@ def test_many_sequences_put_the_count_on_grid_x(rng):
     """More than 65535 (sequence, head) pairs of two query tiles each: no grid.y/z limit is hit."""
     batch, heads, head_dim, length = 20_000, 4, 64, 130
     q = torch.randn(batch * length, heads, head_dim, generator=rng, device="cuda").bfloat16()
-    out = _poisoned(q.shape, q.dtype)
-    lse = _poisoned((heads, q.shape[0]), torch.float32)
+    out = poisoned(q.shape, q.dtype)
+    lse = poisoned((heads, q.shape[0]), torch.float32)
     cu = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
     flash_forward(q, q, q, out, lse, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=length, max_seqlen_k=length)
     torch.cuda.synchronize()

@@ -11,12 +11,17 @@ import torch
 import hipattn
 from hipattn.families import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
 
-from .conftest import ROW_TOLERANCE_FACTOR, TOLERANCE, record_errors, relative_error, worst_row_error
+from .conftest import (
+    ROW_TOLERANCE_FACTOR,
+    TOLERANCE,
+    poisoned,
+    record_errors,
+    relative_error,
+    worst_row_error,
+)
 from .reference import attention_reference
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 
 
 def _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, rng):
@@ -32,21 +37,17 @@ def _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, rng):
     return q, k, v, cu_q, cu_k
 
 
-def _poisoned(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-
-
 def _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, bound=SMALLSEQ_TILE):
     q, k, v, cu_q, cu_k = _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, rng)
     cu_q_dev = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
     cu_k_dev = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
     scale = 1.0 / math.sqrt(head_dim)
     dout = torch.randn(q.shape, generator=rng, device="cuda").to(q.dtype)
-    out = _poisoned(q.shape, q.dtype)
-    lse = _poisoned((heads_q, q.shape[0]), torch.float32)
+    out = poisoned(q.shape, q.dtype)
+    lse = poisoned((heads_q, q.shape[0]), torch.float32)
     hipattn.forward(q, k, v, out=out, lse=lse, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev, max_seqlen_q=bound,
                     max_seqlen_k=bound, causal=causal)
-    dq, dk, dv = (_poisoned(t.shape, t.dtype) for t in (q, k, v))
+    dq, dk, dv = (poisoned(t.shape, t.dtype) for t in (q, k, v))
     hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev,
                      max_seqlen_q=bound, max_seqlen_k=bound, causal=causal)
     torch.cuda.synchronize()
