@@ -7,9 +7,10 @@ import re
 import struct
 
 import pytest
+from compilers import hiprtc_backend, nvrtc_backend
 from local_rocm import use_local_rocm
 
-from hipattn.errors import BackendUnavailableError, CompileError, DriverError
+from hipattn.errors import CompileError, DriverError
 from hipattn.sources import include_closure
 from hipattn.target import Target
 
@@ -39,30 +40,6 @@ EM_AMDGPU = 224
 
 def elf_machine(binary: bytes) -> int:
     return struct.unpack_from("<H", binary, 18)[0]
-
-
-def nvrtc_backend():
-    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
-    from hipattn.backends.cuda import CudaBackend
-
-    backend = CudaBackend()
-    try:
-        backend.compiler_identity()
-    except BackendUnavailableError as error:
-        pytest.skip(f"NVRTC is not loadable: {error}")
-    return backend
-
-
-def hiprtc_backend():
-    pytest.importorskip("hip", reason="hip-python is not installed")
-    from hipattn.backends.hip import HipBackend
-
-    backend = HipBackend()
-    try:
-        backend.compiler_identity()
-    except BackendUnavailableError as error:
-        pytest.skip(f"hiprtc is not loadable: {error}")
-    return backend
 
 
 @pytest.fixture(scope="module")

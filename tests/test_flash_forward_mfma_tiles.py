@@ -4,6 +4,7 @@ passes agree with the layout the kernel computes (checked by hiprtc, no GPU need
 from __future__ import annotations
 
 import pytest
+from compilers import hiprtc_backend
 from local_rocm import use_local_rocm
 
 from hipattn.families import (
@@ -58,15 +59,7 @@ def test_ships_nothing_without_the_mfma_instructions(arch):
 
 def test_kernel_layout_matches_the_launcher_bytes():
     """One hiprtc compile of the kernel's unit with a static_assert per table row."""
-    pytest.importorskip("hip", reason="hip-python is not installed")
-    from hipattn.backends.hip import HipBackend
-    from hipattn.errors import BackendUnavailableError
-
-    backend = HipBackend()
-    try:
-        backend.compiler_identity()
-    except BackendUnavailableError as error:
-        pytest.skip(f"hiprtc is not loadable: {error}")
+    backend = hiprtc_backend()
     target = Target.parse("gfx90a")
     if not backend.can_compile_for(target):
         pytest.skip(backend.unsupported_reason(target))
