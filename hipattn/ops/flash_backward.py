@@ -49,9 +49,7 @@ from ..varlen_prep import prep_way, prepare_varlen_records
 from . import preprocess
 from .capabilities import has_nvidia_mma
 from .fields import put_absent_tensor, put_row_statistic, put_tensor, sequence_fields
-
-# grid.x is at most 2^31 - 1 blocks on every sm_80+ part.
-MAX_GRID_X = 2**31 - 1
+from .flash import MAX_GRID_X
 
 
 def ineligibility(problem: Problem) -> str | None:
