@@ -277,7 +277,7 @@ class FlashForwardTiles:
 
 
 # Per head_dim, for both 16-bit dtypes (same element size, same tiles) and every sm_80+ target: every
-# row fits 99 KiB of shared memory (sm_86/sm_89's opt-in limit; the kernel static_asserts it). The
+# row fits 99 KiB of shared memory (sm_86/sm_89's opt-in limit; tests/test_flash_tiles.py checks it). The
 # block's registers grow with head_dim (a warp holds 16 m_tiles x head_dim of O and 16 m_tiles x
 # block_n of S in fp32), so head_dim 256 takes half the rows and half the keys per tile.
 #
@@ -437,10 +437,10 @@ class FlashBackwardTiles:
 
 
 # Per head_dim, for both 16-bit dtypes and every sm_80+ target; every row fits 99 KiB of shared memory
-# (sm_86/sm_89's opt-in limit; the kernels static_assert it). dK/dV: K, V, Pᵀ and dSᵀ of a key tile
-# plus two slots of Q and dO stay in shared memory, so the query tile is short (32 rows) and the key
-# tile as long as the budget allows: 128 keys up to head_dim 96, 64 at 128. A warp's dK and dV
-# accumulators take head_dim / 2 registers per lane when it owns all columns of its 16 keys: at
+# (sm_86/sm_89's opt-in limit; tests/test_flash_tiles.py checks it). dK/dV: K, V, Pᵀ and dSᵀ
+# of a key tile plus two slots of Q and dO stay in shared memory, so the query tile is short (32 rows)
+# and the key tile as long as the budget allows: 128 keys up to head_dim 96, 64 at 128. A warp's dK
+# and dV accumulators take head_dim / 2 registers per lane when it owns all columns of its 16 keys: at
 # head_dim 128 two warps share each 16-key slice (64 columns each; 8 warps at ~160 registers rather
 # than 4 at ~245), and at head_dim 256 they must (128 columns each), with the tiles shrunk to 16 x 32
 # to fit the shared memory. Every row compiles without spills for sm_90 (ptxas -v).
@@ -459,6 +459,38 @@ FLASH_BACKWARD_DQ_TILES: dict[int, FlashBackwardTiles] = {
     128: FlashBackwardTiles(block_m=64, block_n=32, warps=4),
     256: FlashBackwardTiles(block_m=64, block_n=16, warps=4),
 }
+
+# Hopper (sm_90, sm_90a) lets a block opt in to 227 KiB of shared memory, and the larger tiles that
+# buys win on the H200 (tools/sweep_flash_backward.py, BENCHMARKS.md): 128-key tiles with 64-row query
+# tiles at head_dims 64 to 128 (one warp per 16 keys holding all their dK/dV columns: no spills at
+# ~250 registers) make the atomic backward 1.2x (64) to 1.7x (128) faster, since every key tile
+# adds its dQ share once and a longer key tile means fewer additions; 32 x 64 at head_dim 256, 1.6x.
+# The dQ kernel gains 5-10% from 128-row tiles.
+HOPPER_SHARED_BYTES = 227 * 1024
+FLASH_BACKWARD_DKDV_TILES_HOPPER: dict[int, FlashBackwardTiles] = {
+    64: FlashBackwardTiles(block_m=64, block_n=128, warps=8),
+    96: FlashBackwardTiles(block_m=64, block_n=128, warps=8),
+    128: FlashBackwardTiles(block_m=64, block_n=128, warps=8),
+    256: FlashBackwardTiles(block_m=32, block_n=64, warps=8),
+}
+FLASH_BACKWARD_DQ_TILES_HOPPER: dict[int, FlashBackwardTiles] = {
+    64: FlashBackwardTiles(block_m=128, block_n=128, warps=8),
+    96: FlashBackwardTiles(block_m=128, block_n=64, warps=8),
+    128: FlashBackwardTiles(block_m=128, block_n=64, warps=8),
+    256: FlashBackwardTiles(block_m=128, block_n=32, warps=8),
+}
+
+
+def has_hopper_shared_memory(target: Target | None) -> bool:
+    """Whether ``target`` is an NVIDIA sm_90 part (227 KiB of opt-in shared memory per block)."""
+    return target is not None and target.vendor == NVIDIA and target.compute_capability == 90
+
+
+def flash_backward_tiles(head_dim: int, target: Target | None) -> tuple[FlashBackwardTiles, FlashBackwardTiles]:
+    """The (dK/dV, dQ) table rows of ``head_dim`` for ``target``: Hopper's, or the every-part ones."""
+    if has_hopper_shared_memory(target):
+        return FLASH_BACKWARD_DKDV_TILES_HOPPER[head_dim], FLASH_BACKWARD_DQ_TILES_HOPPER[head_dim]
+    return FLASH_BACKWARD_DKDV_TILES[head_dim], FLASH_BACKWARD_DQ_TILES[head_dim]
 
 
 def flash_backward_dkdv_shared_bytes(head_dim: int, tiles: FlashBackwardTiles, element_bytes: int = 2) -> int:
@@ -480,15 +512,12 @@ def flash_backward_dq_shared_bytes(head_dim: int, tiles: FlashBackwardTiles, ele
     return (2 * tiles.block_m + 4 * tiles.block_n) * (head_dim + _FLASH_ROW_PAD) * element_bytes
 
 
-def flash_backward_dkdv_spec(dtype: str, head_dim: int, write_dq: bool,
-                             tiles: FlashBackwardTiles | None = None) -> KernelSpec:
-    tiles = tiles or FLASH_BACKWARD_DKDV_TILES[head_dim]
+def flash_backward_dkdv_spec(dtype: str, head_dim: int, write_dq: bool, tiles: FlashBackwardTiles) -> KernelSpec:
     return FLASH_BACKWARD_DKDV_MMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m,
                                         block_n=tiles.block_n, warps=tiles.warps, write_dq=write_dq)
 
 
-def flash_backward_dq_spec(dtype: str, head_dim: int, tiles: FlashBackwardTiles | None = None) -> KernelSpec:
-    tiles = tiles or FLASH_BACKWARD_DQ_TILES[head_dim]
+def flash_backward_dq_spec(dtype: str, head_dim: int, tiles: FlashBackwardTiles) -> KernelSpec:
     return FLASH_BACKWARD_DQ_MMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m, block_n=tiles.block_n,
                                       warps=tiles.warps)
 
@@ -517,13 +546,14 @@ FLASH_BACKWARD_PARAMS = ParamsStruct(
 def _flash_backward_dkdv_specs(target: Target) -> list[KernelSpec]:
     if not runs_nvidia_mma(target):
         return []
-    return [flash_backward_dkdv_spec(t, d, w) for t in DTYPES for d in FLASH_HEAD_DIMS for w in (False, True)]
+    return [flash_backward_dkdv_spec(t, d, w, flash_backward_tiles(d, target)[0])
+            for t in DTYPES for d in FLASH_HEAD_DIMS for w in (False, True)]
 
 
 def _flash_backward_dq_specs(target: Target) -> list[KernelSpec]:
     if not runs_nvidia_mma(target):
         return []
-    return [flash_backward_dq_spec(t, d) for t in DTYPES for d in FLASH_HEAD_DIMS]
+    return [flash_backward_dq_spec(t, d, flash_backward_tiles(d, target)[1]) for t in DTYPES for d in FLASH_HEAD_DIMS]
 
 
 FLASH_BACKWARD_DKDV_MMA = _register(

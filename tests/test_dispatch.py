@@ -31,13 +31,11 @@ def arch(monkeypatch):
         monkeypatch.setattr(capabilities, "get_backend", lambda: device)
         monkeypatch.setattr("hipattn.ops.flash.get_backend", lambda: device)
         monkeypatch.setattr("hipattn.ops.flash_backward.get_backend", lambda: device)
-        capabilities.has_nvidia_mma.cache_clear()
-        capabilities.has_amd_mfma.cache_clear()
+        capabilities.forget_devices()
 
     monkeypatch.delenv("HIPATTN_SMALLSEQ", raising=False)
     yield use
-    capabilities.has_nvidia_mma.cache_clear()
-    capabilities.has_amd_mfma.cache_clear()
+    capabilities.forget_devices()
 
 
 def varlen(max_seqlen_q: int, max_seqlen_k: int, head_dim: int = 128) -> problem.Problem:

@@ -87,12 +87,10 @@ def device(tmp_path_factory):
     patch.delenv("HIPATTN_SMALLSEQ", raising=False)
     patch.delenv(smallseq.KERNEL_SWITCH, raising=False)
     # Remembered per device, and it asks the backend: forget what any other test's backend said.
-    capabilities.has_nvidia_mma.cache_clear()
-    capabilities.has_amd_mfma.cache_clear()
+    capabilities.forget_devices()
     yield fake
     patch.undo()
-    capabilities.has_nvidia_mma.cache_clear()
-    capabilities.has_amd_mfma.cache_clear()
+    capabilities.forget_devices()
 
 
 @pytest.fixture

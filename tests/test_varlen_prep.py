@@ -232,8 +232,8 @@ def test_the_launcher_sizes_the_grid_from_the_bound():
                       max_seqlen_k=4096, total_q=20000, total_k=20000, causal=True, softmax_scale=0.1, device=0)
     block_n = families.FLASH_BACKWARD_DKDV_TILES[128].block_n
     bound = key_block_bound(SequenceLimits.of(problem), 100, block_n)
-    assert flash_backward.dkdv_grid_blocks(problem, work_list=True) == bound * 2
-    assert flash_backward.dkdv_grid_blocks(problem) == 4096 // block_n * 100 * 2 > bound * 2
+    assert flash_backward.dkdv_grid_blocks(problem, True, block_n) == bound * 2
+    assert flash_backward.dkdv_grid_blocks(problem, False, block_n) == 4096 // block_n * 100 * 2 > bound * 2
 
 
 # ---- the record's one layout, on both sides ---------------------------------------------------------

@@ -32,8 +32,6 @@ import functools
 from ..arrays import DeviceArray
 from ..backends import get_backend
 from ..families import (
-    FLASH_BACKWARD_DKDV_TILES,
-    FLASH_BACKWARD_DQ_TILES,
     FLASH_HEAD_DIMS,
     FlashBackwardTiles,
     flash_backward_dkdv_shared_bytes,
@@ -47,7 +45,7 @@ from ..spec import KernelSpec
 from ..varlen_metadata import VARLEN_RECORD_WORDS, SequenceLimits, key_block_bound
 from ..varlen_prep import prep_way, prepare_varlen_records
 from . import preprocess
-from .capabilities import has_nvidia_mma
+from .capabilities import backward_tiles, has_nvidia_mma
 from .fields import put_absent_tensor, put_row_statistic, put_tensor, sequence_fields
 from .flash import MAX_GRID_X
 
@@ -63,27 +61,26 @@ def ineligibility(problem: Problem) -> str | None:
 
 
 @functools.cache
-def _dkdv_spec(dtype: str, head_dim: int, write_dq: bool) -> KernelSpec:
-    return flash_backward_dkdv_spec(dtype, head_dim, write_dq)
+def _dkdv_spec(dtype: str, head_dim: int, write_dq: bool, tiles: FlashBackwardTiles) -> KernelSpec:
+    return flash_backward_dkdv_spec(dtype, head_dim, write_dq, tiles)
 
 
 @functools.cache
-def _dq_spec(dtype: str, head_dim: int) -> KernelSpec:
-    return flash_backward_dq_spec(dtype, head_dim)
+def _dq_spec(dtype: str, head_dim: int, tiles: FlashBackwardTiles) -> KernelSpec:
+    return flash_backward_dq_spec(dtype, head_dim, tiles)
 
 
-def dkdv_grid_blocks(problem: Problem, work_list: bool = False) -> int:
-    """The dK/dV kernel's grid.x: with a varlen work list, its bound (key_block_bound) times KV
-    heads; else key tiles for max_seqlen_k, times batch, times KV heads."""
-    block_n = FLASH_BACKWARD_DKDV_TILES[problem.head_dim].block_n
+def dkdv_grid_blocks(problem: Problem, work_list: bool, block_n: int) -> int:
+    """The dK/dV kernel's grid.x for key tiles of ``block_n``: with a varlen work list, its bound
+    (key_block_bound) times KV heads; else key tiles for max_seqlen_k, times batch, times KV heads."""
     if work_list:
         return key_block_bound(SequenceLimits.of(problem), problem.batch, block_n) * problem.heads_kv
     return -(-problem.max_seqlen_k // block_n) * problem.batch * problem.heads_kv
 
 
-def dq_grid_blocks(problem: Problem) -> int:
-    """Query tiles for max_seqlen_q, times batch, times query heads: the dQ kernel's grid.x."""
-    block_m = FLASH_BACKWARD_DQ_TILES[problem.head_dim].block_m
+def dq_grid_blocks(problem: Problem, block_m: int) -> int:
+    """Query tiles of ``block_m`` rows for max_seqlen_q, times batch, times query heads: the dQ
+    kernel's grid.x."""
     return -(-problem.max_seqlen_q // block_m) * problem.batch * problem.heads_q
 
 
@@ -104,7 +101,8 @@ def _check_records(varlen_records: DeviceArray, problem: Problem) -> None:
 
 def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int, *, softmax_d: DeviceArray,
              dq_accum: DeviceArray | None = None, varlen_records: DeviceArray | None = None,
-             deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None) -> None:
+             deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+             tiles: tuple[FlashBackwardTiles, FlashBackwardTiles] | None = None) -> None:
     """Enqueue dQ, dK and dV of attention ``out`` = softmax(scale q kᵀ) v, given dout and the forward's lse.
 
     All arguments are DeviceArrays in ``problem``'s layout; dq, dk, dv take q, k, v's shapes and dtype.
@@ -112,6 +110,8 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     ``dq_accum`` is contiguous fp32 workspace shaped like dq, needed unless ``deterministic``.
     ``varlen_records`` (THD only) is contiguous int32 workspace [batch, VARLEN_RECORD_WORDS]: the
     dK/dV kernel's work list, prepared here on ``stream`` (workspace.backward_workspace's section).
+    ``tiles`` overrides the (dK/dV, dQ) table rows for head_dim (tools/sweep_flash_backward.py sweeps
+    them this way); the default is the device's rows (families.flash_backward_tiles).
     """
     reason = ineligibility(problem)
     if reason is not None:
@@ -122,8 +122,9 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     if work_list:
         _check_records(varlen_records, problem)
         way = prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
-    dkdv_blocks = dkdv_grid_blocks(problem, work_list)
-    dq_blocks = dq_grid_blocks(problem)
+    dkdv_tiles, dq_tiles = tiles or backward_tiles(problem.device, problem.head_dim)
+    dkdv_blocks = dkdv_grid_blocks(problem, work_list, dkdv_tiles.block_n)
+    dq_blocks = dq_grid_blocks(problem, dq_tiles.block_m)
     _check_grid(dkdv_blocks, "key blocks x KV heads" if work_list else "key tiles x sequences x KV heads")
     _check_grid(dq_blocks, "query tiles x sequences x heads")
 
@@ -140,7 +141,6 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     fields["heads_q"] = problem.heads_q
     fields["varlen_records"] = varlen_records.ptr if work_list else 0
 
-    dkdv_tiles = FLASH_BACKWARD_DKDV_TILES[problem.head_dim]
     if work_list and dkdv_blocks:
         prepare_varlen_records(
             get_backend(), stream, problem.device, fields["cu_seqlens_q"], fields["cu_seqlens_k"], problem.batch,
@@ -151,15 +151,14 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
         preprocess.zero_dq_accum(dq_accum, stream)
     # With no query rows (max_seqlen_q 0) the dK/dV kernel still runs: its keys get dK = dV = 0.
     if dkdv_blocks:
-        _launch(_dkdv_spec(problem.dtype, problem.head_dim, not deterministic), dkdv_tiles,
+        _launch(_dkdv_spec(problem.dtype, problem.head_dim, not deterministic, dkdv_tiles), dkdv_tiles,
                 flash_backward_dkdv_shared_bytes(problem.head_dim, dkdv_tiles), dkdv_blocks, problem, stream, fields)
     if not deterministic:
         # The kernel adds unscaled dS K; the conversion applies softmax_scale once.
         preprocess.convert_dq(dq_accum, dq, problem.softmax_scale, stream)
     elif dq_blocks:
         # With no keys (max_seqlen_k 0) the dQ kernel still runs: its rows get dQ = 0.
-        dq_tiles = FLASH_BACKWARD_DQ_TILES[problem.head_dim]
-        _launch(_dq_spec(problem.dtype, problem.head_dim), dq_tiles,
+        _launch(_dq_spec(problem.dtype, problem.head_dim, dq_tiles), dq_tiles,
                 flash_backward_dq_shared_bytes(problem.head_dim, dq_tiles), dq_blocks, problem, stream, fields)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import secrets
 
 import pytest
 
@@ -12,8 +13,23 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def rng():
-    """Fresh random inputs every run: a fixed seed would let a kernel pass on one lucky draw."""
-    return torch.Generator(device="cuda").manual_seed(torch.seed() % (2**63))
+    """Fresh random inputs every run: a fixed seed would let a kernel pass on one lucky draw.
+
+    Seeded from the OS, not from ``torch.seed()``: that call also reseeds torch's global generators
+    with the very value it returns, so a tensor drawn from them (``torch.randn_like``) repeated one
+    drawn from this generator value for value. One backward test got k == q that way, a softmax
+    with one key per row at probability ~1, whose gradients are too small to measure in bf16."""
+    return torch.Generator(device="cuda").manual_seed(secrets.randbits(63))
+
+
+def fresh_seed() -> int:
+    """A seed from the OS, for tests that need a CPU generator (see ``rng``)."""
+    return secrets.randbits(63)
+
+
+def randn_like(t, generator):
+    """``torch.randn_like(t)`` drawn from ``generator`` (never from torch's global generators)."""
+    return torch.randn(t.shape, generator=generator, device=generator.device).to(device=t.device, dtype=t.dtype)
 
 
 def poisoned(shape, dtype):
@@ -67,10 +83,11 @@ def worst_row_error(actual, expected) -> float:
     return worst / rms_row_norm
 
 
-# Per-row errors may reach a few times the whole-tensor figure. 6, not 4: in the flash backward's
-# 1000-token causal cases the worst of ~16k rows measured up to 0.048 (bf16) on the H200 where the
-# whole-tensor error was 3e-3; the rows that see only a few keys carry the least gradient.
-ROW_TOLERANCE_FACTOR = 6
+# Per-row errors may reach several times the whole-tensor figure. In the flash backward's long causal
+# cases the worst of ~16k rows measured up to 0.063 (bf16, head_dim 64) on the H200 where the
+# whole-tensor error was 3e-3: the rows that see only a few keys carry the least gradient, and their
+# D = rowsum(dO * O) comes from the 16-bit O. A wrong tile or mask gives 0.2 and more.
+ROW_TOLERANCE_FACTOR = 8
 
 # bf16 keeps 8 mantissa bits, fp16 11: the kernels' error should sit near PyTorch's own at that
 # precision (flash-attn's tests allow about twice it). Measured figures are reported in the issue.

@@ -17,8 +17,9 @@ import torch
 from hipattn import arrays
 from hipattn import problem as problem_mod
 from hipattn.backends import get_backend
-from hipattn.families import FLASH_BACKWARD_DKDV_TILES, FLASH_HEAD_DIMS
+from hipattn.families import FLASH_HEAD_DIMS
 from hipattn.ops import flash, flash_backward
+from hipattn.ops.capabilities import backward_tiles
 from hipattn.streams import on_device, resolve_stream
 from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
 
@@ -28,6 +29,7 @@ from .conftest import (
     cumulative,
     device_array_or_none,
     poisoned,
+    randn_like,
     record_errors,
     relative_error,
     worst_row_error,
@@ -46,7 +48,8 @@ LENGTHS_K = [9, 1, 18, 17, 65, 63, 200, 129, 0, 0, 31]
 def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                            seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
                            deterministic=False, out=None, lse=None, work_list=True):
-    """The flash forward (O, LSE), then the flash backward into dq, dk, dv; returns (out, lse).
+    """The flash forward (O, LSE), then the flash backward into dq, dk, dv; returns (out, lse,
+    softmax_d), the last the backward's Delta = rowsum(dout * out).
 
     ``out`` and ``lse`` are allocated unless given (a given pair is reused as it is: the deterministic
     test replays the backward on one forward's output). ``work_list``: THD calls pass the
@@ -77,13 +80,26 @@ def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_s
             arrays.as_device_array(dk, "dk"), arrays.as_device_array(dv, "dv"), stream,
             softmax_d=arrays.as_device_array(softmax_d, "softmax_d"), dq_accum=device_array_or_none(dq_accum, "dq_accum"),
             varlen_records=device_array_or_none(records, "varlen_records"), deterministic=deterministic, **sequences)
-    return out, lse
+    return out, lse, softmax_d
 
 
-def _check_gradients(dq, dk, dv, q, k, v, dout, cu_q, cu_k, *, causal, scale, dtype, case):
-    """Compare the written rows (THD, exactly the sequences' rows) with float64 autograd."""
-    _, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale,
-                                                             dout=dout)
+def _check_gradients(dq, dk, dv, q, k, v, dout, cu_q, cu_k, *, causal, scale, dtype, case, out=None,
+                     softmax_d=None):
+    """Compare the written rows (THD, exactly the sequences' rows) with float64 autograd.
+
+    Given the forward's ``out`` and the backward's ``softmax_d`` (THD, [Hq, total_q]), those are
+    checked too: O against float64, Delta against rowsum(dout * out) of that O, so that a wrong
+    gradient is traced to the stage that went wrong."""
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale,
+                                                                   dout=dout)
+    stages = {}
+    if out is not None:
+        stages["out"] = relative_error(out, ref_out)
+    if softmax_d is not None:
+        stages["delta"] = relative_error(softmax_d, (dout.double() * out.double()).sum(-1).transpose(0, 1))
+    if stages:
+        record_errors(case, **stages)
+        assert max(stages.values()) < TOLERANCE[dtype], (case, stages)
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert not torch.isnan(t).any(), f"{case}: {name} has unwritten (NaN) elements"
     # A row that sees no key has dQ = 0 exactly; the keys of a sequence without queries dK = dV = 0.
@@ -123,16 +139,16 @@ def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causa
     dout = torch.randn(q.shape, generator=rng, device="cuda").to(t)
     dq, dk, dv = (poisoned(x.shape, t) for x in (q, k, v))
     scale = 1.0 / math.sqrt(head_dim)
-    flash_forward_backward(q, k, v, dout, dq, dk, dv, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
-                           cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
-                           max_seqlen_q=max(lengths_q, default=0) + bound_slack,
-                           max_seqlen_k=max(lengths_k, default=0) + bound_slack, causal=causal,
-                           deterministic=deterministic, work_list=work_list)
+    out, _, softmax_d = flash_forward_backward(
+        q, k, v, dout, dq, dk, dv, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
+        max_seqlen_q=max(lengths_q, default=0) + bound_slack, max_seqlen_k=max(lengths_k, default=0) + bound_slack,
+        causal=causal, deterministic=deterministic, work_list=work_list)
     torch.cuda.synchronize()
     nq, nk = cu_q[-1], cu_k[-1]
     _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case)
     return _check_gradients(dq[:nq], dk[:nk], dv[:nk], q[:nq], k[:nk], v[:nk], dout[:nq], cu_q, cu_k, causal=causal,
-                            scale=scale, dtype=dtype, case=case)
+                            scale=scale, dtype=dtype, case=case, out=out[:nq], softmax_d=softmax_d[:, :nq])
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -181,7 +197,7 @@ def test_a_long_sequence_walks_many_tiles(head_dim, causal, rng):
 def test_max_seqlen_is_an_upper_bound(work_list, rng):
     """A bound far above every real length launches idle blocks that must write nothing: with the
     work list (blocks past its end) and with the grid sized from max_seqlen_k."""
-    slack = 3 * max(tiles.block_n for tiles in FLASH_BACKWARD_DKDV_TILES.values()) + 5
+    slack = 3 * max(backward_tiles(0, head_dim)[0].block_n for head_dim in FLASH_HEAD_DIMS) + 5
     for deterministic in (False, True):
         _varlen_case([33, 250, 7], [250, 33, 7], 4, 2, 128, "bf16", True, rng, deterministic=deterministic,
                      bound_slack=slack, tail_rows=2, work_list=work_list,
@@ -193,7 +209,7 @@ def test_keys_without_queries_get_zero_gradients(deterministic, rng):
     """max_seqlen_q 0 with keys present: the forward does nothing, the backward still zeroes dK, dV."""
     q = torch.empty(0, 2, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(7, 2, 64, generator=rng, device="cuda").bfloat16()
-    v = torch.randn_like(k)
+    v = randn_like(k, rng)
     dq, dk, dv = poisoned(q.shape, q.dtype), poisoned(k.shape, k.dtype), poisoned(v.shape, v.dtype)
     flash_forward_backward(q, k, v, torch.empty_like(q), dq, dk, dv,
                            cu_seqlens_q=torch.zeros(2, dtype=torch.int32, device="cuda"),
@@ -220,7 +236,7 @@ def test_bshd_with_and_without_seqused(dtype, causal, rng):
     t = TORCH_DTYPE[dtype]
     q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=rng, device="cuda").to(t)
     k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=rng, device="cuda").to(t)
-    v = torch.randn_like(k)
+    v = randn_like(k, rng)
     dout = torch.randn(q.shape, generator=rng, device="cuda").to(t)
     scale = 1.0 / math.sqrt(head_dim)
     for used in (None, ([300, 0, 17, 129], [211, 5, 0, 64])):
@@ -249,15 +265,48 @@ def test_softmax_scale_is_honoured(rng):
     lengths = [129, 300]
     cu = cumulative(lengths)
     q = torch.randn(cu[-1], 4, 64, generator=rng, device="cuda").bfloat16()
-    k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    k, v, dout = randn_like(q, rng), randn_like(q, rng), randn_like(q, rng)
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
     for deterministic in (False, True):
         dq, dk, dv = (poisoned(x.shape, x.dtype) for x in (q, k, v))
-        flash_forward_backward(q, k, v, dout, dq, dk, dv, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev, max_seqlen_q=300,
-                               max_seqlen_k=300, softmax_scale=0.3, deterministic=deterministic)
+        out, _, softmax_d = flash_forward_backward(q, k, v, dout, dq, dk, dv, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev,
+                                                   max_seqlen_q=300, max_seqlen_k=300, softmax_scale=0.3,
+                                                   deterministic=deterministic)
         torch.cuda.synchronize()
         _check_gradients(dq, dk, dv, q, k, v, dout, cu, cu, causal=False, scale=0.3, dtype="bf16",
-                         case=f"softmax_scale 0.3 deterministic={deterministic}")
+                         case=f"softmax_scale 0.3 deterministic={deterministic}", out=out, softmax_d=softmax_d)
+
+
+def test_one_hot_rows_match_flash_attention_2s_arithmetic(rng):
+    """k == q and scale 0.3: every row puts probability ~1 on its own key. The true dS is then far
+    below the rounding of the 16-bit O that D = rowsum(dO * O) comes from, so dQ and dK are compared
+    with float64 arithmetic fed the same rounded O (what FlashAttention-2 computes), and dV, which
+    does not involve D, with the exact gradient."""
+    lengths, heads, head_dim, scale = [129, 300], 4, 64, 0.3
+    cu = cumulative(lengths)
+    q = torch.randn(cu[-1], heads, head_dim, generator=rng, device="cuda").bfloat16()
+    v, dout = randn_like(q, rng), randn_like(q, rng)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    for deterministic in (False, True):
+        dq, dk, dv = (poisoned(q.shape, q.dtype) for _ in range(3))
+        out, _, _ = flash_forward_backward(q, q, v, dout, dq, dk, dv, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev,
+                                           max_seqlen_q=300, max_seqlen_k=300, softmax_scale=scale,
+                                           deterministic=deterministic)
+        torch.cuda.synchronize()
+        case = f"one-hot rows deterministic={deterministic}"
+        expected = {"dq": [], "dk": []}
+        for start, end in zip(cu[:-1], cu[1:], strict=True):
+            qs, vs, dos, os = (x[start:end].double() for x in (q, v, dout, out))
+            probabilities = torch.softmax(torch.einsum("ihd,jhd->hij", qs, qs) * scale, dim=-1)
+            dp = torch.einsum("ihd,jhd->hij", dos, vs)
+            ds = probabilities * (dp - (dos * os).sum(-1).transpose(0, 1)[..., None])
+            expected["dq"].append(scale * torch.einsum("hij,jhd->ihd", ds, qs))
+            expected["dk"].append(scale * torch.einsum("hij,ihd->jhd", ds, qs))
+        errors = {name: relative_error(actual, torch.cat(expected[name])) for name, actual in (("dq", dq), ("dk", dk))}
+        _, _, _, _, ref_dv = attention_reference(q, q, v, cu, cu, causal=False, scale=scale, dout=dout)
+        errors["dv"] = relative_error(dv, ref_dv)
+        record_errors(case, **errors)
+        assert max(errors.values()) < TOLERANCE["bf16"], (case, errors)
 
 
 def test_deterministic_is_bit_identical_run_to_run(rng):
@@ -266,7 +315,7 @@ def test_deterministic_is_bit_identical_run_to_run(rng):
     cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
     q = torch.randn(cu_q[-1], 8, 128, generator=rng, device="cuda").bfloat16()
     k = torch.randn(cu_k[-1], 2, 128, generator=rng, device="cuda").bfloat16()
-    v, dout = torch.randn_like(k), torch.randn_like(q)
+    v, dout = randn_like(k, rng), randn_like(q, rng)
     args = dict(cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                 cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
                 max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), causal=True, deterministic=True)
@@ -274,7 +323,7 @@ def test_deterministic_is_bit_identical_run_to_run(rng):
     out = lse = None
     for _ in range(3):
         dq, dk, dv = (poisoned(x.shape, x.dtype) for x in (q, k, v))
-        out, lse = flash_forward_backward(q, k, v, dout, dq, dk, dv, out=out, lse=lse, **args)
+        out, lse, _ = flash_forward_backward(q, k, v, dout, dq, dk, dv, out=out, lse=lse, **args)
         torch.cuda.synchronize()
         runs.append((dq, dk, dv))
     for dq, dk, dv in runs[1:]:

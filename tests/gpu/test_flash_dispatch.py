@@ -12,7 +12,7 @@ import torch
 import hipattn
 from hipattn import attention
 
-from .conftest import TOLERANCE, record_errors, relative_error
+from .conftest import TOLERANCE, randn_like, record_errors, relative_error
 from .reference import attention_reference
 
 
@@ -22,7 +22,7 @@ def _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, rng, dtype=torch.
     q = torch.randn(cu_q[-1], heads_q, head_dim, generator=rng, device="cuda").to(dtype)
     k = torch.randn(cu_k[-1], heads_kv, head_dim, generator=rng, device="cuda").to(dtype)
     v = torch.randn(cu_k[-1], heads_kv, head_dim, generator=rng, device="cuda").to(dtype)
-    dout = torch.randn_like(q)
+    dout = randn_like(q, rng)
     as_device = {"cu_seqlens_q": torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                  "cu_seqlens_k": torch.tensor(cu_k, dtype=torch.int32, device="cuda")}
     return q, k, v, dout, cu_q, cu_k, as_device

@@ -16,7 +16,16 @@ from hipattn.families import FLASH_FORWARD_TILES, FLASH_HEAD_DIMS
 from hipattn.ops import flash
 from hipattn.streams import on_device, resolve_stream
 
-from .conftest import TOLERANCE, cumulative, device_array_or_none, poisoned, record_errors, relative_error
+from .conftest import (
+    TOLERANCE,
+    cumulative,
+    device_array_or_none,
+    fresh_seed,
+    poisoned,
+    randn_like,
+    record_errors,
+    relative_error,
+)
 from .reference import attention_reference
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -167,7 +176,7 @@ def test_bshd_with_and_without_seqused(dtype, causal, rng):
     t = TORCH_DTYPE[dtype]
     q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=rng, device="cuda").to(t)
     k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=rng, device="cuda").to(t)
-    v = torch.randn_like(k)
+    v = randn_like(k, rng)
     scale = 1.0 / math.sqrt(head_dim)
     for used in (None, ([300, 0, 17, 129], [211, 5, 0, 64])):
         out = poisoned(q.shape, t)
@@ -195,7 +204,7 @@ def test_softmax_scale_is_honoured(rng):
     lengths = [129, 300]
     cu = cumulative(lengths)
     q = torch.randn(cu[-1], 4, 64, generator=rng, device="cuda").bfloat16()
-    k, v = torch.randn_like(q), torch.randn_like(q)
+    k, v = randn_like(q, rng), randn_like(q, rng)
     out = poisoned(q.shape, q.dtype)
     lse = poisoned((4, cu[-1]), torch.float32)
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
@@ -226,7 +235,7 @@ def test_graph_replays_new_cu_seqlens(rng):
     with torch.cuda.graph(graph, stream=stream):
         flash_forward(q, k, v, out, lse, **args)
     for replay in range(3):
-        gen = torch.Generator().manual_seed(1000 + replay + int(torch.seed() % 1000))
+        gen = torch.Generator().manual_seed(1000 + replay + fresh_seed() % 1000)
         lengths_q = torch.randint(0, capacity_per_sequence + 1, (batch,), generator=gen).tolist()
         lengths_k = torch.randint(0, capacity_per_sequence + 1, (batch,), generator=gen).tolist()
         host_q, host_k = cumulative(lengths_q), cumulative(lengths_k)

@@ -14,7 +14,9 @@ from hipattn.families import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSE
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
     TOLERANCE,
+    fresh_seed,
     poisoned,
+    randn_like,
     record_errors,
     relative_error,
     worst_row_error,
@@ -135,7 +137,7 @@ def test_empty_kv_gives_zero_output_infinite_lse_and_zero_gradients(rng):
     cu_q_dev = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
     cu_k_dev = torch.tensor([0, 0], dtype=torch.int32, device="cuda")
     out, lse = hipattn.forward(q, k, v, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev, max_seqlen_q=5, max_seqlen_k=0)
-    dq, dk, dv = hipattn.backward(torch.randn_like(q), q, k, v, out, lse, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev,
+    dq, dk, dv = hipattn.backward(randn_like(q, rng), q, k, v, out, lse, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev,
                                   max_seqlen_q=5, max_seqlen_k=0)
     torch.cuda.synchronize()
     assert torch.equal(out, torch.zeros_like(out))
@@ -168,7 +170,7 @@ def test_max_seqlen_is_an_upper_bound_and_graph_replays_new_cu_seqlens(rng):
         hipattn.forward(q, k, v, out=out, lse=lse, **args)
         hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
     for replay in range(3):
-        gen = torch.Generator().manual_seed(1000 + replay + int(torch.seed() % 1000))
+        gen = torch.Generator().manual_seed(1000 + replay + fresh_seed() % 1000)
         lengths_q = torch.randint(0, SMALLSEQ_TILE + 1, (batch,), generator=gen).tolist()
         lengths_k = torch.randint(0, SMALLSEQ_TILE + 1, (batch,), generator=gen).tolist()
         host_q = [0] + torch.tensor(lengths_q).cumsum(0).tolist()
@@ -198,7 +200,7 @@ def test_bshd_with_per_sequence_lengths(forward_kernel, rng):
     batch, seqlen, heads, head_dim = 6, SMALLSEQ_TILE, 8, 64
     q = torch.randn(batch, seqlen, heads, head_dim, generator=rng, device="cuda").bfloat16()
     k = torch.randn(batch, seqlen - 4, heads, head_dim, generator=rng, device="cuda").bfloat16()
-    v = torch.randn_like(k)
+    v = randn_like(k, rng)
     used_q = torch.tensor([17, 0, 3, 9, 1, 12], dtype=torch.int32, device="cuda")
     used_k = torch.tensor([13, 5, 0, 2, 13, 7], dtype=torch.int32, device="cuda")
     out, lse = hipattn.forward(q, k, v, seqused_q=used_q, seqused_k=used_k, causal=True)

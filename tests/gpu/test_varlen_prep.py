@@ -20,8 +20,8 @@ import torch
 from hipattn import arrays, pinned
 from hipattn import problem as problem_mod
 from hipattn.backends import get_backend
-from hipattn.families import FLASH_BACKWARD_DKDV_TILES
 from hipattn.ops import flash, flash_backward
+from hipattn.ops.capabilities import backward_tiles
 from hipattn.pinned import PinnedPool, collect_host_funcs, device_pool
 from hipattn.streams import on_device
 from hipattn.varlen_metadata import (
@@ -149,7 +149,7 @@ class VarlenCall:
             s.name: self.workspace[s.offset:s.offset + s.nbytes].view(TORCH_DTYPES[s.dtype]).view(s.shape)
             for s in plan.sections
         }
-        self.block_n = FLASH_BACKWARD_DKDV_TILES[head_dim].block_n
+        self.block_n = backward_tiles(0, head_dim)[0].block_n
 
     def random_cu_seqlens(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         return random_cu_seqlens(rng, self.batch, self.max_seqlen), random_cu_seqlens(rng, self.batch, self.max_seqlen)

@@ -1,0 +1,58 @@
+"""The NVIDIA flash kernels' tile tables: every row of the tables that serve every sm_80+ part fits the
+shared memory of the smallest (the kernels themselves only assert the largest part's limit, so that a
+tile sweep on an H200 can try bigger tiles), Hopper's rows fit Hopper's, and every row obeys the warp
+layout the kernels assume."""
+
+from __future__ import annotations
+
+import pytest
+
+from hipattn.families import (
+    FLASH_BACKWARD_DKDV_TILES,
+    FLASH_BACKWARD_DKDV_TILES_HOPPER,
+    FLASH_BACKWARD_DQ_TILES,
+    FLASH_BACKWARD_DQ_TILES_HOPPER,
+    FLASH_FORWARD_TILES,
+    FLASH_HEAD_DIMS,
+    HOPPER_SHARED_BYTES,
+    flash_backward_dkdv_shared_bytes,
+    flash_backward_dq_shared_bytes,
+    flash_backward_tiles,
+    flash_forward_shared_bytes,
+)
+from hipattn.target import Target
+
+# The opt-in shared-memory limit of sm_86 and sm_89, the smallest of the sm_80+ parts one table serves.
+SMALLEST_OPT_IN_BYTES = 99 * 1024
+
+
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_every_part_rows_fit_the_smallest_part(head_dim):
+    assert flash_forward_shared_bytes(head_dim, FLASH_FORWARD_TILES[head_dim]) <= SMALLEST_OPT_IN_BYTES
+    assert flash_backward_dkdv_shared_bytes(head_dim, FLASH_BACKWARD_DKDV_TILES[head_dim]) <= SMALLEST_OPT_IN_BYTES
+    assert flash_backward_dq_shared_bytes(head_dim, FLASH_BACKWARD_DQ_TILES[head_dim]) <= SMALLEST_OPT_IN_BYTES
+
+
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_hopper_rows_fit_hopper_and_serve_only_it(head_dim):
+    dkdv, dq = FLASH_BACKWARD_DKDV_TILES_HOPPER[head_dim], FLASH_BACKWARD_DQ_TILES_HOPPER[head_dim]
+    assert flash_backward_dkdv_shared_bytes(head_dim, dkdv) <= HOPPER_SHARED_BYTES
+    assert flash_backward_dq_shared_bytes(head_dim, dq) <= HOPPER_SHARED_BYTES
+    for arch in ("sm_90", "sm_90a"):
+        assert flash_backward_tiles(head_dim, Target.parse(arch)) == (dkdv, dq)
+    for arch in ("sm_80", "sm_86", "sm_89", "sm_120"):
+        assert flash_backward_tiles(head_dim, Target.parse(arch)) == (FLASH_BACKWARD_DKDV_TILES[head_dim],
+                                                                      FLASH_BACKWARD_DQ_TILES[head_dim])
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_backward_rows_follow_the_kernels_warp_layout(head_dim, hopper):
+    dkdv, dq = flash_backward_tiles(head_dim, Target.parse("sm_90" if hopper else "sm_80"))
+    key_slices = dkdv.block_n // 16
+    assert dkdv.warps % key_slices == 0, "every 16-key slice has the same number of warps"
+    column_groups = dkdv.warps // key_slices
+    assert (head_dim // column_groups) % 16 == 0 and (dkdv.block_m // column_groups) % 8 == 0
+    assert dkdv.warps % (dkdv.block_m // 16) == 0, "phase 3 gives every warp one 16-row tile of dQ"
+    assert dq.warps * 16 == dq.block_m, "the dQ kernel has one warp per 16 query rows"
+    assert dkdv.warps <= 8 and dq.warps <= 8

@@ -1,0 +1,164 @@
+"""Tile sweep of the flash backward on the GPU: each (dK/dV tiles, dQ tiles) variant timed on both dQ
+schedules, its gradients checked against torch SDPA's flash backend on the same data.
+
+    python tools/sweep_flash_backward.py --out sweep_flash_backward.json
+    python tools/sweep_flash_backward.py --variants 128:32x64x8/64x32x4,128:32x128x8/64x64x4
+
+A variant is ``HEAD_DIM:BMxBNxWARPS/BMxBNxWARPS``, the dK/dV kernel's tiles then the dQ kernel's
+(families.FlashBackwardTiles); the first variant of each head_dim should be the shipped row, the
+baseline. Workload: bf16, batch mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
+Every variant's kernels are compiled first, in parallel processes, into the disk cache.
+
+Reported per variant: milliseconds of one backward call (Delta, the dK/dV kernel, and dQ either by
+atomics plus the conversion or by the dQ kernel) and its TFLOP/s (2.5 forwards' worth of matrix
+products), and the largest relative error of dQ, dK, dV against SDPA's. Also timed once per head_dim:
+Delta = rowsum(dO * O) alone (preprocess.dot_do_o) and the dq_accum conversion alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import multiprocessing
+import os
+import sys
+
+from benchlib import median_ms  # tools/ is on sys.path when a tool runs as a script
+
+TOKENS, HEADS = 16384, 16
+DEFAULT_VARIANTS = [
+    "128:32x64x8/64x32x4", "128:64x64x8/64x32x4", "128:32x128x8/64x32x4", "128:16x128x8/64x32x4",
+    "128:64x128x8/64x32x4", "128:32x64x8/64x64x4", "128:32x64x8/128x32x8", "128:32x64x8/128x64x8",
+    "64:32x128x8/128x64x8", "64:64x128x8/128x64x8", "64:32x128x8/128x128x8",
+]
+
+
+def parse_variant(text: str):
+    from hipattn.families import FlashBackwardTiles
+
+    head_dim, tiles = text.split(":")
+    dkdv, dq = (FlashBackwardTiles(*map(int, part.split("x"))) for part in tiles.split("/"))
+    return int(head_dim), dkdv, dq
+
+
+def _compile_one(spec_text: str, cache_dir: str) -> str:
+    from hipattn.backends import compiler_backend
+    from hipattn.cache import DiskCache
+    from hipattn.registry import fetch_or_compile
+    from hipattn.spec import KernelSpec
+    from hipattn.target import Target
+
+    target = Target.parse("sm_90")
+    fetch_or_compile(KernelSpec.from_canonical(spec_text), target, compiler_backend(target), DiskCache(cache_dir))
+    return spec_text
+
+
+def compile_variants(variants) -> None:
+    """Every variant's three kernels into the disk cache, in parallel processes."""
+    from hipattn.cache import default_cache_dir
+    from hipattn.families import flash_backward_dkdv_spec, flash_backward_dq_spec
+
+    specs = set()
+    for head_dim, dkdv, dq in variants:
+        for write_dq in (False, True):
+            specs.add(flash_backward_dkdv_spec("bf16", head_dim, write_dq, dkdv).canonical())
+        specs.add(flash_backward_dq_spec("bf16", head_dim, dq).canonical())
+    context = multiprocessing.get_context("spawn")
+    cache_dir = str(default_cache_dir())
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=context) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(_compile_one, s, cache_dir) for s in specs]):
+            future.result()
+
+
+def relative_error(actual, expected) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def _case(head_dim: int, seqlen: int, causal: bool, variants) -> list[dict]:
+    """Every variant of ``head_dim`` on one workload, after Delta and the conversion alone."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import hipattn
+    from hipattn import arrays
+    from hipattn import problem as problem_mod
+    from hipattn.backends import get_backend
+    from hipattn.ops import flash_backward, preprocess
+    from hipattn.streams import on_device, resolve_stream
+
+    batch = TOKENS // seqlen
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v, dout = (torch.randn(batch, seqlen, HEADS, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    out, lse = hipattn.forward(q, k, v, causal=causal)
+    qg, kg, vg = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        reference = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal),
+                                        (qg, kg, vg), dout.transpose(1, 2))
+    reference = [g.transpose(1, 2) for g in reference]
+    a = {name: arrays.as_device_array(t, name) for name, t in
+         (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse))}
+    problem = problem_mod.describe(a["q"], a["k"], a["v"], causal=causal)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    dq, dk, dv = (arrays.as_device_array(t, n) for t, n in zip(grads, ("dq", "dk", "dv"), strict=True))
+    softmax_d = arrays.as_device_array(torch.empty(lse.shape, device="cuda", dtype=torch.float32), "softmax_d")
+    dq_accum = arrays.as_device_array(torch.empty(q.shape, device="cuda", dtype=torch.float32), "dq_accum")
+    pairs = batch * (seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen)
+    flops = 4.0 * HEADS * head_dim * pairs
+    rows = []
+    backend = get_backend()
+    with on_device(backend, problem.device):
+        stream = resolve_stream((a["q"],), None, device=problem.device)
+        rows.append({"head_dim": head_dim, "seqlen": seqlen, "causal": causal,
+                     "dot_do_o_ms": median_ms(lambda: preprocess.dot_do_o(a["out"], a["dout"], softmax_d, stream)),
+                     "convert_dq_ms": median_ms(lambda: preprocess.convert_dq(dq_accum, dq, 0.1, stream))})
+        print(json.dumps(rows[-1]), flush=True)
+        for variant_head_dim, dkdv_tiles, dq_tiles in variants:
+            if variant_head_dim != head_dim:
+                continue
+            for deterministic in (False, True):
+                def run(deterministic=deterministic, tiles=(dkdv_tiles, dq_tiles)):
+                    flash_backward.backward(problem, a["q"], a["k"], a["v"], a["out"], a["dout"], a["lse"], dq, dk, dv,
+                                            stream, softmax_d=softmax_d, dq_accum=dq_accum,
+                                            deterministic=deterministic, tiles=tiles)
+
+                for g in grads:
+                    g.fill_(float("nan"))
+                run()
+                torch.cuda.synchronize()
+                error = max(relative_error(g, r) for g, r in zip(grads, reference, strict=True))
+                ms = median_ms(run, warmup=3, repeat=15)
+                rows.append({"head_dim": head_dim, "seqlen": seqlen, "causal": causal,
+                             "dkdv": f"{dkdv_tiles.block_m}x{dkdv_tiles.block_n}x{dkdv_tiles.warps}",
+                             "dq": f"{dq_tiles.block_m}x{dq_tiles.block_n}x{dq_tiles.warps}",
+                             "deterministic": deterministic, "backward_ms": ms,
+                             "backward_tflops": 2.5 * flops / (ms * 1e-3) / 1e12, "max_error_vs_sdpa_flash": error})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="sweep_flash_backward.json")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--causal", default="0,1", help="comma-separated 0/1")
+    args = parser.parse_args()
+    variants = [parse_variant(v) for v in args.variants.split(",")]
+    compile_variants(variants)
+    import torch
+
+    rows = []
+    for head_dim in sorted({v[0] for v in variants}):
+        for causal in (bool(int(c)) for c in args.causal.split(",")):
+            rows += _case(head_dim, args.seqlen, causal, variants)
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+            "command": " ".join(["python", *sys.argv])}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
