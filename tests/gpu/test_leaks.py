@@ -1,6 +1,7 @@
 """No leaks (issue 6): 10,000 back-to-back forward+backward calls per kernel family on one stream
-(varlen, a different cu_seqlens every call, small problems) leave device memory, pinned memory,
-Python host-function entries and the registry's loaded kernels where they were after warm-up. The
+(varlen, a different cu_seqlens every call, small problems) leave device memory, Python
+host-function entries and the registry's loaded kernels where they were after warm-up, and the
+pinned pool small and wholly free (it caches as many blocks as were once in flight). The
 small-seq kernels (tensor-core and portable) and the flash path with either varlen preparation
 (the device kernel, and the host function with its pinned pool), atomic and deterministic dQ.
 
@@ -36,6 +37,8 @@ FIGURES: dict[str, dict] = {}
 # that much growth of what the driver reports free, but none of what torch reports allocated.
 DEVICE_SLACK_BYTES = 64 * 2**20
 HOST_RSS_SLACK_BYTES = 64 * 2**20
+# Pinned blocks the process's pools may hold after the run, free: far below one per call.
+PINNED_BLOCKS_BOUND = 64
 
 
 def _record(case: str, figures: dict) -> None:
@@ -161,9 +164,10 @@ def test_ten_thousand_calls_leave_memory_and_kernels_bounded(workload, heads_q, 
     for name in ("loaded_kernels", "load_count", "pinned_pools", "process_lifetime_entries", "python_host_funcs"):
         assert after[name] == before[name], (name, before[name], after[name])
     # The pinned pool keeps as many blocks as calls once had in flight at the same time (the host
-    # preparation's staging): it may settle higher than after warm-up, but must not grow after that.
-    for name in ("pinned_blocks", "pinned_bytes"):
-        assert after[name] <= half[name], (name, half[name], after[name])
+    # preparation's staging), so it may still grow late in a run when the host gets further ahead
+    # (measured on the H200: 4 after warm-up, 10, then 14 after 6,000 calls). A leak of one block
+    # per call would hold thousands; every block is back in the pool once the stream is done.
+    assert after["pinned_blocks"] <= PINNED_BLOCKS_BOUND, (before["pinned_blocks"], after["pinned_blocks"])
     assert after["pinned_held_blocks"] == 0
     assert after["host_max_rss_bytes"] - before["host_max_rss_bytes"] <= HOST_RSS_SLACK_BYTES, (before, after)
 
