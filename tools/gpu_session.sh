@@ -35,6 +35,7 @@ case "${1:-correctness}" in
   speed)
     step 330 smallseq python3 tools/bench_smallseq.py --out "$out/bench_smallseq.json"
     step 240 flash python3 tools/bench_flash.py --out "$out/bench_flash.json" --workloads 1024,4096,16384,varlen
+    step 60 backward_tiles python3 tools/sweep_flash_backward.py --out "$out/sweep_flash_backward.json"
     step 60 varlen_prep python3 tools/bench_varlen_prep.py --out "$out/bench_varlen_prep.json"
     step 60 host python3 tools/bench_host_overhead.py --out "$out/bench_host.json"
     ;;

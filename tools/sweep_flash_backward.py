@@ -5,8 +5,8 @@ schedules, its gradients checked against torch SDPA's flash backend on the same 
     python tools/sweep_flash_backward.py --variants 128:32x64x8/64x32x4,128:32x128x8/64x64x4
 
 A variant is ``HEAD_DIM:BMxBNxWARPS/BMxBNxWARPS``, the dK/dV kernel's tiles then the dQ kernel's
-(families.FlashBackwardTiles); the first variant of each head_dim should be the shipped row, the
-baseline. Workload: bf16, batch mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
+(families.FlashBackwardTiles). By default each head_dim's every-part table row is timed against
+Hopper's. Workload: bf16, batch mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
 Every variant's kernels are compiled first, in parallel processes, into the disk cache.
 
 Reported per variant: milliseconds of one backward call (Delta, the dK/dV kernel, and dQ either by
@@ -28,11 +28,17 @@ import sys
 from benchlib import median_ms  # tools/ is on sys.path when a tool runs as a script
 
 TOKENS, HEADS = 16384, 16
-DEFAULT_VARIANTS = [
-    "128:32x64x8/64x32x4", "128:64x64x8/64x32x4", "128:32x128x8/64x32x4", "128:16x128x8/64x32x4",
-    "128:64x128x8/64x32x4", "128:32x64x8/64x64x4", "128:32x64x8/128x32x8", "128:32x64x8/128x64x8",
-    "64:32x128x8/128x64x8", "64:64x128x8/128x64x8", "64:32x128x8/128x128x8",
-]
+# Sweeps add --variants of their own; by default each head_dim's two table rows are compared.
+def default_variants() -> list[str]:
+    """Per head_dim, the every-part table's row, then Hopper's (families.flash_backward_tiles)."""
+    from hipattn.families import FLASH_HEAD_DIMS, flash_backward_tiles
+    from hipattn.target import Target
+
+    def spell(tiles) -> str:
+        return f"{tiles.block_m}x{tiles.block_n}x{tiles.warps}"
+
+    return [f"{head_dim}:{spell(dkdv)}/{spell(dq)}" for head_dim in FLASH_HEAD_DIMS for arch in ("sm_80", "sm_90")
+            for dkdv, dq in [flash_backward_tiles(head_dim, Target.parse(arch))]]
 
 
 def parse_variant(text: str):
@@ -142,11 +148,11 @@ def _case(head_dim: int, seqlen: int, causal: bool, variants) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="sweep_flash_backward.json")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    parser.add_argument("--variants", default=None, help="comma-separated; default: each head_dim's two table rows")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--causal", default="0,1", help="comma-separated 0/1")
     args = parser.parse_args()
-    variants = [parse_variant(v) for v in args.variants.split(",")]
+    variants = [parse_variant(v) for v in (args.variants.split(",") if args.variants else default_variants())]
     compile_variants(variants)
     import torch
 
