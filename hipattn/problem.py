@@ -103,6 +103,17 @@ def _is_numpy_bool(value: object) -> bool:
     return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
 
 
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale`` checked (a finite host number), or 1/sqrt(head_dim) when None."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a number (a host float), got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    return softmax_scale
+
+
 def describe(
     q: DeviceArray,
     k: DeviceArray,
@@ -148,12 +159,7 @@ def describe(
         check_alignment(a, name, layout)
     if type(causal) is not bool and not _is_numpy_bool(causal):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a number (a host float), got {softmax_scale!r}")
-    elif not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)
 
     if layout == THD:
         if cu_seqlens_q.shape != cu_seqlens_k.shape or len(cu_seqlens_q.shape) != 1 or cu_seqlens_q.shape[0] < 1:

@@ -15,13 +15,13 @@ Importing this module needs torch; ``import hipattn`` alone never imports it.
 
 # No `from __future__ import annotations` here: torch.library reads the op schemas from the
 # annotations at run time.
-import math
 from typing import Optional
 
 import torch
 
 from . import attention
 from .api import _reject_unsupported
+from .problem import resolve_softmax_scale
 
 Tensor = torch.Tensor
 
@@ -106,7 +106,8 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    """The custom op takes a float: the default and the checks are the core API's."""
+    return float(resolve_softmax_scale(softmax_scale, q.shape[-1]))
 
 
 def flash_attn_varlen_func(

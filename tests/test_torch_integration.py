@@ -148,6 +148,15 @@ def test_unsupported_arguments_are_named():
         hat.flash_attn_func(q, q, q, dropout_p=0.1)
 
 
+def test_softmax_scale_is_checked_as_the_core_api_checks_it():
+    """A bool is not a scale (float(True) would quietly give 1.0), nor is a non-finite number."""
+    q = torch.randn(1, 2, 2, 16)
+    with pytest.raises(TypeError, match="softmax_scale must be a number"):
+        hat.flash_attn_func(q, q, q, softmax_scale=True)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+        hat.flash_attn_func(q, q, q, softmax_scale=math.inf)
+
+
 def test_the_ops_pass_torch_librarys_checks(kernels):
     """Schema, fake (meta) kernels against the real outputs, and the autograd registration."""
     q, k, v, cu_q, cu_k = _varlen([3, 4], [5, 2])
