@@ -32,6 +32,9 @@ def randn_like(t, generator):
     return torch.randn(t.shape, generator=generator, device=generator.device).to(device=t.device, dtype=t.dtype)
 
 
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def poisoned(shape, dtype):
     """An output buffer filled with NaN: an element a kernel should write and did not stays NaN."""
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
@@ -50,6 +53,22 @@ def device_array_or_none(t, name: str):
     from hipattn import arrays
 
     return None if t is None else arrays.as_device_array(t, name)
+
+
+def describe_call(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                  max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None):
+    """attention.forward's first step, for tests that call an ops launcher directly: returns
+    ((q, k, v) as DeviceArrays, the sequence DeviceArrays as the launchers' keyword arguments, the Problem)."""
+    from hipattn import arrays
+    from hipattn import problem as problem_mod
+
+    qkv = tuple(arrays.as_device_array(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+    sequences = {name: device_array_or_none(t, name) for name, t in (
+        ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q),
+        ("seqused_k", seqused_k))}
+    problem = problem_mod.describe(*qkv, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                   causal=causal, softmax_scale=softmax_scale)
+    return qkv, sequences, problem
 
 
 def relative_error(actual, expected) -> float:

@@ -26,7 +26,9 @@ from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
     TOLERANCE,
+    TORCH_DTYPE,
     cumulative,
+    describe_call,
     device_array_or_none,
     poisoned,
     randn_like,
@@ -35,8 +37,6 @@ from .conftest import (
     worst_row_error,
 )
 from .reference import attention_reference
-
-TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Lengths that hit every edge: empty on either side (queries with no key, keys with no query), one
 # token, 17/18 around the small-seq tile, and lengths that are not multiples of any tile (63, 65,
@@ -54,13 +54,9 @@ def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_s
     ``out`` and ``lse`` are allocated unless given (a given pair is reused as it is: the deterministic
     test replays the backward on one forward's output). ``work_list``: THD calls pass the
     varlen_records section (poisoned: the backward prepares it)."""
-    qa, ka, va = arrays.as_device_array(q, "q"), arrays.as_device_array(k, "k"), arrays.as_device_array(v, "v")
-    cu_q, cu_k = device_array_or_none(cu_seqlens_q, "cu_seqlens_q"), device_array_or_none(cu_seqlens_k, "cu_seqlens_k")
-    used_q, used_k = device_array_or_none(seqused_q, "seqused_q"), device_array_or_none(seqused_k, "seqused_k")
-    problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
-                                   seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   causal=causal, softmax_scale=softmax_scale)
-    sequences = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+    (qa, ka, va), sequences, problem = describe_call(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale)
     run_forward = out is None
     if run_forward:
         out = poisoned(q.shape, q.dtype)

@@ -18,8 +18,9 @@ from hipattn.streams import on_device, resolve_stream
 
 from .conftest import (
     TOLERANCE,
+    TORCH_DTYPE,
     cumulative,
-    device_array_or_none,
+    describe_call,
     fresh_seed,
     poisoned,
     randn_like,
@@ -28,8 +29,6 @@ from .conftest import (
 )
 from .reference import attention_reference
 
-TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 # Lengths that hit every edge: empty, one token, the small-seq tile (17) and one past it, a long
 # sequence, and lengths that are not multiples of any tile (63, 65, 129, 200, 333). Q shorter and
 # longer than KV both appear, as does a sequence with queries and no keys.
@@ -37,20 +36,15 @@ LENGTHS_Q = [0, 1, 17, 18, 1000, 65, 200, 129, 5, 333, 40]
 LENGTHS_K = [9, 1, 18, 17, 1000, 63, 129, 200, 0, 40, 333]
 
 
-def flash_forward(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-                  max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None, stream=None):
-    """What attention.forward does, with ops.flash.forward in place of dispatch's choice."""
-    qa, ka, va = arrays.as_device_array(q, "q"), arrays.as_device_array(k, "k"), arrays.as_device_array(v, "v")
-    cu_q, cu_k = device_array_or_none(cu_seqlens_q, "cu_seqlens_q"), device_array_or_none(cu_seqlens_k, "cu_seqlens_k")
-    used_q, used_k = device_array_or_none(seqused_q, "seqused_q"), device_array_or_none(seqused_k, "seqused_k")
-    problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
-                                   seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   causal=causal, softmax_scale=softmax_scale)
+def flash_forward(q, k, v, out, lse, *, stream=None, **call):
+    """What attention.forward does, with ops.flash.forward in place of dispatch's choice. ``call``:
+    describe_call's keyword arguments."""
+    (qa, ka, va), sequences, problem = describe_call(q, k, v, **call)
     assert tuple(lse.shape) == problem_mod.lse_shape(problem)
     with on_device(get_backend(), problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
-                      launch_stream, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+                      launch_stream, **sequences)
     return problem
 
 

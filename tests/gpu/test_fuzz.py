@@ -23,6 +23,7 @@ from hipattn.families import FLASH_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_T
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
     TOLERANCE,
+    TORCH_DTYPE,
     cumulative,
     poisoned,
     record_errors,
@@ -31,7 +32,6 @@ from .conftest import (
 )
 from .reference import attention_reference
 
-TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Long enough for several flash tiles on either side, short enough for a float64 reference per draw.
 LONGEST = 300
 EXAMPLES = 60

@@ -14,6 +14,7 @@ from hipattn.families import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSE
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
     TOLERANCE,
+    TORCH_DTYPE,
     fresh_seed,
     poisoned,
     randn_like,
@@ -22,8 +23,6 @@ from .conftest import (
     worst_row_error,
 )
 from .reference import attention_reference
-
-TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, rng):
