@@ -234,8 +234,8 @@ def build_cases(quick: bool = False) -> list[Case]:
         for name in bad_q:
             cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}", cu_seqlens_q=bad_q[name],
                               cu_seqlens_k=bad_k[name], adversarial=True, **base))
-    # The flash backward, called directly, THD with its work list: key
-    # lengths across the dK/dV tiles (128 keys at head_dim 64, 64 at 128), both dQ schedules, the
+    # The flash backward, called directly, THD with its work list: key lengths across the dK/dV
+    # tiles (128 keys, or 64 at head_dim 128 off Hopper: families.flash_backward_tiles), both dQ schedules, the
     # work list from the kernel and from the host path; then adversarial descriptions.
     backward_q = cumulative([0, 1, 90, 33])
     backward_k = cumulative([5, 150, 0, 70])
