@@ -339,6 +339,80 @@ FLASH_FORWARD_MMA = _register(
     )
 )
 
+# ---- general attention forward on Hopper's warpgroup tensor cores (wgmma, sm_90a) ----------------
+
+# The only target with wgmma: the arch-specific variant of compute capability 9.0 (H100, H200, GH200).
+# The CUDA backend reports every 9.0 device as sm_90a, so these kernels, and every other one, are
+# built for it there.
+WGMMA_ARCH = "sm_90a"
+
+
+def runs_nvidia_wgmma(target: Target | None) -> bool:
+    """Whether ``target`` runs the wgmma kernels: NVIDIA sm_90a."""
+    return target is not None and target.arch == WGMMA_ARCH
+
+
+@dataclass(frozen=True)
+class FlashForwardWgmmaTiles:
+    """One row of the wgmma flash forward's tile table: the kernel's BLOCK_N, WARPGROUPS and STAGES."""
+
+    block_n: int  # keys per tile of the inner loop: one wgmma's N for S (64 or 128)
+    warpgroups: int  # 64 query rows each; they share the block's K and V tiles
+    stages: int = 1  # K and V shared-memory slots each (1 = FlashAttention-2's interleaved schedule)
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+
+# Per head_dim, for both 16-bit dtypes. The tensor cores read Q, K and V from shared memory, so a
+# thread holds only S (block_n / 2 fp32), P (block_n / 4) and O (head_dim / 2): 157 to 223 registers
+# without spills, and two or three blocks per multiprocessor overlap one block's softmax with another's
+# matrix products.
+FLASH_FORWARD_WGMMA_TILES: dict[int, FlashForwardWgmmaTiles] = {
+    64: FlashForwardWgmmaTiles(block_n=128, warpgroups=1),
+    96: FlashForwardWgmmaTiles(block_n=128, warpgroups=1),
+    128: FlashForwardWgmmaTiles(block_n=128, warpgroups=1),
+    256: FlashForwardWgmmaTiles(block_n=64, warpgroups=1),
+}
+
+
+def flash_forward_wgmma_shared_bytes(head_dim: int, tiles: FlashForwardWgmmaTiles, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of one wgmma flash forward block: flash::WgmmaForwardTiles<...>::kBytes.
+
+    The Q tile (64 rows per warpgroup), then STAGES K slots and STAGES V slots (block_n rows each),
+    unpadded (wgmma's core-matrix layout has no bank conflicts to pad against).
+    """
+    return (tiles.block_m + 2 * tiles.stages * tiles.block_n) * head_dim * element_bytes
+
+
+def flash_forward_wgmma_spec(dtype: str, head_dim: int, tiles: FlashForwardWgmmaTiles | None = None) -> KernelSpec:
+    tiles = tiles or FLASH_FORWARD_WGMMA_TILES[head_dim]
+    return FLASH_FORWARD_WGMMA.spec(dtype=dtype, head_dim=head_dim, block_n=tiles.block_n,
+                                    warpgroups=tiles.warpgroups, stages=tiles.stages)
+
+
+def _flash_forward_wgmma_specs(target: Target) -> list[KernelSpec]:
+    if not runs_nvidia_wgmma(target):
+        return []
+    return [flash_forward_wgmma_spec(t, d) for t in DTYPES for d in FLASH_HEAD_DIMS]
+
+
+FLASH_FORWARD_WGMMA = _register(
+    KernelFamily(
+        name="flash_forward_wgmma",
+        source="flash/forward_wgmma.hip",
+        template="hipattn::flash_forward_wgmma",
+        template_params=("dtype", "head_dim", "block_n", "warpgroups", "stages"),
+        params=FLASH_FORWARD_MMA.params,
+        shipped=_flash_forward_wgmma_specs,
+    )
+)
+
 # ---- general attention forward on AMD matrix cores (MFMA 16x16x16, wave64: gfx90a, gfx94x) --------
 
 # The processors whose MFMA 16x16x16 f16 and bf16_1k instructions kernels/common/mma_amd.h uses (its

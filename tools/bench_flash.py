@@ -2,6 +2,7 @@
 
     python tools/bench_flash.py --out bench_flash.json                       # the issue's table
     python tools/bench_flash.py --peers hipattn,hipattn@128x64x1x2 --no-backward   # a forward tile sweep
+    python tools/bench_flash.py --peers hipattn@w128x1x1,hipattn@w64x2x2 --no-backward  # wgmma tiles (sm_90a)
 
 Workloads (issues 4 and 5): bf16, head_dim 128, 16 heads, 16k tokens per batch. Batch mode: BSHD with
 B = 16384 / S for S in 512 .. 16384. Varlen: the same 16k tokens split into sequences of lengths
@@ -12,8 +13,9 @@ counts 3.5 times that (the backward does 2.5 forwards' worth of matrix products)
 Peers, each in its own process so that a failing one cannot take the others down: hipattn through
 its public entry points (hipattn.forward / hipattn.backward, the flash path), torch SDPA's flash
 (FA2) and cuDNN backends on the same data in [B, H, S, D] views (batch mode), and torch's varlen
-attention (varlen mode). ``hipattn@BMxBNxSTAGESxMTILES`` times hipattn's forward kernel with those
-tiles (ops.flash.forward directly) and checks its output against SDPA's.
+attention (varlen mode). ``hipattn@BMxBNxSTAGESxMTILES`` times hipattn's mma.sync forward kernel with
+those tiles and ``hipattn@wBNxWARPGROUPSxSTAGES`` its wgmma one (ops.flash.forward directly, which lets the
+mma.sync kernel run on sm_90a too); each checks its output against SDPA's.
 """
 
 from __future__ import annotations
@@ -53,10 +55,15 @@ def forward_flops(lengths: list[int], causal: bool) -> float:
 
 
 def _tiles(peer: str):
-    """The tile override of a peer named ``hipattn@BMxBNxSTAGESxMTILES`` (a tile sweep), else None."""
-    from hipattn.families import FlashForwardTiles
+    """The tile override of a peer named ``hipattn@BMxBNxSTAGESxMTILES`` (mma.sync) or
+    ``hipattn@wBNxWARPGROUPSxSTAGES`` (wgmma)."""
+    from hipattn.families import FlashForwardTiles, FlashForwardWgmmaTiles
 
-    block_m, block_n, stages, m_tiles = map(int, peer.split("@", 1)[1].split("x"))
+    name = peer.split("@", 1)[1]
+    if name.startswith("w"):
+        block_n, warpgroups, stages = map(int, name[1:].split("x"))
+        return FlashForwardWgmmaTiles(block_n=block_n, warpgroups=warpgroups, stages=stages)
+    block_m, block_n, stages, m_tiles = map(int, name.split("x"))
     return FlashForwardTiles(block_m=block_m, block_n=block_n, stages=stages, m_tiles=m_tiles)
 
 
@@ -194,7 +201,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_flash.json")
     parser.add_argument("--peers", default=",".join(PEERS),
-                        help="comma-separated; hipattn@BMxBNxSTAGESxMTILES times hipattn's forward with those tiles")
+                        help="comma-separated; hipattn@BMxBNxSTAGESxMTILES (mma.sync) or hipattn@wBNxWARPGROUPSxSTAGES "
+                             "(wgmma) times hipattn's forward with those tiles")
     parser.add_argument("--workloads", default=",".join([*map(str, SEQLENS), "varlen"]),
                         help="sequence lengths S of batch mode, and/or 'varlen'")
     parser.add_argument("--no-backward", action="store_true", help="time the forward only")

@@ -250,7 +250,9 @@ class CudaBackend(Backend):
             "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MINOR)",
             self._driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, handle),
         )
-        return Target.parse(f"sm_{major}{minor}")
+        # Compute capability 9.0 runs sm_90a's arch-specific instructions (wgmma); naming the device
+        # sm_90a builds every kernel for it, and lets families.runs_nvidia_wgmma pick the wgmma ones.
+        return Target.parse(f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else ""))
 
     def device_name(self, device: int) -> str:
         handle = self._device_handle(device)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import functools
 
 from ..backends import get_backend
-from ..families import FlashBackwardTiles, flash_backward_tiles, runs_amd_mfma, runs_nvidia_mma
+from ..families import (
+    FlashBackwardTiles,
+    flash_backward_tiles,
+    runs_amd_mfma,
+    runs_nvidia_mma,
+    runs_nvidia_wgmma,
+)
 
 
 @functools.cache
@@ -15,6 +21,12 @@ def has_nvidia_mma(device: int) -> bool:
     Cached per device: callers that swap the backend (tests) call ``forget_devices()``.
     """
     return runs_nvidia_mma(get_backend().device_target(device))
+
+
+@functools.cache
+def has_nvidia_wgmma(device: int) -> bool:
+    """Whether ``device`` runs the wgmma kernels (NVIDIA sm_90a: H100, H200). Cached as above."""
+    return runs_nvidia_wgmma(get_backend().device_target(device))
 
 
 @functools.cache
@@ -32,5 +44,5 @@ def backward_tiles(device: int, head_dim: int) -> tuple[FlashBackwardTiles, Flas
 
 def forget_devices() -> None:
     """Drop every answer cached above (a test that swaps the backend has new devices)."""
-    for cached in (has_nvidia_mma, has_amd_mfma, backward_tiles):
+    for cached in (has_nvidia_mma, has_nvidia_wgmma, has_amd_mfma, backward_tiles):
         cached.cache_clear()

@@ -1,5 +1,5 @@
-"""Launch the general attention forward (FlashAttention-2 on tensor cores): mma.sync on NVIDIA sm_80+,
-MFMA on AMD gfx90a/gfx94x. Every call the small-seq path cannot take comes here (hipattn.dispatch).
+"""Launch the general attention forward (FlashAttention-2 on tensor cores): wgmma on NVIDIA sm_90a
+(H100, H200), mma.sync on other NVIDIA sm_80+ parts, MFMA on AMD gfx90a/gfx94x. Every call the small-seq path cannot take comes here (hipattn.dispatch).
 
 The caller has validated the problem (problem.describe), made the device current and resolved the
 stream; everything here is enqueued on that stream, nothing synchronizes, and the grid is sized from
@@ -15,18 +15,22 @@ from ..backends import get_backend
 from ..families import (
     FLASH_FORWARD_MFMA_TILES,
     FLASH_FORWARD_TILES,
+    FLASH_FORWARD_WGMMA_TILES,
     FLASH_HEAD_DIMS,
     FlashForwardMfmaTiles,
     FlashForwardTiles,
+    FlashForwardWgmmaTiles,
     flash_forward_mfma_shared_bytes,
     flash_forward_mfma_spec,
     flash_forward_shared_bytes,
     flash_forward_spec,
+    flash_forward_wgmma_shared_bytes,
+    flash_forward_wgmma_spec,
 )
 from ..problem import Problem
 from ..registry import get_kernel
 from ..spec import KernelSpec
-from .capabilities import has_amd_mfma, has_nvidia_mma
+from .capabilities import has_amd_mfma, has_nvidia_mma, has_nvidia_wgmma
 from .fields import forward_fields
 
 # grid.x is at most 2^31 - 1 blocks on every sm_80+ part. HIP counts the grid in work-items, in 32
@@ -35,11 +39,14 @@ MAX_GRID_X = 2**31 - 1
 MAX_AMD_WORK_ITEMS = 2**32 - 1
 
 
+Tiles = FlashForwardTiles | FlashForwardWgmmaTiles | FlashForwardMfmaTiles
+
+
 class _Launch(NamedTuple):
     """The device's matrix-core forward for one problem: its spec, tiles and dynamic shared bytes."""
 
     spec: KernelSpec
-    tiles: FlashForwardTiles | FlashForwardMfmaTiles
+    tiles: Tiles
     shared_bytes: int
     amd: bool
 
@@ -54,13 +61,24 @@ def ineligibility(problem: Problem) -> str | None:
     return None
 
 
+def default_tiles(device: int, head_dim: int) -> Tiles:
+    """The table row the device's kernel takes: wgmma on sm_90a, MFMA on AMD, mma.sync elsewhere."""
+    if has_amd_mfma(device):
+        return FLASH_FORWARD_MFMA_TILES[head_dim]
+    if has_nvidia_wgmma(device):
+        return FLASH_FORWARD_WGMMA_TILES[head_dim]
+    return FLASH_FORWARD_TILES[head_dim]
+
+
 @functools.cache
-def _launch_of(dtype: str, head_dim: int, amd: bool, tiles: FlashForwardTiles | FlashForwardMfmaTiles | None):
-    if amd:
-        tiles = tiles or FLASH_FORWARD_MFMA_TILES[head_dim]
+def _launch_of(dtype: str, head_dim: int, tiles: Tiles) -> _Launch:
+    """The kernel a tile row names: its type says which (so a sweep can time mma.sync on sm_90a too)."""
+    if isinstance(tiles, FlashForwardMfmaTiles):
         return _Launch(flash_forward_mfma_spec(dtype, head_dim, tiles), tiles,
                        flash_forward_mfma_shared_bytes(head_dim, tiles), True)
-    tiles = tiles or FLASH_FORWARD_TILES[head_dim]
+    if isinstance(tiles, FlashForwardWgmmaTiles):
+        return _Launch(flash_forward_wgmma_spec(dtype, head_dim, tiles), tiles,
+                       flash_forward_wgmma_shared_bytes(head_dim, tiles), False)
     return _Launch(flash_forward_spec(dtype, head_dim, tiles), tiles, flash_forward_shared_bytes(head_dim, tiles), False)
 
 
@@ -70,17 +88,18 @@ def grid_blocks(problem: Problem, block_m: int) -> int:
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, tiles: FlashForwardTiles | None = None) -> None:
+            seqused_q=None, seqused_k=None, tiles: Tiles | None = None) -> None:
     """Enqueue O and LSE: one block per (query tile, sequence, query head).
 
     Rows beyond a sequence's length are not written (as flash-attn). A row that sees no key gets
-    O = 0 and LSE = +inf. ``tiles`` overrides the NVIDIA table row for head_dim
-    (tools/bench_flash.py sweeps tiles this way); the default is FLASH_FORWARD_TILES.
+    O = 0 and LSE = +inf. ``tiles`` overrides the table row for head_dim, and with it the kernel
+    (tools/bench_flash.py sweeps tiles this way, and times mma.sync against wgmma on one device);
+    the default is default_tiles.
     """
     reason = ineligibility(problem)
     if reason is not None:
         raise ValueError(f"flash forward: {reason}")
-    launch = _launch_of(problem.dtype, problem.head_dim, has_amd_mfma(problem.device), tiles)
+    launch = _launch_of(problem.dtype, problem.head_dim, tiles or default_tiles(problem.device, problem.head_dim))
     threads = launch.tiles.threads
     blocks = grid_blocks(problem, launch.tiles.block_m)
     if blocks == 0:

@@ -15,14 +15,11 @@
 // later tile while P V is. With STAGES = 1 that is FA2's schedule (one K and one V buffer); each
 // extra stage lets the copies run one more tile ahead.
 //
-// Conventions (flash-attn's): causal is bottom-right aligned, query i sees key j when
-// j <= i + len_k - len_q; a row that sees no key gets O = 0 and LSE = +inf. Sequence lengths read
-// from the device are clamped to the host's max_seqlen and total (sequence_bounds), and the grid
-// covers ceil(max_seqlen_q / BLOCK_M) query tiles per (sequence, head): blocks whose tile starts past
-// their sequence's real length return at once.
+// Block decode, masking conventions, the online softmax and the LSE are flash/forward_common.h's,
+// shared with the Hopper (wgmma) forward.
 #pragma once
 #include "common/mma_nvidia.h"
-#include "common/sequence.h"
+#include "flash/forward_common.h"
 #include "flash/staging.h"
 
 namespace hipattn {
@@ -73,39 +70,16 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
 
-  // ---- which (query tile, sequence, head): the query tile varies fastest, heaviest (last) first ----
-  const int m_blocks = (p.max_seqlen_q + BLOCK_M - 1) / BLOCK_M;
-  const unsigned int problem = blockIdx.x / static_cast<unsigned int>(m_blocks);
-  const int m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % static_cast<unsigned int>(m_blocks));
-  const int head = static_cast<int>(problem % static_cast<unsigned int>(p.heads_q));
-  const int batch_index = static_cast<int>(problem / static_cast<unsigned int>(p.heads_q));
-  const int head_kv = head / (p.heads_q / p.heads_kv);
-
-  const Sequence seq_q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q),
-                                         static_cast<const int*>(p.seqused_q), batch_index, p.max_seqlen_q,
-                                         p.total_q, p.max_seqlen_q);
-  const Sequence seq_k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k),
-                                         static_cast<const int*>(p.seqused_k), batch_index, p.max_seqlen_k,
-                                         p.total_k, p.max_seqlen_k);
-  const int len_q = seq_q.length;
-  const int len_k = seq_k.length;
-  const int m0 = m_block * BLOCK_M;
-  if (m0 >= len_q) return;  // uniform over the block, before any barrier
-
-  // Keys this block's stored rows can see: [0, key_end). Causal: its last row, row_end - 1, sees keys
-  // up to row_end - 1 + len_k - len_q.
-  const int diagonal = len_k - len_q;  // query i sees key j <= i + diagonal when causal
-  const int row_end = len_q < m0 + BLOCK_M ? len_q : m0 + BLOCK_M;
-  int key_end = len_k;
-  if (p.causal) key_end = clamp_int(row_end + diagonal, 0, len_k);
-  const int n_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
-
-  const T* const q_rows = static_cast<const T*>(p.q) + batch_index * p.q_batch_stride +
-                          static_cast<long long>(seq_q.start + m0) * p.q_token_stride + head * p.q_head_stride;
-  const T* const k_rows = static_cast<const T*>(p.k) + batch_index * p.k_batch_stride +
-                          static_cast<long long>(seq_k.start) * p.k_token_stride + head_kv * p.k_head_stride;
-  const T* const v_rows = static_cast<const T*>(p.v) + batch_index * p.v_batch_stride +
-                          static_cast<long long>(seq_k.start) * p.v_token_stride + head_kv * p.v_head_stride;
+  bool empty;
+  const flash::ForwardBlock b = flash::forward_block<T, BLOCK_M, BLOCK_N>(p, empty);
+  if (empty) return;  // uniform over the block, before any barrier
+  const int len_q = b.seq_q.length;
+  const int len_k = b.seq_k.length;
+  const int m0 = b.m0;
+  const int n_tiles = b.n_tiles;
+  const T* const q_rows = static_cast<const T*>(b.q);
+  const T* const k_rows = static_cast<const T*>(b.k);
+  const T* const v_rows = static_cast<const T*>(b.v);
   T* const q_tile = shared;
   T* const k_slots = shared + Tiles::kKOffset;
   T* const v_slots = shared + Tiles::kVOffset;
@@ -153,17 +127,9 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
   const int warp_first = m0 + Tiles::kWarpRows * warp;  // the warp's first query row in the sequence
-  // Per accumulator row (m-tile mt, r = 0 for g, 1 for g + 8): keys [0, key_limit[mt][r]) are visible.
-  int key_limit[M_TILES][2];
+  int key_limit[M_TILES][2];  // per m-tile and accumulator row: keys [0, key_limit) are visible
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = warp_first + 16 * mt + g + 8 * r;
-      key_limit[mt][r] = p.causal ? clamp_int(row + diagonal + 1, 0, len_k) : len_k;
-    }
-  // A tile needs masking when it reaches past the sequence or past the first row's diagonal.
-  const int unmasked_end = p.causal ? clamp_int(m0 + diagonal + 1, 0, len_k) : len_k;
+  for (int mt = 0; mt < M_TILES; ++mt) flash::key_limits(p, b, warp_first + 16 * mt + g, key_limit[mt]);
 
   float o[M_TILES][kDTiles][4];
 #pragma unroll
@@ -222,61 +188,13 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
       }
     }
 
-    // ---- online softmax, base 2; masked scores become -inf by selection (a NaN from a stale K
-    // row is discarded, not multiplied) ----
-    const bool masked = n0 + BLOCK_N > unmasked_end;
+    // ---- online softmax ----
+    const bool masked = n0 + BLOCK_N > b.unmasked_end;
     unsigned int p_packed[M_TILES][kNTiles][2];  // P in T, the A operand of P V
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-      if (masked) {
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = n0 + 8 * n + 2 * t + (e & 1);
-            s[mt][n][e] = key < key_limit[mt][e / 2] ? s[mt][n][e] * scale_log2 : -infinity();
-          }
-      } else {
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][n][e] *= scale_log2;
-      }
-      float tile_max[2] = {row_max[mt][0], row_max[mt][1]};
-#pragma unroll
-      for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[mt][n][e]);
-      float reference[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        // A row's BLOCK_N scores live in the 4 lanes of one quad.
-        tile_max[r] = fmaxf(tile_max[r], shfl_xor(tile_max[r], 1, 32, 0xffffffffu));
-        tile_max[r] = fmaxf(tile_max[r], shfl_xor(tile_max[r], 2, 32, 0xffffffffu));
-        // A row that has seen nothing yet keeps max -inf; subtracting 0 instead makes every p 0
-        // (exp2(-inf) = 0) rather than NaN (-inf - -inf).
-        reference[r] = tile_max[r] == -infinity() ? 0.0f : tile_max[r];
-        const float correction = fast_exp2(row_max[mt][r] - reference[r]);  // 0 when row_max was -inf
-        row_max[mt][r] = tile_max[r];
-        row_sum[mt][r] *= correction;
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-          o[mt][d][2 * r] *= correction;
-          o[mt][d][2 * r + 1] *= correction;
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < kNTiles; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[mt][n][e] = fast_exp2(s[mt][n][e] - reference[e / 2]);
-          row_sum[mt][e / 2] += s[mt][n][e];
-        }
-        // Rounded to T at once: P lives on as half as many registers until P V.
-        p_packed[mt][n][0] = mma::pack2<T>(s[mt][n][0], s[mt][n][1]);  // row g
-        p_packed[mt][n][1] = mma::pack2<T>(s[mt][n][2], s[mt][n][3]);  // row g + 8
-      }
-    }
+    for (int mt = 0; mt < M_TILES; ++mt)
+      flash::online_softmax<T>(s[mt], o[mt], row_max[mt], row_sum[mt], p_packed[mt], masked, n0, key_limit[mt],
+                               scale_log2, t);
 
     mma::wait_async_copies_except<kInFlight>();  // V[i] has landed for this thread
     __syncthreads();                             // ... for every thread; K[i]'s slot is free
@@ -317,18 +235,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
     float inv_sum[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[mt][r];
-      sum += shfl_xor(sum, 1, 32, 0xffffffffu);
-      sum += shfl_xor(sum, 2, 32, 0xffffffffu);
-      inv_sum[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const int row = warp_first + 16 * mt + g + 8 * r;
-      if (t == 0 && row < len_q) {
-        static_cast<float*>(p.lse)[batch_index * p.lse_batch_stride + head * p.lse_head_stride + seq_q.start + row] =
-            sum > 0.0f ? (row_max[mt][r] + fast_log2(sum)) * 0.6931471805599453f : infinity();
-      }
-    }
+    flash::finish_rows(p, b, warp_first + 16 * mt + g, row_max[mt], row_sum[mt], inv_sum, t);
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
@@ -339,8 +246,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   }
   __syncwarp();
   const int rows = len_q - warp_first < Tiles::kWarpRows ? len_q - warp_first : Tiles::kWarpRows;
-  T* const o_rows = static_cast<T*>(p.o) + batch_index * p.o_batch_stride +
-                    static_cast<long long>(seq_q.start + warp_first) * p.o_token_stride + head * p.o_head_stride;
+  T* const o_rows = static_cast<T*>(p.o) + b.batch_index * p.o_batch_stride +
+                    static_cast<long long>(b.seq_q.start + warp_first) * p.o_token_stride + b.head * p.o_head_stride;
   for (int c = lane; c < rows * Tiles::kChunks; c += 32) {
     const int r = c / Tiles::kChunks;
     const int chunk = c % Tiles::kChunks;

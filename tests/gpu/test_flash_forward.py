@@ -12,7 +12,7 @@ import torch
 from hipattn import arrays
 from hipattn import problem as problem_mod
 from hipattn.backends import get_backend
-from hipattn.families import FLASH_FORWARD_TILES, FLASH_HEAD_DIMS
+from hipattn.families import FLASH_FORWARD_TILES, FLASH_FORWARD_WGMMA_TILES, FLASH_HEAD_DIMS
 from hipattn.ops import flash
 from hipattn.streams import on_device, resolve_stream
 
@@ -36,15 +36,15 @@ LENGTHS_Q = [0, 1, 17, 18, 1000, 65, 200, 129, 5, 333, 40]
 LENGTHS_K = [9, 1, 18, 17, 1000, 63, 129, 200, 0, 40, 333]
 
 
-def flash_forward(q, k, v, out, lse, *, stream=None, **call):
+def flash_forward(q, k, v, out, lse, *, stream=None, tiles=None, **call):
     """What attention.forward does, with ops.flash.forward in place of dispatch's choice. ``call``:
-    describe_call's keyword arguments."""
+    describe_call's keyword arguments; ``tiles`` picks a kernel other than the device's own."""
     (qa, ka, va), sequences, problem = describe_call(q, k, v, **call)
     assert tuple(lse.shape) == problem_mod.lse_shape(problem)
     with on_device(get_backend(), problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
-                      launch_stream, **sequences)
+                      launch_stream, tiles=tiles, **sequences)
     return problem
 
 
@@ -96,7 +96,7 @@ def _check(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, case):
 
 
 def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, bound_slack=0,
-                 tail_rows=0, case=""):
+                 tail_rows=0, tiles=None, case=""):
     """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
     cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
     t = TORCH_DTYPE[dtype]
@@ -109,7 +109,7 @@ def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causa
     flash_forward(q, k, v, out, lse, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                   cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
                   max_seqlen_q=max(lengths_q, default=0) + bound_slack,
-                  max_seqlen_k=max(lengths_k, default=0) + bound_slack, causal=causal)
+                  max_seqlen_k=max(lengths_k, default=0) + bound_slack, causal=causal, tiles=tiles)
     torch.cuda.synchronize()
     nq, nk = cu_q[-1], cu_k[-1]
     assert torch.isnan(out[nq:]).all() and torch.isnan(lse[:, nq:]).all(), f"{case}: rows past the last sequence written"
@@ -123,6 +123,15 @@ def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causa
 def test_every_shipped_instantiation_matches_float64_and_sdpa(dtype, head_dim, causal, rng):
     _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 4, head_dim, dtype, causal, rng, tail_rows=3,
                  case=f"{dtype} d{head_dim} causal={causal}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_mma_sync_kernel_matches_float64_and_sdpa(dtype, head_dim, causal, rng):
+    """The sm_80+ kernel that H100/H200 do not pick (they run wgmma), through its table row."""
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, dtype, causal, rng, tail_rows=3,
+                 tiles=FLASH_FORWARD_TILES[head_dim], case=f"mma.sync {dtype} d{head_dim} causal={causal}")
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (6, 1), (12, 4)])
@@ -149,7 +158,8 @@ def test_lengths_around_the_tiles(lengths_q, lengths_k, causal, rng):
 
 def test_max_seqlen_is_an_upper_bound(rng):
     """A bound far above every real length launches idle blocks that must write nothing."""
-    block_m = max(tiles.block_m for tiles in FLASH_FORWARD_TILES.values())
+    block_m = max(tiles.block_m for table in (FLASH_FORWARD_TILES, FLASH_FORWARD_WGMMA_TILES)
+                  for tiles in table.values())
     _varlen_case([33, 250, 7], [250, 33, 7], 4, 2, 128, "bf16", True, rng, bound_slack=3 * block_m + 5,
                  tail_rows=2, case="bound slack")
 

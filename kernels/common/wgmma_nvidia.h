@@ -1,0 +1,147 @@
+// NVIDIA Hopper warpgroup tensor-core helpers (sm_90a only): wgmma.mma_async m64nNk16 with fp32
+// accumulators, operands in shared memory described by matrix descriptors, A optionally in registers.
+//
+// A warpgroup is four consecutive warps starting at a warp index divisible by 4; all 128 threads
+// issue every wgmma together. For m64nN, warp w of the group owns rows 16w .. 16w + 15 and its
+// accumulators are laid out like mma.sync's m16n8 C fragment repeated over the N / 8 column tiles:
+// d[n][0..1] is row g, columns 8n + 2t, 8n + 2t + 1 and d[n][2..3] row g + 8 (g = lane / 4,
+// t = lane % 4). A from registers has mma.sync's m16k16 A fragment layout, per warp.
+//
+// Shared tiles use the "interleaved" layout (no swizzle): a core matrix of 8 rows x 16 bytes is 128
+// contiguous bytes, and a tile of COLS 16-bit columns is stored row block after row block, each row
+// block its COLS / 8 core matrices side by side (core_offset). A 16-byte chunk of a row is one
+// cp.async, and a core matrix read is one conflict-free 128-byte line.
+#pragma once
+#include "common/mma_nvidia.h"
+
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "wgmma_nvidia.h needs the sm_90a target (wgmma exists only there)"
+#endif
+
+namespace hipattn {
+namespace wgmma {
+
+typedef unsigned long long u64;
+
+// Element offset of (row, col) in a shared tile of COLS columns in the interleaved core layout.
+template <int COLS>
+HIPATTN_DEVICE constexpr int core_offset(int row, int col) {
+  return (row / 8) * 8 * COLS + (col / 8) * 64 + (row % 8) * 8 + col % 8;
+}
+
+// Bytes between vertically adjacent core matrices (one row block) of a tile of COLS 16-bit columns;
+// horizontally adjacent ones are kCoreBytes apart.
+template <int COLS>
+constexpr int kRowBlockBytes = 16 * COLS;
+constexpr int kCoreBytes = 128;
+
+// A matrix descriptor: start address, the byte distance between core matrices adjacent along K
+// (the "leading" dimension) and along M or N (the "stride" dimension), no swizzle. Byte offsets
+// added to a descriptor later (k steps) are added as (bytes >> 4) to its low field.
+HIPATTN_DEVICE u64 descriptor(unsigned int shared_address, int k_adjacent_bytes, int mn_adjacent_bytes) {
+  return static_cast<u64>((shared_address & 0x3ffffu) >> 4) | (static_cast<u64>(k_adjacent_bytes >> 4) << 16) |
+         (static_cast<u64>(mn_adjacent_bytes >> 4) << 32);
+}
+
+HIPATTN_DEVICE constexpr u64 advance(u64 descriptor, int bytes) { return descriptor + static_cast<u64>(bytes >> 4); }
+
+// Before the first wgmma of a batch whose accumulator or A registers other instructions touched.
+HIPATTN_DEVICE void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+HIPATTN_DEVICE void commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int PENDING>
+HIPATTN_DEVICE void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+
+// Shared memory written by ordinary stores or cp.async (the generic proxy) and read next by wgmma
+// (the async proxy): each writing thread fences after its writes complete, before the barrier.
+HIPATTN_DEVICE void fence_shared_for_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Accumulators are written by the tensor cores until wait(): pinning each register through an
+// empty asm after the wait keeps the compiler from moving their reads above it (and, before a
+// batch, their writes below the fence).
+template <int N_TILES>
+HIPATTN_DEVICE void pin(float (&d)[N_TILES][4]) {
+#pragma unroll
+  for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e])::"memory");
+}
+
+// d (+)= A B for one k16 step, m64nN. ss: A and B from shared memory, both K-major (rows of A and
+// of B contiguous along K). rs: A from registers, B MN-major (rows of B contiguous along N: the
+// transpose bit set). `accumulate` 0 overwrites d.
+template <typename T, int N>
+HIPATTN_DEVICE void mma_ss(float (&d)[N / 8][4], u64 a, u64 b, int accumulate);
+template <typename T, int N>
+HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64 b, int accumulate);
+
+// Inline-asm operand lists: "%0, %1, ..." for the accumulators in tens, and their "+f" constraints
+// in eights (d[n][e] is register 4n + e). The constraint lists are function-like macros, passed by
+// name and invoked inside HIPATTN_WGMMA, so that their commas do not split the outer macro's arguments.
+#define HIPATTN_OPS_UNITS "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
+#define HIPATTN_OPS_TENS(t) \
+  "%" #t "0, %" #t "1, %" #t "2, %" #t "3, %" #t "4, %" #t "5, %" #t "6, %" #t "7, %" #t "8, %" #t "9, "
+#define HIPATTN_OPS_32 HIPATTN_OPS_UNITS HIPATTN_OPS_TENS(1) HIPATTN_OPS_TENS(2) "%30, %31"
+#define HIPATTN_OPS_48 \
+  HIPATTN_OPS_UNITS HIPATTN_OPS_TENS(1) HIPATTN_OPS_TENS(2) HIPATTN_OPS_TENS(3) "%40, %41, %42, %43, %44, %45, %46, %47"
+#define HIPATTN_OPS_64 \
+  HIPATTN_OPS_UNITS HIPATTN_OPS_TENS(1) HIPATTN_OPS_TENS(2) HIPATTN_OPS_TENS(3) HIPATTN_OPS_TENS(4) \
+  HIPATTN_OPS_TENS(5) "%60, %61, %62, %63"
+#define HIPATTN_OPS_128                                                                                      \
+  HIPATTN_OPS_UNITS HIPATTN_OPS_TENS(1) HIPATTN_OPS_TENS(2) HIPATTN_OPS_TENS(3) HIPATTN_OPS_TENS(4)          \
+  HIPATTN_OPS_TENS(5) HIPATTN_OPS_TENS(6) HIPATTN_OPS_TENS(7) HIPATTN_OPS_TENS(8) HIPATTN_OPS_TENS(9)        \
+  HIPATTN_OPS_TENS(10) HIPATTN_OPS_TENS(11) "%120, %121, %122, %123, %124, %125, %126, %127"
+#define HIPATTN_ACC_8(n) \
+  "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3]), "+f"(d[n + 1][0]), "+f"(d[n + 1][1]), \
+  "+f"(d[n + 1][2]), "+f"(d[n + 1][3])
+#define HIPATTN_ACC_32() HIPATTN_ACC_8(0), HIPATTN_ACC_8(2), HIPATTN_ACC_8(4), HIPATTN_ACC_8(6)
+#define HIPATTN_ACC_48() HIPATTN_ACC_32(), HIPATTN_ACC_8(8), HIPATTN_ACC_8(10)
+#define HIPATTN_ACC_64() HIPATTN_ACC_48(), HIPATTN_ACC_8(12), HIPATTN_ACC_8(14)
+#define HIPATTN_ACC_128()                                                                                     \
+  HIPATTN_ACC_64(), HIPATTN_ACC_8(16), HIPATTN_ACC_8(18), HIPATTN_ACC_8(20), HIPATTN_ACC_8(22), HIPATTN_ACC_8(24), \
+  HIPATTN_ACC_8(26), HIPATTN_ACC_8(28), HIPATTN_ACC_8(30)
+
+// One specialisation pair per (type, N). I0.. are the operand numbers after the N / 2 accumulators.
+#define HIPATTN_WGMMA(TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2, I3, I4, I5)                                  \
+  template <>                                                                                              \
+  HIPATTN_DEVICE void mma_ss<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) {                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N     \
+                 "k16.f32." PTX_TYPE "." PTX_TYPE " {" OPS "}, %" #I0 ", %" #I1 ", p, 1, 1, 0, 0;\n}\n"      \
+                 : ACC()                                                                                   \
+                 : "l"(a), "l"(b), "r"(accumulate));                                                       \
+  }                                                                                                        \
+  template <>                                                                                              \
+  HIPATTN_DEVICE void mma_rs<TYPE, N>(float (&d)[N / 8][4], const unsigned int (&a)[4], u64 b, int accumulate) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I5 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N     \
+                 "k16.f32." PTX_TYPE "." PTX_TYPE " {" OPS "}, {%" #I0 ", %" #I1 ", %" #I2 ", %" #I3 "}, %" #I4 \
+                 ", p, 1, 1, 1;\n}\n"                                                                      \
+                 : ACC()                                                                                   \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                   \
+  }
+
+#define HIPATTN_WGMMA_BOTH_TYPES(N, OPS, ACC, I0, I1, I2, I3, I4, I5)     \
+  HIPATTN_WGMMA(bf16_t, "bf16", N, OPS, ACC, I0, I1, I2, I3, I4, I5) \
+  HIPATTN_WGMMA(half_t, "f16", N, OPS, ACC, I0, I1, I2, I3, I4, I5)
+
+HIPATTN_WGMMA_BOTH_TYPES(64, HIPATTN_OPS_32, HIPATTN_ACC_32, 32, 33, 34, 35, 36, 37)
+HIPATTN_WGMMA_BOTH_TYPES(96, HIPATTN_OPS_48, HIPATTN_ACC_48, 48, 49, 50, 51, 52, 53)
+HIPATTN_WGMMA_BOTH_TYPES(128, HIPATTN_OPS_64, HIPATTN_ACC_64, 64, 65, 66, 67, 68, 69)
+HIPATTN_WGMMA_BOTH_TYPES(256, HIPATTN_OPS_128, HIPATTN_ACC_128, 128, 129, 130, 131, 132, 133)
+
+#undef HIPATTN_WGMMA_BOTH_TYPES
+#undef HIPATTN_WGMMA
+#undef HIPATTN_ACC_128
+#undef HIPATTN_ACC_64
+#undef HIPATTN_ACC_48
+#undef HIPATTN_ACC_32
+#undef HIPATTN_ACC_8
+#undef HIPATTN_OPS_128
+#undef HIPATTN_OPS_64
+#undef HIPATTN_OPS_48
+#undef HIPATTN_OPS_32
+#undef HIPATTN_OPS_TENS
+#undef HIPATTN_OPS_UNITS
+
+}  // namespace wgmma
+}  // namespace hipattn

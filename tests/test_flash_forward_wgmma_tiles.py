@@ -1,0 +1,76 @@
+"""The Hopper (wgmma) flash forward's tile table: only sm_90a ships it, its rows fit Hopper's shared
+memory, the bytes the launcher passes agree with the layout the kernel computes, and the header that
+holds the wgmma instructions refuses every other target (all checked by NVRTC, no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+from compilers import nvrtc_backend
+
+from hipattn.errors import CompileError
+from hipattn.families import (
+    DTYPES,
+    FLASH_FORWARD_WGMMA,
+    FLASH_FORWARD_WGMMA_TILES,
+    FLASH_HEAD_DIMS,
+    HOPPER_SHARED_BYTES,
+    flash_forward_wgmma_shared_bytes,
+    runs_nvidia_wgmma,
+)
+from hipattn.sources import compile_unit
+from hipattn.spec import name_expression
+from hipattn.target import Target
+
+
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_every_row_fits_hopper_and_names_wgmma_shapes(head_dim):
+    tiles = FLASH_FORWARD_WGMMA_TILES[head_dim]
+    assert tiles.block_n in (64, 128), "S is one m64nN wgmma: the header defines N = 64 and 128 for it"
+    assert head_dim in (64, 96, 128, 256), "O is one m64nN wgmma with N = head_dim"
+    assert tiles.threads == 128 * tiles.warpgroups and tiles.block_m == 64 * tiles.warpgroups
+    assert flash_forward_wgmma_shared_bytes(head_dim, tiles) <= HOPPER_SHARED_BYTES
+
+
+def test_shared_bytes_formula():
+    # head_dim 128, 128-key tiles, one warpgroup: Q (64 rows), K and V (128 rows each), 2 bytes.
+    assert flash_forward_wgmma_shared_bytes(128, FLASH_FORWARD_WGMMA_TILES[128]) == (64 + 2 * 128) * 128 * 2
+
+
+def test_only_sm_90a_ships_it():
+    specs = FLASH_FORWARD_WGMMA.shipped(Target.parse("sm_90a"))
+    assert {(spec.arg("dtype"), spec.arg("head_dim")) for spec in specs} == {
+        (dtype, head_dim) for dtype in DTYPES for head_dim in FLASH_HEAD_DIMS
+    }
+    for arch in ("sm_80", "sm_89", "sm_90", "sm_100a", "gfx90a"):
+        assert not runs_nvidia_wgmma(Target.parse(arch))
+        assert list(FLASH_FORWARD_WGMMA.shipped(Target.parse(arch))) == []
+
+
+@pytest.mark.nvrtc
+def test_kernel_layout_matches_the_launcher_bytes():
+    """One NVRTC compile of the kernel's unit with a static_assert per table row."""
+    backend = nvrtc_backend()
+    target = Target.parse("sm_90a")
+    source, headers = compile_unit(FLASH_FORWARD_WGMMA)
+    checks = []
+    for head_dim, tiles in sorted(FLASH_FORWARD_WGMMA_TILES.items()):
+        layout = (f"hipattn::flash::WgmmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}, {tiles.warpgroups}, "
+                  f"{tiles.stages}>")
+        checks.append(f"static_assert({layout}::kBytes == {flash_forward_wgmma_shared_bytes(head_dim, tiles)}, "
+                      f'"shared bytes of head_dim {head_dim} differ from families.flash_forward_wgmma_shared_bytes");')
+        checks.append(f"static_assert({layout}::kThreads == {tiles.threads}, "
+                      f'"threads of head_dim {head_dim} differ from FlashForwardWgmmaTiles.threads");')
+    spec = FLASH_FORWARD_WGMMA.shipped(target)[0]
+    backend.compile(source + "\n".join(checks) + "\n", headers, name_expression(FLASH_FORWARD_WGMMA, spec), target,
+                    backend.compile_options(target), spec.canonical())
+
+
+@pytest.mark.nvrtc
+def test_plain_sm_90_is_refused_with_the_reason():
+    backend = nvrtc_backend()
+    target = Target.parse("sm_90")
+    source, headers = compile_unit(FLASH_FORWARD_WGMMA)
+    spec = FLASH_FORWARD_WGMMA.shipped(Target.parse("sm_90a"))[0]
+    with pytest.raises(CompileError, match="needs the sm_90a target"):
+        backend.compile(source, headers, name_expression(FLASH_FORWARD_WGMMA, spec), target,
+                        backend.compile_options(target), spec.canonical())
