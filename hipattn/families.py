@@ -358,7 +358,7 @@ class FlashForwardWgmmaTiles:
 
     block_n: int  # keys per tile of the inner loop: one wgmma's N for S (64 or 128)
     warpgroups: int  # 64 query rows each; they share the block's K and V tiles
-    stages: int = 1  # K and V shared-memory slots each (1 = FlashAttention-2's interleaved schedule)
+    stages: int = 2  # K and V shared-memory slots each: copies run stages - 1 tiles ahead (2 or 3)
 
     @property
     def block_m(self) -> int:
@@ -374,10 +374,10 @@ class FlashForwardWgmmaTiles:
 # without spills, and two or three blocks per multiprocessor overlap one block's softmax with another's
 # matrix products.
 FLASH_FORWARD_WGMMA_TILES: dict[int, FlashForwardWgmmaTiles] = {
-    64: FlashForwardWgmmaTiles(block_n=128, warpgroups=1),
-    96: FlashForwardWgmmaTiles(block_n=128, warpgroups=1),
-    128: FlashForwardWgmmaTiles(block_n=128, warpgroups=1),
-    256: FlashForwardWgmmaTiles(block_n=64, warpgroups=1),
+    64: FlashForwardWgmmaTiles(block_n=128, warpgroups=2),
+    96: FlashForwardWgmmaTiles(block_n=128, warpgroups=2),
+    128: FlashForwardWgmmaTiles(block_n=128, warpgroups=2),
+    256: FlashForwardWgmmaTiles(block_n=64, warpgroups=2),
 }
 
 

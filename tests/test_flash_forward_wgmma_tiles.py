@@ -14,6 +14,7 @@ from hipattn.families import (
     FLASH_FORWARD_WGMMA_TILES,
     FLASH_HEAD_DIMS,
     HOPPER_SHARED_BYTES,
+    FlashForwardWgmmaTiles,
     flash_forward_wgmma_shared_bytes,
     runs_nvidia_wgmma,
 )
@@ -28,12 +29,14 @@ def test_every_row_fits_hopper_and_names_wgmma_shapes(head_dim):
     assert tiles.block_n in (64, 128), "S is one m64nN wgmma: the header defines N = 64 and 128 for it"
     assert head_dim in (64, 96, 128, 256), "O is one m64nN wgmma with N = head_dim"
     assert tiles.threads == 128 * tiles.warpgroups and tiles.block_m == 64 * tiles.warpgroups
+    assert tiles.stages in (2, 3), "K of the next tile is read while this one's P V runs: two slots at least"
     assert flash_forward_wgmma_shared_bytes(head_dim, tiles) <= HOPPER_SHARED_BYTES
 
 
 def test_shared_bytes_formula():
-    # head_dim 128, 128-key tiles, one warpgroup: Q (64 rows), K and V (128 rows each), 2 bytes.
-    assert flash_forward_wgmma_shared_bytes(128, FLASH_FORWARD_WGMMA_TILES[128]) == (64 + 2 * 128) * 128 * 2
+    # head_dim 128, 128-key tiles, two warpgroups, two stages: Q (128 rows), two K and two V slots (128 rows
+    # each), 2 bytes.
+    assert flash_forward_wgmma_shared_bytes(128, FlashForwardWgmmaTiles(128, 2, 2)) == (128 + 4 * 128) * 128 * 2
 
 
 def test_only_sm_90a_ships_it():

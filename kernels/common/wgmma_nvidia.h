@@ -68,6 +68,21 @@ HIPATTN_DEVICE void pin(float (&d)[N_TILES][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e])::"memory");
 }
 
+// A operands from registers are read by the tensor cores until wait() as well: pinning them after
+// the wait keeps them live until then, so the compiler cannot reuse their registers for values
+// computed while the product is in flight.
+template <int N_TILES>
+HIPATTN_DEVICE void pin(unsigned int (&a)[N_TILES][2]) {
+#pragma unroll
+  for (int n = 0; n < N_TILES; ++n) asm volatile("" : "+r"(a[n][0]), "+r"(a[n][1])::"memory");
+}
+
+// A descriptor, materialised in a register here (see the kernels' use).
+HIPATTN_DEVICE u64 pin(u64 descriptor) {
+  asm volatile("" : "+l"(descriptor));
+  return descriptor;
+}
+
 // d (+)= A B for one k16 step, m64nN. ss: A and B from shared memory, both K-major (rows of A and
 // of B contiguous along K). rs: A from registers, B MN-major (rows of B contiguous along N: the
 // transpose bit set). `accumulate` 0 overwrites d.

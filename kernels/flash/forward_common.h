@@ -75,12 +75,13 @@ HIPATTN_DEVICE void key_limits(const FlashForwardParams& p, const ForwardBlock& 
 
 // One key tile's online softmax for a warp's 16-row tile, in base 2 (softmax_scale·log2 e folded into
 // `scale_log2`): masks (masked scores become -inf by selection: a NaN from a stale K row is discarded,
-// not multiplied), moves the running max, rescales O and the running sums, and returns P rounded to T
-// as the A operand of P V (the m16n8 layout of n-tiles 2kk and 2kk + 1 is the m16k16 A layout of k-step
-// kk). row_sum is this lane's share of its rows' sums.
-template <typename T, int N_TILES, int D_TILES>
-HIPATTN_DEVICE void online_softmax(float (&s)[N_TILES][4], float (&o)[D_TILES][4], float (&row_max)[2],
-                                   float (&row_sum)[2], unsigned int (&p_packed)[N_TILES][2], bool masked, int n0,
+// not multiplied), moves the running max, rescales the running sums, and returns P rounded to T as the
+// A operand of P V (the m16n8 layout of n-tiles 2kk and 2kk + 1 is the m16k16 A layout of k-step kk)
+// and the factor O's rows must be multiplied by (rescale), which the caller applies once no tensor-core
+// product into O is in flight. row_sum is this lane's share of its rows' sums.
+template <typename T, int N_TILES>
+HIPATTN_DEVICE void online_softmax(float (&s)[N_TILES][4], float (&row_max)[2], float (&row_sum)[2],
+                                   unsigned int (&p_packed)[N_TILES][2], float (&correction)[2], bool masked, int n0,
                                    const int (&key_limit)[2], float scale_log2, int t) {
   if (masked) {
 #pragma unroll
@@ -110,14 +111,9 @@ HIPATTN_DEVICE void online_softmax(float (&s)[N_TILES][4], float (&o)[D_TILES][4
     // A row that has seen nothing yet keeps max -inf; subtracting 0 instead makes every p 0
     // (exp2(-inf) = 0) rather than NaN (-inf - -inf).
     reference[r] = tile_max[r] == -infinity() ? 0.0f : tile_max[r];
-    const float correction = fast_exp2(row_max[r] - reference[r]);  // 0 when row_max was -inf
+    correction[r] = fast_exp2(row_max[r] - reference[r]);  // 0 when row_max was -inf
     row_max[r] = tile_max[r];
-    row_sum[r] *= correction;
-#pragma unroll
-    for (int d = 0; d < D_TILES; ++d) {
-      o[d][2 * r] *= correction;
-      o[d][2 * r + 1] *= correction;
-    }
+    row_sum[r] *= correction[r];
   }
 #pragma unroll
   for (int n = 0; n < N_TILES; ++n) {
@@ -130,6 +126,15 @@ HIPATTN_DEVICE void online_softmax(float (&s)[N_TILES][4], float (&o)[D_TILES][4
     p_packed[n][0] = mma::pack2<T>(s[n][0], s[n][1]);  // row g
     p_packed[n][1] = mma::pack2<T>(s[n][2], s[n][3]);  // row g + 8
   }
+}
+
+// O's accumulator rows times the online softmax's correction factors.
+template <int D_TILES>
+HIPATTN_DEVICE void rescale(float (&o)[D_TILES][4], const float (&correction)[2]) {
+#pragma unroll
+  for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[d][e] *= correction[e / 2];
 }
 
 // The end of a warp's 16-row tile: sums each row over its quad, writes LSE (natural log) for rows

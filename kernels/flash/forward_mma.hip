@@ -192,9 +192,12 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
     const bool masked = n0 + BLOCK_N > b.unmasked_end;
     unsigned int p_packed[M_TILES][kNTiles][2];  // P in T, the A operand of P V
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-      flash::online_softmax<T>(s[mt], o[mt], row_max[mt], row_sum[mt], p_packed[mt], masked, n0, key_limit[mt],
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      float correction[2];
+      flash::online_softmax<T>(s[mt], row_max[mt], row_sum[mt], p_packed[mt], correction, masked, n0, key_limit[mt],
                                scale_log2, t);
+      flash::rescale(o[mt], correction);
+    }
 
     mma::wait_async_copies_except<kInFlight>();  // V[i] has landed for this thread
     __syncthreads();                             // ... for every thread; K[i]'s slot is free

@@ -8,13 +8,16 @@
 // code as the mma.sync forward: a wgmma accumulator holds each warp's 16 rows in mma.sync's layout),
 // and O += P V with P from registers and V read from shared memory transposed by the tensor cores.
 //
-// K and V are staged with cp.async through a ring of STAGES slots each, interleaved as in the mma.sync
-// forward: V of a tile loads while S of that tile is computed and its softmax runs, K of a later tile
-// while P V runs; each stage past the first lets the copies run one more tile ahead.
+// The tensor cores run asynchronously to the warps that issue them, which the schedule uses: per key
+// tile i, the warpgroup issues S of tile i + 1 and O += P V of tile i together, runs the softmax of
+// tile i + 1 on the CUDA cores while P V is still in flight, and rescales O once it has landed (the
+// exponentials are a third of the tensor-core time at head_dim 128, and would otherwise leave the
+// tensor cores idle). K and V are staged with cp.async through a ring of STAGES slots each, one
+// commit group {V[i], K[i + 1]} per tile, so the copies run STAGES - 1 tiles ahead.
+//
 // Shared tiles are in wgmma's interleaved core-matrix layout (common/wgmma_nvidia.h), written one
 // 16-byte chunk per cp.async in address order, so neither the copies nor the tensor cores' reads
-// conflict on banks. Two or three blocks share a multiprocessor, so one block's softmax overlaps
-// another's matrix products.
+// conflict on banks.
 #pragma once
 #include "common/wgmma_nvidia.h"
 #include "flash/forward_common.h"
@@ -40,8 +43,8 @@ struct WgmmaForwardTiles {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256,
                 "O is one wgmma's N: 64, 96, 128 or 256 (common/wgmma_nvidia.h's shapes)");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma's N: 64 or 128 keys");
-  static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 2, "one or two warpgroups");
-  static_assert(STAGES >= 1 && STAGES <= 3, "one to three K/V slots");
+  static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 3, "one to three warpgroups");
+  static_assert(STAGES >= 2 && STAGES <= 3, "two or three K/V slots: K of the next tile is read early");
   static_assert(kBytes <= 227 * 1024, "the tiles must fit sm_90's 227 KiB of shared memory");
 };
 
@@ -74,10 +77,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   constexpr int kNTiles = BLOCK_N / 8;   // 8-key accumulator tiles of S
   constexpr int kDTiles = HEAD_DIM / 8;  // 8-column accumulator tiles of O
   constexpr int kRowBlock = wgmma::kRowBlockBytes<HEAD_DIM>;
-  // Every async-copy group is committed in the same order by every thread: Q+K[0], then V[0], K[1],
-  // V[1], ... (empty groups past the last tile). Waiting for K[n] or V[n] leaves the newest
-  // 2 STAGES - 2 groups in flight.
-  constexpr int kInFlight = 2 * STAGES - 2;
+  // Copies are committed in groups, in the same order by every thread: {Q, K[0]}, then {V[0], K[1]},
+  // {V[1], K[2]}, ... (empty past the last tile). Iteration i needs {V[i], K[i + 1]}, with the newest
+  // STAGES - 2 groups still in flight.
+  constexpr int kInFlight = STAGES - 2;
   extern __shared__ __align__(128) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
 
@@ -89,24 +92,28 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   T* const k_slots = shared + Tiles::kKOffset;
   T* const v_slots = shared + Tiles::kVOffset;
 
-  // Iteration i handles key tile n_tiles - 1 - i; these issue its K or V copies (or nothing past the
-  // last iteration) and always commit, so that every thread's group count stays the same.
+  // Iteration i handles key tile n_tiles - 1 - i, in slot i % STAGES. V rows past the sequence are
+  // zeroed (P is 0 there, and 0 x NaN is NaN); K rows are left alone (their scores are masked by
+  // selection).
   auto tile_rows = [&](int i) {
     const int n0 = (b.n_tiles - 1 - i) * BLOCK_N;
     return len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N;
   };
-  auto load_k = [&](int i) {
-    if (i < b.n_tiles)
-      flash::stage_core_tile<T, HEAD_DIM, kThreads, false>(
-          k_slots + (i % STAGES) * Tiles::kSlotElements, static_cast<const T*>(b.k) + (b.n_tiles - 1 - i) * BLOCK_N * p.k_token_stride, p.k_token_stride,
-          tile_rows(i), BLOCK_N);
-    mma::commit_async_copies();
+  auto stage_k = [&](int i) {
+    flash::stage_core_tile<T, HEAD_DIM, kThreads, false>(
+        k_slots + (i % STAGES) * Tiles::kSlotElements,
+        static_cast<const T*>(b.k) + (b.n_tiles - 1 - i) * BLOCK_N * p.k_token_stride, p.k_token_stride, tile_rows(i),
+        BLOCK_N);
   };
-  auto load_v = [&](int i) {
-    if (i < b.n_tiles)
-      flash::stage_core_tile<T, HEAD_DIM, kThreads, true>(
-          v_slots + (i % STAGES) * Tiles::kSlotElements, static_cast<const T*>(b.v) + (b.n_tiles - 1 - i) * BLOCK_N * p.v_token_stride, p.v_token_stride,
-          tile_rows(i), BLOCK_N);
+  auto stage_v = [&](int i) {
+    flash::stage_core_tile<T, HEAD_DIM, kThreads, true>(
+        v_slots + (i % STAGES) * Tiles::kSlotElements,
+        static_cast<const T*>(b.v) + (b.n_tiles - 1 - i) * BLOCK_N * p.v_token_stride, p.v_token_stride, tile_rows(i),
+        BLOCK_N);
+  };
+  auto load_group = [&](int i) {  // {V[i], K[i + 1]}
+    if (i < b.n_tiles) stage_v(i);
+    if (i + 1 < b.n_tiles) stage_k(i + 1);
     mma::commit_async_copies();
   };
 
@@ -116,13 +123,11 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     const int rows = b.seq_q.length - b.m0 < kBlockM ? b.seq_q.length - b.m0 : kBlockM;
     flash::stage_core_tile<T, HEAD_DIM, kThreads, true>(q_tile, static_cast<const T*>(b.q), p.q_token_stride, rows,
                                                         kBlockM);
+    if (b.n_tiles > 0) stage_k(0);
+    mma::commit_async_copies();
   }
-  load_k(0);
 #pragma unroll
-  for (int s = 0; s + 1 < STAGES; ++s) {
-    load_v(s);
-    load_k(s + 1);
-  }
+  for (int i = 0; i + 1 < STAGES; ++i) load_group(i);
 
   const int warpgroup = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;  // within the warpgroup
@@ -151,45 +156,104 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   const wgmma::u64 v_descriptor = wgmma::descriptor(mma::shared_address(v_slots), kRowBlock, wgmma::kCoreBytes);
   constexpr int kSlotBytes = Tiles::kSlotElements * static_cast<int>(sizeof(T));
 
-  for (int i = 0; i < b.n_tiles; ++i) {
-    const int n0 = (b.n_tiles - 1 - i) * BLOCK_N;
-    const wgmma::u64 k_tile = wgmma::advance(k_descriptor, (i % STAGES) * kSlotBytes);
-    const wgmma::u64 v_tile = wgmma::advance(v_descriptor, (i % STAGES) * kSlotBytes);
-    mma::wait_async_copies_except<kInFlight>();  // K[i] (and Q) have landed for this thread
-    wgmma::fence_shared_for_async_proxy();
-    __syncthreads();  // ... for every thread; every warpgroup's P V of the last tile is done with V[i - 1]
-    load_v(i + STAGES - 1);
 
-    // ---- S = Q Kᵀ ----
-    float s[kNTiles][4];
-    wgmma::fence();
+  auto key_tile = [&](int i) { return wgmma::advance(k_descriptor, (i % STAGES) * kSlotBytes); };
+  auto value_tile = [&](int i) { return wgmma::advance(v_descriptor, (i % STAGES) * kSlotBytes); };
+  // The descriptors of every k16 step of S = Q Kᵀ (tile i) and of O += P V (tile i), formed before the
+  // fence that opens a batch, so that nothing but wgmmas runs between the fence and the commits.
+  typedef wgmma::u64 ScoreSteps[HEAD_DIM / 16];
+  typedef wgmma::u64 ValueSteps[BLOCK_N / 16];
+  auto score_steps = [&](ScoreSteps& q_steps, ScoreSteps& k_steps, int i) {
 #pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
-      wgmma::mma_ss<T, BLOCK_N>(s, wgmma::advance(q_descriptor, 2 * wgmma::kCoreBytes * ks),
-                                wgmma::advance(k_tile, 2 * wgmma::kCoreBytes * ks), ks > 0);
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+      q_steps[ks] = wgmma::pin(wgmma::advance(q_descriptor, 2 * wgmma::kCoreBytes * ks));
+      k_steps[ks] = wgmma::pin(wgmma::advance(key_tile(i), 2 * wgmma::kCoreBytes * ks));
+    }
+  };
+  auto value_steps = [&](ValueSteps& steps, int i) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) steps[kk] = wgmma::pin(wgmma::advance(value_tile(i), 2 * kRowBlock * kk));
+  };
+  // S = Q Kᵀ into s, one wgmma group, committed and not waited for.
+  auto issue_scores = [&](float(&s)[kNTiles][4], const ScoreSteps& q_steps, const ScoreSteps& k_steps) {
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma::mma_ss<T, BLOCK_N>(s, q_steps[ks], k_steps[ks], ks > 0);
     wgmma::commit();
+  };
+  auto softmax = [&](float(&s)[kNTiles][4], int i, unsigned int(&p_packed)[kNTiles][2], float(&correction)[2]) {
+    const int n0 = (b.n_tiles - 1 - i) * BLOCK_N;
+    flash::online_softmax<T>(s, row_max, row_sum, p_packed, correction, n0 + BLOCK_N > b.unmasked_end, n0,
+                             key_limit, scale_log2, t);
+  };
+
+  // Software pipeline, one key tile deep: while the tensor cores compute P V of tile i, they also
+  // compute S of tile i + 1, whose softmax then runs on the CUDA cores. O is rescaled for tile i + 1
+  // only after P V of tile i has landed in it.
+  unsigned int p_packed[kNTiles][2];  // P of the current tile, in T: the A operand of its P V
+  if (b.n_tiles > 0) {
+    mma::wait_async_copies_except<STAGES - 1>();  // {Q, K[0]} have landed for this thread
+    wgmma::fence_shared_for_async_proxy();
+    __syncthreads();  // ... for every thread
+    float s[kNTiles][4];
+    ScoreSteps q_steps, k_steps;
+    score_steps(q_steps, k_steps, 0);
+    wgmma::fence();
+    issue_scores(s, q_steps, k_steps);
     wgmma::wait<0>();
     wgmma::pin(s);
-
-    unsigned int p_packed[kNTiles][2];
-    flash::online_softmax<T>(s, o, row_max, row_sum, p_packed, n0 + BLOCK_N > b.unmasked_end, n0, key_limit,
-                             scale_log2, t);
-
-    mma::wait_async_copies_except<kInFlight>();  // V[i] has landed for this thread
+    float correction[2];  // O is still 0: nothing to rescale
+    softmax(s, 0, p_packed, correction);
+  }
+  // Iteration i's copies: {V[i], K[i + 1]} have landed for every thread, and every warpgroup is done
+  // with V[i - 1] and K[i], whose slots the copies of tile i + STAGES - 1 then take.
+  auto await_tile = [&](int i) {
+    mma::wait_async_copies_except<kInFlight>();
     wgmma::fence_shared_for_async_proxy();
-    __syncthreads();  // ... for every thread; every warpgroup's S is done with K[i]
-    load_k(i + STAGES);
-
-    // ---- O += P V ----
-    wgmma::pin(o);
-    wgmma::fence();
+    __syncthreads();
+    load_group(i + STAGES - 1);
+  };
+  // O += P V, one wgmma group, committed and not waited for.
+  auto issue_values = [&](const ValueSteps& v_steps) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       const unsigned int a[4] = {p_packed[2 * kk][0], p_packed[2 * kk][1], p_packed[2 * kk + 1][0],
                                  p_packed[2 * kk + 1][1]};
-      wgmma::mma_rs<T, HEAD_DIM>(o, a, wgmma::advance(v_tile, 2 * kRowBlock * kk), 1);
+      wgmma::mma_rs<T, HEAD_DIM>(o, a, v_steps[kk], 1);
     }
     wgmma::commit();
+  };
+  // Every tile but the last issues S of the next one with its own P V; the last tile runs alone (ptxas
+  // serialises every wgmma of a loop whose S product is issued conditionally: warning C7514).
+  for (int i = 0; i + 1 < b.n_tiles; ++i) {
+    await_tile(i);
+    float s[kNTiles][4];
+    ScoreSteps q_steps, k_steps;
+    ValueSteps v_steps;
+    score_steps(q_steps, k_steps, i + 1);
+    value_steps(v_steps, i);
+    wgmma::pin(o);
+    wgmma::fence();
+    issue_scores(s, q_steps, k_steps);
+    issue_values(v_steps);
+    wgmma::wait<1>();  // S of tile i + 1 (groups complete in order; P V may still run)
+    wgmma::pin(s);
+    unsigned int p_next[kNTiles][2];
+    float correction[2];
+    softmax(s, i + 1, p_next, correction);
+    wgmma::wait<0>();
+    wgmma::pin(o);
+    wgmma::pin(p_packed);
+    flash::rescale(o, correction);
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n) p_packed[n][0] = p_next[n][0], p_packed[n][1] = p_next[n][1];
+  }
+  if (b.n_tiles > 0) {
+    await_tile(b.n_tiles - 1);
+    ValueSteps v_steps;
+    value_steps(v_steps, b.n_tiles - 1);
+    wgmma::pin(o);
+    wgmma::fence();
+    issue_values(v_steps);
     wgmma::wait<0>();
     wgmma::pin(o);
   }
