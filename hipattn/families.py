@@ -370,13 +370,16 @@ class FlashForwardWgmmaTiles:
 
 
 # Per head_dim, for both 16-bit dtypes. The tensor cores read Q, K and V from shared memory, so a
-# thread holds only S (block_n / 2 fp32), P (block_n / 4) and O (head_dim / 2): 157 to 223 registers
-# without spills, and two or three blocks per multiprocessor overlap one block's softmax with another's
-# matrix products.
+# thread holds only S (block_n / 2 fp32), P twice (block_n / 4 each: this tile's, in flight, and the
+# next one's) and O (head_dim / 2). Three warpgroups (192 query rows) read each K/V tile from L2 for
+# 1.5 times the rows of two, and that wins on the H200 (BENCHMARKS.md, wgmma sweep of 2026-11-30:
+# 422 against 319 TFLOP/s at head_dim 128, S = 16384): 384 threads leave 170 registers each, which
+# 64-key tiles fit without spills at head_dims 64 and 128. head_dim 256 needs 229 registers, so two
+# warpgroups (its row is not measured against the others). head_dim 96 is not here: its 192-byte rows
+# are not whole 128-byte swizzle blocks, so it runs the mma.sync kernel on sm_90a too.
 FLASH_FORWARD_WGMMA_TILES: dict[int, FlashForwardWgmmaTiles] = {
-    64: FlashForwardWgmmaTiles(block_n=128, warpgroups=2),
-    96: FlashForwardWgmmaTiles(block_n=128, warpgroups=2),
-    128: FlashForwardWgmmaTiles(block_n=128, warpgroups=2),
+    64: FlashForwardWgmmaTiles(block_n=64, warpgroups=3),
+    128: FlashForwardWgmmaTiles(block_n=64, warpgroups=3),
     256: FlashForwardWgmmaTiles(block_n=64, warpgroups=2),
 }
 
@@ -385,7 +388,7 @@ def flash_forward_wgmma_shared_bytes(head_dim: int, tiles: FlashForwardWgmmaTile
     """Dynamic shared memory of one wgmma flash forward block: flash::WgmmaForwardTiles<...>::kBytes.
 
     The Q tile (64 rows per warpgroup), then STAGES K slots and STAGES V slots (block_n rows each),
-    unpadded (wgmma's core-matrix layout has no bank conflicts to pad against).
+    unpadded (the 128-byte swizzle, not padding, keeps the banks apart).
     """
     return (tiles.block_m + 2 * tiles.stages * tiles.block_n) * head_dim * element_bytes
 
@@ -399,7 +402,7 @@ def flash_forward_wgmma_spec(dtype: str, head_dim: int, tiles: FlashForwardWgmma
 def _flash_forward_wgmma_specs(target: Target) -> list[KernelSpec]:
     if not runs_nvidia_wgmma(target):
         return []
-    return [flash_forward_wgmma_spec(t, d) for t in DTYPES for d in FLASH_HEAD_DIMS]
+    return [flash_forward_wgmma_spec(t, d) for t in DTYPES for d in FLASH_FORWARD_WGMMA_TILES]
 
 
 FLASH_FORWARD_WGMMA = _register(

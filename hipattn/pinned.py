@@ -290,7 +290,8 @@ class PinnedPool:
         # A host function may still post these semaphores and copies still use these blocks:
         # never free them under a running stream; leaking them is the safe choice.
         in_flight = getattr(self, "_in_flight", None)
-        if in_flight:
+        # At interpreter exit the module's globals may already be None: the process ends anyway.
+        if in_flight and _PROCESS_LIFETIME is not None:
             _PROCESS_LIFETIME.extend(in_flight.values())
 
     # ---- internals (call with the lock held) -----------------------------------------------------

@@ -26,6 +26,32 @@ def median_ms(fn, warmup: int = 3, repeat: int = 20) -> float:
     return times[len(times) // 2]
 
 
+def back_to_back_ms(fn, warmup: int = 3, repeat: int = 10, calls: int = 5) -> float:
+    """Median device time per call of ``fn()`` in milliseconds, over ``repeat`` samples of ``calls``
+    back-to-back calls between two CUDA events.
+
+    Unlike median_ms, the device never waits for the host between calls, so a call's host overhead
+    overlaps the previous call's kernels, as in a training step; only an overhead longer than the
+    device's work per call shows (and then it should).
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def run_child(script: str, arguments: list[str], failure: dict, timeout: int = 600) -> dict:
     """Run ``script --child ARGUMENTS`` in its own process and return the JSON line it prints.
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from hipattn.families import (  # noqa: E402 - the repository root goes on the path first
+    FLASH_FORWARD_TILES,
+    FLASH_FORWARD_WGMMA_TILES,
     SMALLSEQ_MMA_BACKWARD_WARPS,
     SMALLSEQ_TILE,
 )
@@ -140,7 +142,9 @@ class Case:
     head_dim: int = 64
     heads_q: int = 8
     heads_kv: int = 8
-    kernel: str = "tensor-core"  # or "portable" (HIPATTN_SMALLSEQ_KERNEL=portable)
+    # small-seq: "tensor-core" or "portable" (HIPATTN_SMALLSEQ_KERNEL=portable); flash forward: the
+    # device's own (on the H200, sm_90a: wgmma at the head_dims of its table) or "mma.sync" (its tile row)
+    kernel: str = "tensor-core"
     layout: str = "thd"
     cu_seqlens_q: list[int] | None = None
     cu_seqlens_k: list[int] | None = None
@@ -158,18 +162,27 @@ class Case:
     families: tuple[str, ...] = field(default=())
 
 
+def flash_forward_family(case: Case) -> str:
+    """The flash forward a case launches on the sanitizer's machine, an H200 (sm_90a)."""
+    if case.kernel != "mma.sync" and case.head_dim in FLASH_FORWARD_WGMMA_TILES:
+        return "flash_forward_wgmma"
+    return "flash_forward_mma"
+
+
 def families_of(case: Case) -> tuple[str, ...]:
-    """The kernel families a case launches, by the dispatch rules of hipattn.ops.smallseq."""
+    """The kernel families a case launches, by the dispatch rules of hipattn.ops.smallseq and .flash."""
     if case.kind == "smallseq":
         tensor_cores = case.kernel == "tensor-core"
         forward = "smallseq_forward_mma" if tensor_cores else "smallseq_forward"
         mma_backward = tensor_cores and case.heads_q == case.heads_kv and case.head_dim in SMALLSEQ_MMA_BACKWARD_WARPS
         return (forward, "smallseq_backward_mma" if mma_backward else "smallseq_backward")
     if case.kind == "flash_backward":  # the forward gives O and LSE, then the backward's kernels in order
-        return ("flash_forward_mma", *(("varlen_records",) if case.varlen_prep == "device" else ()), "bwd_dot_do_o",
+        return (flash_forward_family(case), *(("varlen_records",) if case.varlen_prep == "device" else ()),
+                "bwd_dot_do_o",
                 "flash_backward_dkdv_mma", "flash_backward_dq_mma" if case.deterministic else "bwd_convert_dq")
-    return {"flash_forward": ("flash_forward_mma",), "dot_do_o": ("bwd_dot_do_o",),
-            "convert_dq": ("bwd_convert_dq",)}[case.kind]
+    if case.kind == "flash_forward":
+        return (flash_forward_family(case),)
+    return {"dot_do_o": ("bwd_dot_do_o",), "convert_dq": ("bwd_convert_dq",)}[case.kind]
 
 
 def _with_families(case: Case) -> Case:
@@ -228,8 +241,9 @@ def build_cases(quick: bool = False) -> list[Case]:
         base = dict(kind="flash_forward", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv,
                     total_q=flash_q[-1] + 7, total_k=flash_k[-1] + 3, max_seqlen_q=70, max_seqlen_k=64)
         for causal in (False, True):
-            cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid causal={causal}",
-                              cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal, **base))
+            for kernel in ("device", "mma.sync"):
+                cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid causal={causal} kernel={kernel}",
+                                  cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal, kernel=kernel, **base))
         bad_q, bad_k = adversarial_cu_seqlens(base["total_q"]), adversarial_cu_seqlens(base["total_k"])
         for name in bad_q:
             cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}", cu_seqlens_q=bad_q[name],
@@ -443,7 +457,8 @@ def run_flash_forward(runner: Runner, case: Case) -> None:
     with on_device(get_backend(), problem.device):
         stream = resolve_stream((qa, ka, va), None, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
-                      stream, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka)
+                      stream, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka,
+                      tiles=FLASH_FORWARD_TILES[case.head_dim] if case.kernel == "mma.sync" else None)
     # The flash kernels pass max_seqlen as their tile (no tile limit of their own).
     rows_q = rows_a_kernel_may_write(case.cu_seqlens_q, None, BATCH, case.max_seqlen_q, case.total_q, case.max_seqlen_q)
     runner.check_outputs({

@@ -62,10 +62,11 @@ def ineligibility(problem: Problem) -> str | None:
 
 
 def default_tiles(device: int, head_dim: int) -> Tiles:
-    """The table row the device's kernel takes: wgmma on sm_90a, MFMA on AMD, mma.sync elsewhere."""
+    """The table row the device's kernel takes: wgmma on sm_90a (but head_dim 96), MFMA on AMD, mma.sync
+    elsewhere."""
     if has_amd_mfma(device):
         return FLASH_FORWARD_MFMA_TILES[head_dim]
-    if has_nvidia_wgmma(device):
+    if has_nvidia_wgmma(device) and head_dim in FLASH_FORWARD_WGMMA_TILES:
         return FLASH_FORWARD_WGMMA_TILES[head_dim]
     return FLASH_FORWARD_TILES[head_dim]
 

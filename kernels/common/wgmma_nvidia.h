@@ -7,10 +7,12 @@
 // d[n][0..1] is row g, columns 8n + 2t, 8n + 2t + 1 and d[n][2..3] row g + 8 (g = lane / 4,
 // t = lane % 4). A from registers has mma.sync's m16k16 A fragment layout, per warp.
 //
-// Shared tiles use the "interleaved" layout (no swizzle): a core matrix of 8 rows x 16 bytes is 128
-// contiguous bytes, and a tile of COLS 16-bit columns is stored row block after row block, each row
-// block its COLS / 8 core matrices side by side (core_offset). A 16-byte chunk of a row is one
-// cp.async, and a core matrix read is one conflict-free 128-byte line.
+// Shared tiles use the 128-byte swizzle: a tile of ROWS rows and COLS 16-bit columns is stored as
+// COLS / 64 column blocks, each ROWS rows of 128 bytes, and within a row the 16-byte chunk j of a block
+// sits at position j ^ (row % 8) (swizzled_offset). Eight rows make one 1024-byte swizzle atom; every
+// tile starts on a 1024-byte boundary. A warp's copies can then read whole 128-byte row segments from
+// global memory and still write eight distinct bank groups per phase, and the tensor cores read the
+// layout without conflicts.
 #pragma once
 #include "common/mma_nvidia.h"
 
@@ -23,27 +25,32 @@ namespace wgmma {
 
 typedef unsigned long long u64;
 
-// Element offset of (row, col) in a shared tile of COLS columns in the interleaved core layout.
-template <int COLS>
-HIPATTN_DEVICE constexpr int core_offset(int row, int col) {
-  return (row / 8) * 8 * COLS + (col / 8) * 64 + (row % 8) * 8 + col % 8;
+constexpr int kRowBytes = 128;    // one row of a column block: 64 16-bit columns
+constexpr int kAtomBytes = 1024;  // eight rows: the unit the swizzle repeats over
+
+// Element offset of (row, col) in a swizzled shared tile of ROWS rows.
+template <int ROWS>
+HIPATTN_DEVICE constexpr int swizzled_offset(int row, int col) {
+  return (col / 64) * ROWS * 64 + row * 64 + (((col / 8) % 8) ^ (row % 8)) * 8 + col % 8;
 }
 
-// Bytes between vertically adjacent core matrices (one row block) of a tile of COLS 16-bit columns;
-// horizontally adjacent ones are kCoreBytes apart.
-template <int COLS>
-constexpr int kRowBlockBytes = 16 * COLS;
-constexpr int kCoreBytes = 128;
-
-// A matrix descriptor: start address, the byte distance between core matrices adjacent along K
-// (the "leading" dimension) and along M or N (the "stride" dimension), no swizzle. Byte offsets
-// added to a descriptor later (k steps) are added as (bytes >> 4) to its low field.
-HIPATTN_DEVICE u64 descriptor(unsigned int shared_address, int k_adjacent_bytes, int mn_adjacent_bytes) {
-  return static_cast<u64>((shared_address & 0x3ffffu) >> 4) | (static_cast<u64>(k_adjacent_bytes >> 4) << 16) |
-         (static_cast<u64>(mn_adjacent_bytes >> 4) << 32);
+// A matrix descriptor of a swizzled tile: start address, the "leading" byte offset (MN-major operands:
+// between 64-column blocks; unused by K-major ones, whose k16 step stays inside one 128-byte row), the
+// "stride" byte offset (between 8-row atoms) and the 128-byte swizzle mode (1 in bits 62-63). Byte
+// offsets added later (k steps) are added as (bytes >> 4) to the address field.
+HIPATTN_DEVICE u64 descriptor(unsigned int shared_address, int leading_bytes, int stride_bytes) {
+  return static_cast<u64>((shared_address & 0x3ffffu) >> 4) | (static_cast<u64>(leading_bytes >> 4) << 16) |
+         (static_cast<u64>(stride_bytes >> 4) << 32) | (1ull << 62);
 }
 
 HIPATTN_DEVICE constexpr u64 advance(u64 descriptor, int bytes) { return descriptor + static_cast<u64>(bytes >> 4); }
+
+// Byte offset of k16 step `ks` of a K-major operand of ROWS rows: 32 bytes along a 128-byte row, then
+// the next column block.
+template <int ROWS>
+HIPATTN_DEVICE constexpr int k_major_step(int ks) {
+  return (ks % 4) * 32 + (ks / 4) * ROWS * kRowBytes;
+}
 
 // Before the first wgmma of a batch whose accumulator or A registers other instructions touched.
 HIPATTN_DEVICE void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -77,7 +84,8 @@ HIPATTN_DEVICE void pin(unsigned int (&a)[N_TILES][2]) {
   for (int n = 0; n < N_TILES; ++n) asm volatile("" : "+r"(a[n][0]), "+r"(a[n][1])::"memory");
 }
 
-// A descriptor, materialised in a register here (see the kernels' use).
+// A descriptor computed here stays computed here: the compiler may not sink the arithmetic between the
+// wgmmas of a batch (the kernels form every descriptor of a batch before its fence).
 HIPATTN_DEVICE u64 pin(u64 descriptor) {
   asm volatile("" : "+l"(descriptor));
   return descriptor;

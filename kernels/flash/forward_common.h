@@ -139,8 +139,8 @@ HIPATTN_DEVICE void rescale(float (&o)[D_TILES][4], const float (&correction)[2]
 
 // The end of a warp's 16-row tile: sums each row over its quad, writes LSE (natural log) for rows
 // inside the sequence and returns 1 / sum in inv_sum (0 for a row that saw no key, whose LSE is +inf).
-HIPATTN_DEVICE void finish_rows(const FlashForwardParams& p, const ForwardBlock& b, int row_g, const float (&row_max)[2],
-                                const float (&row_sum)[2], float (&inv_sum)[2], int t) {
+HIPATTN_DEVICE void finish_rows(const FlashForwardParams& p, const ForwardBlock& b, int row_g,
+                                const float (&row_max)[2], const float (&row_sum)[2], float (&inv_sum)[2], int t) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float sum = row_sum[r];
@@ -149,7 +149,8 @@ HIPATTN_DEVICE void finish_rows(const FlashForwardParams& p, const ForwardBlock&
     inv_sum[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
     const int row = row_g + 8 * r;
     if (t == 0 && row < b.seq_q.length) {
-      static_cast<float*>(p.lse)[b.batch_index * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq_q.start + row] =
+      static_cast<float*>(p.lse)[b.batch_index * p.lse_batch_stride + b.head * p.lse_head_stride +
+                                 b.seq_q.start + row] =
           sum > 0.0f ? (row_max[r] + fast_log2(sum)) * 0.6931471805599453f : infinity();
     }
   }

@@ -10,14 +10,16 @@
 //
 // The tensor cores run asynchronously to the warps that issue them, which the schedule uses: per key
 // tile i, the warpgroup issues S of tile i + 1 and O += P V of tile i together, runs the softmax of
-// tile i + 1 on the CUDA cores while P V is still in flight, and rescales O once it has landed (the
-// exponentials are a third of the tensor-core time at head_dim 128, and would otherwise leave the
-// tensor cores idle). K and V are staged with cp.async through a ring of STAGES slots each, one
-// commit group {V[i], K[i + 1]} per tile, so the copies run STAGES - 1 tiles ahead.
+// tile i + 1 on the CUDA cores while P V is still in flight, and rescales O once it has landed (by
+// instruction counts, a tile's exponentials take about a third as long as its matrix products at
+// head_dim 128; run in turn, they would leave the tensor cores idle that long). K and V are staged
+// with cp.async through a ring of STAGES slots each, one commit group {V[i], K[i + 1]} per tile, so
+// the copies run STAGES - 1 tiles ahead.
 //
-// Shared tiles are in wgmma's interleaved core-matrix layout (common/wgmma_nvidia.h), written one
-// 16-byte chunk per cp.async in address order, so neither the copies nor the tensor cores' reads
-// conflict on banks.
+// Shared tiles are in wgmma's 128-byte swizzled layout (common/wgmma_nvidia.h): the copies read whole
+// 128-byte row segments, and neither they nor the tensor cores' reads conflict on banks. (The
+// unswizzled layout, whose conflict-free copies read 64-byte segments, left this kernel bound by L2:
+// 76% of its throughput at 250 TFLOP/s on the H200, against 23% at 319 swizzled, same tiles.)
 #pragma once
 #include "common/wgmma_nvidia.h"
 #include "flash/forward_common.h"
@@ -26,7 +28,7 @@ namespace hipattn {
 namespace flash {
 
 // Shared-memory layout of one block, in elements of T: the Q tile (BLOCK_M rows), STAGES K slots and
-// STAGES V slots (BLOCK_N rows each), every tile in the core layout. hipattn/families.py's
+// STAGES V slots (BLOCK_N rows each), every tile swizzled and 1024-byte aligned. hipattn/families.py's
 // flash_forward_wgmma_shared_bytes computes kBytes from the same template arguments.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES>
 struct WgmmaForwardTiles {
@@ -40,27 +42,27 @@ struct WgmmaForwardTiles {
   static constexpr int kBytes = kElements * static_cast<int>(sizeof(T));
 
   static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256,
-                "O is one wgmma's N: 64, 96, 128 or 256 (common/wgmma_nvidia.h's shapes)");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256,
+                "O is one wgmma's N (64, 128 or 256), and rows are whole 128-byte swizzle blocks");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma's N: 64 or 128 keys");
-  static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 3, "one to three warpgroups");
+  static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 3, "one to three warpgroups (up to 192 query rows)");
   static_assert(STAGES >= 2 && STAGES <= 3, "two or three K/V slots: K of the next tile is read early");
   static_assert(kBytes <= 227 * 1024, "the tiles must fit sm_90's 227 KiB of shared memory");
 };
 
-// Copy rows [0, rows) of a tile of tile_rows rows into the core layout with cp.async; rows past `rows`
-// are zero-filled when ZERO_TAIL (V, Q: their products must stay finite) and left alone otherwise (K:
-// their scores are masked by selection). Chunk c (16 bytes) lands at byte 16 c: consecutive threads
-// fill consecutive 16-byte slots, eight rows of one column chunk per 128-byte core matrix.
-template <typename T, int HEAD_DIM, int THREADS, bool ZERO_TAIL>
-HIPATTN_DEVICE void stage_core_tile(T* tile, const T* first_row, long long token_stride, int rows, int tile_rows) {
+// Copy rows [0, rows) of a swizzled tile of TILE_ROWS rows with cp.async; rows past `rows` are
+// zero-filled when ZERO_TAIL (V, Q: their products must stay finite) and left alone otherwise (K: their
+// scores are masked by selection). Consecutive threads copy consecutive 16-byte chunks of a row.
+template <typename T, int HEAD_DIM, int TILE_ROWS, int THREADS, bool ZERO_TAIL>
+HIPATTN_DEVICE void stage_swizzled_tile(T* tile, const T* first_row, long long token_stride, int rows) {
   constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
-  for (int c = threadIdx.x; c < tile_rows * kChunks; c += THREADS) {
-    const int row = (c / (8 * kChunks)) * 8 + c % 8;
-    const int chunk = (c / 8) % kChunks;
-    T* const destination = tile + 8 * c;
+#pragma unroll
+  for (int c = threadIdx.x; c < TILE_ROWS * kChunks; c += THREADS) {
+    const int row = c / kChunks;
+    const int col = (c % kChunks) * 8;
+    T* const destination = tile + wgmma::swizzled_offset<TILE_ROWS>(row, col);
     if (row < rows) {
-      mma::copy_async_16(destination, first_row + row * token_stride + chunk * 8);
+      mma::copy_async_16(destination, first_row + row * token_stride + col);
     } else if (ZERO_TAIL) {
       *reinterpret_cast<Vec<T, 8>*>(destination) = Vec<T, 8>{};
     }
@@ -76,12 +78,11 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   constexpr int kThreads = Tiles::kThreads;
   constexpr int kNTiles = BLOCK_N / 8;   // 8-key accumulator tiles of S
   constexpr int kDTiles = HEAD_DIM / 8;  // 8-column accumulator tiles of O
-  constexpr int kRowBlock = wgmma::kRowBlockBytes<HEAD_DIM>;
   // Copies are committed in groups, in the same order by every thread: {Q, K[0]}, then {V[0], K[1]},
   // {V[1], K[2]}, ... (empty past the last tile). Iteration i needs {V[i], K[i + 1]}, with the newest
   // STAGES - 2 groups still in flight.
   constexpr int kInFlight = STAGES - 2;
-  extern __shared__ __align__(128) unsigned char shared_bytes[];
+  extern __shared__ __align__(1024) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
 
   bool empty;
@@ -100,16 +101,14 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     return len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N;
   };
   auto stage_k = [&](int i) {
-    flash::stage_core_tile<T, HEAD_DIM, kThreads, false>(
+    flash::stage_swizzled_tile<T, HEAD_DIM, BLOCK_N, kThreads, false>(
         k_slots + (i % STAGES) * Tiles::kSlotElements,
-        static_cast<const T*>(b.k) + (b.n_tiles - 1 - i) * BLOCK_N * p.k_token_stride, p.k_token_stride, tile_rows(i),
-        BLOCK_N);
+        static_cast<const T*>(b.k) + (b.n_tiles - 1 - i) * BLOCK_N * p.k_token_stride, p.k_token_stride, tile_rows(i));
   };
   auto stage_v = [&](int i) {
-    flash::stage_core_tile<T, HEAD_DIM, kThreads, true>(
+    flash::stage_swizzled_tile<T, HEAD_DIM, BLOCK_N, kThreads, true>(
         v_slots + (i % STAGES) * Tiles::kSlotElements,
-        static_cast<const T*>(b.v) + (b.n_tiles - 1 - i) * BLOCK_N * p.v_token_stride, p.v_token_stride, tile_rows(i),
-        BLOCK_N);
+        static_cast<const T*>(b.v) + (b.n_tiles - 1 - i) * BLOCK_N * p.v_token_stride, p.v_token_stride, tile_rows(i));
   };
   auto load_group = [&](int i) {  // {V[i], K[i + 1]}
     if (i < b.n_tiles) stage_v(i);
@@ -121,8 +120,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     // Q rows past the sequence are zeroed: they only feed rows that are never stored, but zeros keep
     // every lane's arithmetic finite.
     const int rows = b.seq_q.length - b.m0 < kBlockM ? b.seq_q.length - b.m0 : kBlockM;
-    flash::stage_core_tile<T, HEAD_DIM, kThreads, true>(q_tile, static_cast<const T*>(b.q), p.q_token_stride, rows,
-                                                        kBlockM);
+    flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, true>(q_tile, static_cast<const T*>(b.q),
+                                                                       p.q_token_stride, rows);
     if (b.n_tiles > 0) stage_k(0);
     mma::commit_async_copies();
   }
@@ -146,16 +145,17 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   float row_max[2] = {-infinity(), -infinity()};  // scaled base-2 domain
   float row_sum[2] = {0.0f, 0.0f};
 
-  // Descriptors. Q and K are K-major operands (core matrices adjacent along head_dim are one core
-  // apart, along rows one row block apart); V is the MN-major B of P V (along keys, its K dimension,
-  // one row block apart; along head_dim one core apart). A k16 step is two cores of Q and K, two row
-  // blocks of V.
-  const wgmma::u64 q_descriptor = wgmma::descriptor(
-      mma::shared_address(q_tile + 64 * warpgroup * HEAD_DIM), wgmma::kCoreBytes, kRowBlock);
-  const wgmma::u64 k_descriptor = wgmma::descriptor(mma::shared_address(k_slots), wgmma::kCoreBytes, kRowBlock);
-  const wgmma::u64 v_descriptor = wgmma::descriptor(mma::shared_address(v_slots), kRowBlock, wgmma::kCoreBytes);
+  // Descriptors. Q and K are K-major operands: a k16 step is 32 bytes along their 128-byte rows (then
+  // the next column block), 8-row atoms are 1024 bytes apart. V is the MN-major B of P V: a k16 step is
+  // 16 keys (two atoms), and its 64-column blocks are BLOCK_N rows apart. The warpgroup's Q rows start
+  // 64 rows into each column block of the Q tile.
+  const wgmma::u64 q_descriptor = wgmma::descriptor(mma::shared_address(q_tile + 64 * warpgroup * 64),
+                                                    wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 k_descriptor =
+      wgmma::descriptor(mma::shared_address(k_slots), wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 v_descriptor =
+      wgmma::descriptor(mma::shared_address(v_slots), BLOCK_N * wgmma::kRowBytes, wgmma::kAtomBytes);
   constexpr int kSlotBytes = Tiles::kSlotElements * static_cast<int>(sizeof(T));
-
 
   auto key_tile = [&](int i) { return wgmma::advance(k_descriptor, (i % STAGES) * kSlotBytes); };
   auto value_tile = [&](int i) { return wgmma::advance(v_descriptor, (i % STAGES) * kSlotBytes); };
@@ -166,13 +166,14 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   auto score_steps = [&](ScoreSteps& q_steps, ScoreSteps& k_steps, int i) {
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      q_steps[ks] = wgmma::pin(wgmma::advance(q_descriptor, 2 * wgmma::kCoreBytes * ks));
-      k_steps[ks] = wgmma::pin(wgmma::advance(key_tile(i), 2 * wgmma::kCoreBytes * ks));
+      q_steps[ks] = wgmma::pin(wgmma::advance(q_descriptor, wgmma::k_major_step<kBlockM>(ks)));
+      k_steps[ks] = wgmma::pin(wgmma::advance(key_tile(i), wgmma::k_major_step<BLOCK_N>(ks)));
     }
   };
   auto value_steps = [&](ValueSteps& steps, int i) {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) steps[kk] = wgmma::pin(wgmma::advance(value_tile(i), 2 * kRowBlock * kk));
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+      steps[kk] = wgmma::pin(wgmma::advance(value_tile(i), 2 * wgmma::kAtomBytes * kk));
   };
   // S = Q Kᵀ into s, one wgmma group, committed and not waited for.
   auto issue_scores = [&](float(&s)[kNTiles][4], const ScoreSteps& q_steps, const ScoreSteps& k_steps) {
@@ -263,14 +264,14 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   __syncthreads();
 
   // ---- epilogue: normalise, LSE, and O through the warpgroup's own Q rows (only it read them) ----
-  T* const o_stage = q_tile + 64 * warpgroup * HEAD_DIM;
+  const int o_row = 64 * warpgroup + 16 * warp + g;  // accumulator row g's row in the Q tile
   float inv_sum[2];
   flash::finish_rows(p, b, warp_first + g, row_max, row_sum, inv_sum, t);
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      *reinterpret_cast<unsigned int*>(o_stage + wgmma::core_offset<HEAD_DIM>(16 * warp + g + 8 * r, 8 * d + 2 * t)) =
+      *reinterpret_cast<unsigned int*>(q_tile + wgmma::swizzled_offset<kBlockM>(o_row + 8 * r, 8 * d + 2 * t)) =
           mma::pack2<T>(o[d][2 * r] * inv_sum[r], o[d][2 * r + 1] * inv_sum[r]);
   __syncthreads();
   constexpr int kChunks = HEAD_DIM / 8;
@@ -279,11 +280,11 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
                     static_cast<long long>(b.seq_q.start + warpgroup_first) * p.o_token_stride +
                     b.head * p.o_head_stride;
   for (int c = threadIdx.x % 128; c < 64 * kChunks; c += 128) {
-    const int row = (c / (8 * kChunks)) * 8 + c % 8;
-    const int chunk = (c / 8) % kChunks;
+    const int row = c / kChunks;
+    const int col = (c % kChunks) * 8;
     if (row < rows)
-      *reinterpret_cast<Vec<T, 8>*>(o_rows + row * p.o_token_stride + chunk * 8) =
-          *reinterpret_cast<const Vec<T, 8>*>(o_stage + 8 * c);
+      *reinterpret_cast<Vec<T, 8>*>(o_rows + row * p.o_token_stride + col) =
+          *reinterpret_cast<const Vec<T, 8>*>(q_tile + wgmma::swizzled_offset<kBlockM>(64 * warpgroup + row, col));
   }
 }
 
