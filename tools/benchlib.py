@@ -7,32 +7,13 @@ import subprocess
 import sys
 
 
-def median_ms(fn, warmup: int = 3, repeat: int = 20) -> float:
-    """Median device time of ``fn()`` in milliseconds, each call between two CUDA events."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def back_to_back_ms(fn, warmup: int = 3, repeat: int = 10, calls: int = 5) -> float:
+def median_ms(fn, warmup: int = 3, repeat: int = 20, calls: int = 1) -> float:
     """Median device time per call of ``fn()`` in milliseconds, over ``repeat`` samples of ``calls``
     back-to-back calls between two CUDA events.
 
-    Unlike median_ms, the device never waits for the host between calls, so a call's host overhead
-    overlaps the previous call's kernels, as in a training step; only an overhead longer than the
-    device's work per call shows (and then it should).
+    With one call per sample, the device waits for the host before each call: its time alone, host
+    launch latency included. With several, a call's host overhead overlaps the previous call's
+    kernels, as in a training step, and only an overhead longer than the device's work shows.
     """
     import torch
 
