@@ -1,5 +1,6 @@
 """Launch the general attention forward (FlashAttention-2 on tensor cores): wgmma on NVIDIA sm_90a
-(H100, H200), mma.sync on other NVIDIA sm_80+ parts, MFMA on AMD gfx90a/gfx94x. Every call the small-seq path cannot take comes here (hipattn.dispatch).
+(H100, H200), mma.sync on other NVIDIA sm_80+ parts, MFMA on AMD gfx90a/gfx94x. Every call the
+small-seq path cannot take comes here (hipattn.dispatch).
 
 The caller has validated the problem (problem.describe), made the device current and resolved the
 stream; everything here is enqueued on that stream, nothing synchronizes, and the grid is sized from
