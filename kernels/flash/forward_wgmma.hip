@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
 
   // Iteration i handles key tile n_tiles - 1 - i, in slot i % STAGES. V rows past the sequence are
   // zeroed (P is 0 there, and 0 x NaN is NaN); K rows are left alone (their scores are masked by
-  // selection).
+  // selection). Two lambdas, not one generic one: NVRTC 13.0 (the H200 image's) rejects a
+  // lambda with an `auto` parameter in device code as a host function.
   auto tile_rows = [&](int i) {
     const int n0 = (b.n_tiles - 1 - i) * BLOCK_N;
     return len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N;
