@@ -493,6 +493,20 @@ FLASH_FORWARD_MFMA = _register(
     )
 )
 
+# A row of any of the three forward tables: its type names the kernel (ops.flash launches by it).
+FlashForwardRow = FlashForwardTiles | FlashForwardWgmmaTiles | FlashForwardMfmaTiles
+
+
+def flash_forward_tiles(head_dim: int, target: Target | None) -> FlashForwardRow:
+    """The forward's table row for ``head_dim`` on ``target``; its type names the kernel: MFMA on AMD
+    gfx90a/gfx94x, wgmma on sm_90a (but head_dim 96), mma.sync on every other target."""
+    if runs_amd_mfma(target):
+        return FLASH_FORWARD_MFMA_TILES[head_dim]
+    if runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WGMMA_TILES:
+        return FLASH_FORWARD_WGMMA_TILES[head_dim]
+    return FLASH_FORWARD_TILES[head_dim]
+
+
 # ---- general attention backward (FlashAttention-2 on NVIDIA tensor cores, sm_80+) ----------------
 
 

@@ -10,11 +10,14 @@ from compilers import nvrtc_backend
 from hipattn.errors import CompileError
 from hipattn.families import (
     DTYPES,
+    FLASH_FORWARD_MFMA_TILES,
+    FLASH_FORWARD_TILES,
     FLASH_FORWARD_WGMMA,
     FLASH_FORWARD_WGMMA_TILES,
     FLASH_HEAD_DIMS,
     HOPPER_SHARED_BYTES,
     FlashForwardWgmmaTiles,
+    flash_forward_tiles,
     flash_forward_wgmma_shared_bytes,
     runs_nvidia_wgmma,
 )
@@ -47,6 +50,16 @@ def test_only_sm_90a_ships_it_for_every_head_dim_but_96():
     for arch in ("sm_80", "sm_89", "sm_90", "sm_100a", "gfx90a"):
         assert not runs_nvidia_wgmma(Target.parse(arch))
         assert list(FLASH_FORWARD_WGMMA.shipped(Target.parse(arch))) == []
+
+
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_each_target_gets_its_kernels_row(head_dim):
+    wgmma_row = FLASH_FORWARD_WGMMA_TILES.get(head_dim, FLASH_FORWARD_TILES[head_dim])
+    assert flash_forward_tiles(head_dim, Target.parse("sm_90a")) == wgmma_row
+    for arch in ("sm_80", "sm_89", "sm_90", "sm_120"):
+        assert flash_forward_tiles(head_dim, Target.parse(arch)) == FLASH_FORWARD_TILES[head_dim]
+    for arch in ("gfx90a", "gfx942:xnack-"):
+        assert flash_forward_tiles(head_dim, Target.parse(arch)) == FLASH_FORWARD_MFMA_TILES[head_dim]
 
 
 @pytest.mark.nvrtc

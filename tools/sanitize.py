@@ -37,10 +37,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from hipattn.families import (  # noqa: E402 - the repository root goes on the path first
     FLASH_FORWARD_TILES,
-    FLASH_FORWARD_WGMMA_TILES,
     SMALLSEQ_MMA_BACKWARD_WARPS,
     SMALLSEQ_TILE,
+    FlashForwardWgmmaTiles,
+    flash_forward_tiles,
 )
+from hipattn.target import Target  # noqa: E402
+
+# The machine compute-sanitizer runs on: an H200.
+SANITIZER_TARGET = Target.parse("sm_90a")
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
@@ -163,8 +168,9 @@ class Case:
 
 
 def flash_forward_family(case: Case) -> str:
-    """The flash forward a case launches on the sanitizer's machine, an H200 (sm_90a)."""
-    if case.kernel != "mma.sync" and case.head_dim in FLASH_FORWARD_WGMMA_TILES:
+    """The flash forward a case launches on the sanitizer's machine (SANITIZER_TARGET)."""
+    if case.kernel != "mma.sync" and isinstance(flash_forward_tiles(case.head_dim, SANITIZER_TARGET),
+                                                FlashForwardWgmmaTiles):
         return "flash_forward_wgmma"
     return "flash_forward_mma"
 

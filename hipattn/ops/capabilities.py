@@ -7,10 +7,11 @@ import functools
 from ..backends import get_backend
 from ..families import (
     FlashBackwardTiles,
+    FlashForwardRow,
     flash_backward_tiles,
+    flash_forward_tiles,
     runs_amd_mfma,
     runs_nvidia_mma,
-    runs_nvidia_wgmma,
 )
 
 
@@ -24,15 +25,16 @@ def has_nvidia_mma(device: int) -> bool:
 
 
 @functools.cache
-def has_nvidia_wgmma(device: int) -> bool:
-    """Whether ``device`` runs the wgmma kernels (NVIDIA sm_90a: H100, H200). Cached as above."""
-    return runs_nvidia_wgmma(get_backend().device_target(device))
-
-
-@functools.cache
 def has_amd_mfma(device: int) -> bool:
     """Whether ``device`` runs the MFMA 16x16x16 kernels (AMD gfx90a and gfx94x). Cached as above."""
     return runs_amd_mfma(get_backend().device_target(device))
+
+
+@functools.cache
+def forward_tiles(device: int, head_dim: int) -> FlashForwardRow:
+    """The flash forward's table row for ``head_dim`` on ``device`` (families.flash_forward_tiles: wgmma's
+    on sm_90a, MFMA's on AMD, mma.sync's elsewhere). Cached as above."""
+    return flash_forward_tiles(head_dim, get_backend().device_target(device))
 
 
 @functools.cache
@@ -44,5 +46,5 @@ def backward_tiles(device: int, head_dim: int) -> tuple[FlashBackwardTiles, Flas
 
 def forget_devices() -> None:
     """Drop every answer cached above (a test that swaps the backend has new devices)."""
-    for cached in (has_nvidia_mma, has_nvidia_wgmma, has_amd_mfma, backward_tiles):
+    for cached in (has_nvidia_mma, has_amd_mfma, forward_tiles, backward_tiles):
         cached.cache_clear()

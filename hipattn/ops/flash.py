@@ -14,12 +14,9 @@ from typing import NamedTuple
 
 from ..backends import get_backend
 from ..families import (
-    FLASH_FORWARD_MFMA_TILES,
-    FLASH_FORWARD_TILES,
-    FLASH_FORWARD_WGMMA_TILES,
     FLASH_HEAD_DIMS,
     FlashForwardMfmaTiles,
-    FlashForwardTiles,
+    FlashForwardRow,
     FlashForwardWgmmaTiles,
     flash_forward_mfma_shared_bytes,
     flash_forward_mfma_spec,
@@ -31,7 +28,7 @@ from ..families import (
 from ..problem import Problem
 from ..registry import get_kernel
 from ..spec import KernelSpec
-from .capabilities import has_amd_mfma, has_nvidia_mma, has_nvidia_wgmma
+from .capabilities import forward_tiles, has_amd_mfma, has_nvidia_mma
 from .fields import forward_fields
 
 # grid.x is at most 2^31 - 1 blocks on every sm_80+ part. HIP counts the grid in work-items, in 32
@@ -40,16 +37,12 @@ MAX_GRID_X = 2**31 - 1
 MAX_AMD_WORK_ITEMS = 2**32 - 1
 
 
-Tiles = FlashForwardTiles | FlashForwardWgmmaTiles | FlashForwardMfmaTiles
-
-
 class _Launch(NamedTuple):
     """The device's matrix-core forward for one problem: its spec, tiles and dynamic shared bytes."""
 
     spec: KernelSpec
-    tiles: Tiles
+    tiles: FlashForwardRow
     shared_bytes: int
-    amd: bool
 
 
 def ineligibility(problem: Problem) -> str | None:
@@ -62,26 +55,16 @@ def ineligibility(problem: Problem) -> str | None:
     return None
 
 
-def default_tiles(device: int, head_dim: int) -> Tiles:
-    """The table row the device's kernel takes: wgmma on sm_90a (but head_dim 96), MFMA on AMD, mma.sync
-    elsewhere."""
-    if has_amd_mfma(device):
-        return FLASH_FORWARD_MFMA_TILES[head_dim]
-    if has_nvidia_wgmma(device) and head_dim in FLASH_FORWARD_WGMMA_TILES:
-        return FLASH_FORWARD_WGMMA_TILES[head_dim]
-    return FLASH_FORWARD_TILES[head_dim]
-
-
 @functools.cache
-def _launch_of(dtype: str, head_dim: int, tiles: Tiles) -> _Launch:
+def _launch_of(dtype: str, head_dim: int, tiles: FlashForwardRow) -> _Launch:
     """The kernel a tile row names: its type says which (so a sweep can time mma.sync on sm_90a too)."""
     if isinstance(tiles, FlashForwardMfmaTiles):
         return _Launch(flash_forward_mfma_spec(dtype, head_dim, tiles), tiles,
-                       flash_forward_mfma_shared_bytes(head_dim, tiles), True)
+                       flash_forward_mfma_shared_bytes(head_dim, tiles))
     if isinstance(tiles, FlashForwardWgmmaTiles):
         return _Launch(flash_forward_wgmma_spec(dtype, head_dim, tiles), tiles,
-                       flash_forward_wgmma_shared_bytes(head_dim, tiles), False)
-    return _Launch(flash_forward_spec(dtype, head_dim, tiles), tiles, flash_forward_shared_bytes(head_dim, tiles), False)
+                       flash_forward_wgmma_shared_bytes(head_dim, tiles))
+    return _Launch(flash_forward_spec(dtype, head_dim, tiles), tiles, flash_forward_shared_bytes(head_dim, tiles))
 
 
 def grid_blocks(problem: Problem, block_m: int) -> int:
@@ -90,23 +73,24 @@ def grid_blocks(problem: Problem, block_m: int) -> int:
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, tiles: Tiles | None = None) -> None:
+            seqused_q=None, seqused_k=None, tiles: FlashForwardRow | None = None) -> None:
     """Enqueue O and LSE: one block per (query tile, sequence, query head).
 
     Rows beyond a sequence's length are not written (as flash-attn). A row that sees no key gets
     O = 0 and LSE = +inf. ``tiles`` overrides the table row for head_dim, and with it the kernel
     (tools/bench_flash.py sweeps tiles this way, and times mma.sync against wgmma on one device);
-    the default is default_tiles.
+    the default is the device's row (capabilities.forward_tiles).
     """
     reason = ineligibility(problem)
     if reason is not None:
         raise ValueError(f"flash forward: {reason}")
-    launch = _launch_of(problem.dtype, problem.head_dim, tiles or default_tiles(problem.device, problem.head_dim))
+    launch = _launch_of(problem.dtype, problem.head_dim, tiles or forward_tiles(problem.device, problem.head_dim))
     threads = launch.tiles.threads
     blocks = grid_blocks(problem, launch.tiles.block_m)
     if blocks == 0:
         return  # batch 0 or max_seqlen_q 0: nothing to write
-    if blocks > MAX_GRID_X or (launch.amd and blocks * threads > MAX_AMD_WORK_ITEMS):
+    amd = isinstance(launch.tiles, FlashForwardMfmaTiles)
+    if blocks > MAX_GRID_X or (amd and blocks * threads > MAX_AMD_WORK_ITEMS):
         raise ValueError(f"{blocks} query tiles x sequences x heads exceed the device's grid limit; split the batch")
     kernel = get_kernel(launch.spec, problem.device)
     kernel.reserve_dynamic_shared_memory(launch.shared_bytes)
