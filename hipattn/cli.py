@@ -151,12 +151,12 @@ def _warm(args: argparse.Namespace) -> int:
                 separator = "\n" if isinstance(outcome, CompileError) else " "
                 progress.write(f"FAILED {spec} for {target.arch}:{separator}{outcome}", file=sys.stderr)
 
-            crashed = _run_pool(work, jobs, str(cache.directory), report)
+            crashed = run_compile_pool(work, jobs, str(cache.directory), report)
             # A compiler that kills its process (hiprtc aborting on a target it does not know)
             # breaks the whole pool; retry the kernels it took down one process each, so the
             # culprit is named and the innocent ones still get compiled.
             for item in crashed:
-                for spec, target in _run_pool([item], 1, str(cache.directory), report):
+                for spec, target in run_compile_pool([item], 1, str(cache.directory), report):
                     report(spec, target, HipattnError("the compiler killed its process (crashed or aborted)"))
 
     archs = ", ".join(t.arch for t in targets)
@@ -166,14 +166,15 @@ def _warm(args: argparse.Namespace) -> int:
     return EXIT_FAILED if counts["failed"] else 0
 
 
-def _run_pool(
+def run_compile_pool(
     work: list[tuple[KernelSpec, Target]],
     jobs: int,
     cache_dir: str,
     report: Callable[[KernelSpec, Target, WarmResult | BaseException], None],
 ) -> list[tuple[KernelSpec, Target]]:
     """Compile ``work`` in ``jobs`` spawned processes, reporting each outcome; returns the items
-    lost to a dead worker (not reported), to be retried in isolation."""
+    lost to a dead worker (not reported), to be retried in isolation. Tools that precompile the
+    kernels they time call it too (tools/sweep_flash_backward.py)."""
     crashed = []
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:

@@ -18,10 +18,8 @@ Delta = rowsum(dO * O) alone (preprocess.dot_do_o) and the dq_accum conversion a
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import json
-import multiprocessing
 import os
 import sys
 
@@ -49,33 +47,31 @@ def parse_variant(text: str):
     return int(head_dim), dkdv, dq
 
 
-def _compile_one(spec_text: str, cache_dir: str) -> str:
-    from hipattn.backends import compiler_backend
-    from hipattn.cache import DiskCache
-    from hipattn.registry import fetch_or_compile
-    from hipattn.spec import KernelSpec
-    from hipattn.target import Target
-
-    target = Target.parse("sm_90")
-    fetch_or_compile(KernelSpec.from_canonical(spec_text), target, compiler_backend(target), DiskCache(cache_dir))
-    return spec_text
-
-
 def compile_variants(variants) -> None:
-    """Every variant's three kernels into the disk cache, in parallel processes."""
+    """Every variant's three kernels into the disk cache for device 0's target, in parallel processes
+    (hipattn warm's pool)."""
+    from hipattn.backends import get_backend
     from hipattn.cache import default_cache_dir
+    from hipattn.cli import WarmResult, run_compile_pool
     from hipattn.families import flash_backward_dkdv_spec, flash_backward_dq_spec
 
+    target = get_backend().device_target(0)  # what the registry will look the kernels up for
     specs = set()
     for head_dim, dkdv, dq in variants:
         for write_dq in (False, True):
-            specs.add(flash_backward_dkdv_spec("bf16", head_dim, write_dq, dkdv).canonical())
-        specs.add(flash_backward_dq_spec("bf16", head_dim, dq).canonical())
-    context = multiprocessing.get_context("spawn")
-    cache_dir = str(default_cache_dir())
-    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=context) as pool:
-        for future in concurrent.futures.as_completed([pool.submit(_compile_one, s, cache_dir) for s in specs]):
-            future.result()
+            specs.add(flash_backward_dkdv_spec("bf16", head_dim, write_dq, dkdv))
+        specs.add(flash_backward_dq_spec("bf16", head_dim, dq))
+    failures = []
+
+    def report(spec, target, outcome) -> None:
+        if not isinstance(outcome, WarmResult):
+            failures.append(f"{spec} for {target.arch}: {outcome}")
+
+    crashed = run_compile_pool([(spec, target) for spec in specs], os.cpu_count() or 1, str(default_cache_dir()),
+                               report)
+    failures += [f"{spec} for {target.arch}: the compiler killed its process" for spec, target in crashed]
+    if failures:
+        raise SystemExit("could not compile:\n" + "\n".join(failures))
 
 
 def relative_error(actual, expected) -> float:
