@@ -7,6 +7,8 @@ import pytest
 from local_rocm import use_local_rocm
 
 from hipattn.errors import BackendUnavailableError
+from hipattn.sources import compile_unit
+from hipattn.spec import name_expression
 
 use_local_rocm()
 
@@ -33,3 +35,19 @@ def hiprtc_backend():
     except BackendUnavailableError as error:
         pytest.skip(f"hiprtc is not loadable: {error}")
     return backend
+
+
+def compile_family(backend, family, target, spec, extra_lines=()):
+    """``family``'s compile unit, with ``extra_lines`` appended (static_asserts on its layout), compiled
+    for ``spec`` and ``target``; a failure raises CompileError with the compiler's log."""
+    source, headers = compile_unit(family)
+    source += "".join(f"{line}\n" for line in extra_lines)
+    return backend.compile(source, headers, name_expression(family, spec), target, backend.compile_options(target),
+                           spec.canonical())
+
+
+def layout_checks(layout: str, shared_bytes: int, threads: int, formula: str) -> list[str]:
+    """static_asserts that the kernel's layout struct ``layout`` (a C++ type) has the launcher's dynamic
+    shared bytes (families.``formula``) and threads per block."""
+    return [f'static_assert({layout}::kBytes == {shared_bytes}, "{layout}: bytes differ from families.{formula}");',
+            f'static_assert({layout}::kThreads == {threads}, "{layout}: threads differ from its tile row");']

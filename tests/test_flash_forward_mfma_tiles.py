@@ -4,7 +4,7 @@ passes agree with the layout the kernel computes (checked by hiprtc, no GPU need
 from __future__ import annotations
 
 import pytest
-from compilers import hiprtc_backend
+from compilers import compile_family, hiprtc_backend, layout_checks
 from local_rocm import use_local_rocm
 
 from hipattn.families import (
@@ -16,8 +16,6 @@ from hipattn.families import (
     flash_forward_mfma_shared_bytes,
     runs_amd_mfma,
 )
-from hipattn.sources import compile_unit
-from hipattn.spec import name_expression
 from hipattn.target import Target
 
 use_local_rocm()
@@ -64,14 +62,9 @@ def test_kernel_layout_matches_the_launcher_bytes():
     if not backend.can_compile_for(target):
         pytest.skip(backend.unsupported_reason(target))
 
-    source, headers = compile_unit(FLASH_FORWARD_MFMA)
     checks = []
     for head_dim, tiles in sorted(FLASH_FORWARD_MFMA_TILES.items()):
         layout = f"hipattn::flash::MfmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_m}, {tiles.block_n}>"
-        checks.append(f"static_assert({layout}::kBytes == {flash_forward_mfma_shared_bytes(head_dim, tiles)}, "
-                      f'"LDS bytes of head_dim {head_dim} differ from families.flash_forward_mfma_shared_bytes");')
-        checks.append(f"static_assert({layout}::kThreads == {tiles.threads}, "
-                      f'"threads of head_dim {head_dim} differ from FlashForwardMfmaTiles.threads");')
-    spec = FLASH_FORWARD_MFMA.shipped(target)[0]
-    backend.compile(source + "\n".join(checks) + "\n", headers, name_expression(FLASH_FORWARD_MFMA, spec), target,
-                    backend.compile_options(target), spec.canonical())
+        checks += layout_checks(layout, flash_forward_mfma_shared_bytes(head_dim, tiles), tiles.threads,
+                                "flash_forward_mfma_shared_bytes")
+    compile_family(backend, FLASH_FORWARD_MFMA, target, FLASH_FORWARD_MFMA.shipped(target)[0], checks)

@@ -5,7 +5,7 @@ holds the wgmma instructions refuses every other target (all checked by NVRTC, n
 from __future__ import annotations
 
 import pytest
-from compilers import nvrtc_backend
+from compilers import compile_family, layout_checks, nvrtc_backend
 
 from hipattn.errors import CompileError
 from hipattn.families import (
@@ -21,8 +21,6 @@ from hipattn.families import (
     flash_forward_wgmma_shared_bytes,
     runs_nvidia_wgmma,
 )
-from hipattn.sources import compile_unit
-from hipattn.spec import name_expression
 from hipattn.target import Target
 
 
@@ -67,26 +65,18 @@ def test_kernel_layout_matches_the_launcher_bytes():
     """One NVRTC compile of the kernel's unit with a static_assert per table row."""
     backend = nvrtc_backend()
     target = Target.parse("sm_90a")
-    source, headers = compile_unit(FLASH_FORWARD_WGMMA)
     checks = []
     for head_dim, tiles in sorted(FLASH_FORWARD_WGMMA_TILES.items()):
         layout = (f"hipattn::flash::WgmmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}, {tiles.warpgroups}, "
                   f"{tiles.stages}>")
-        checks.append(f"static_assert({layout}::kBytes == {flash_forward_wgmma_shared_bytes(head_dim, tiles)}, "
-                      f'"shared bytes of head_dim {head_dim} differ from families.flash_forward_wgmma_shared_bytes");')
-        checks.append(f"static_assert({layout}::kThreads == {tiles.threads}, "
-                      f'"threads of head_dim {head_dim} differ from FlashForwardWgmmaTiles.threads");')
-    spec = FLASH_FORWARD_WGMMA.shipped(target)[0]
-    backend.compile(source + "\n".join(checks) + "\n", headers, name_expression(FLASH_FORWARD_WGMMA, spec), target,
-                    backend.compile_options(target), spec.canonical())
+        checks += layout_checks(layout, flash_forward_wgmma_shared_bytes(head_dim, tiles), tiles.threads,
+                                "flash_forward_wgmma_shared_bytes")
+    compile_family(backend, FLASH_FORWARD_WGMMA, target, FLASH_FORWARD_WGMMA.shipped(target)[0], checks)
 
 
 @pytest.mark.nvrtc
 def test_plain_sm_90_is_refused_with_the_reason():
     backend = nvrtc_backend()
-    target = Target.parse("sm_90")
-    source, headers = compile_unit(FLASH_FORWARD_WGMMA)
     spec = FLASH_FORWARD_WGMMA.shipped(Target.parse("sm_90a"))[0]
     with pytest.raises(CompileError, match="needs the sm_90a target"):
-        backend.compile(source, headers, name_expression(FLASH_FORWARD_WGMMA, spec), target,
-                        backend.compile_options(target), spec.canonical())
+        compile_family(backend, FLASH_FORWARD_WGMMA, Target.parse("sm_90"), spec)
