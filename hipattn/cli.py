@@ -88,7 +88,7 @@ def _warm(args: argparse.Namespace) -> int:
             targets = _local_targets()
         except Exception as error:
             print(
-                f"hipattn warm: no local GPU found ({error}); name one with --arch, e.g. --arch sm_90",
+                f"hipattn warm: no local GPU found ({error}); name one with --arch, e.g. --arch sm_90a",
                 file=sys.stderr,
             )
             return EXIT_USAGE
