@@ -577,15 +577,74 @@ def has_hopper_shared_memory(target: Target | None) -> bool:
     return target is not None and target.vendor == NVIDIA and target.compute_capability == 90
 
 
-def flash_backward_tiles(head_dim: int, target: Target | None) -> tuple[FlashBackwardTiles, FlashBackwardTiles]:
-    """The (dK/dV, dQ) table rows of ``head_dim`` for ``target``: Hopper's, or the every-part ones."""
+@dataclass(frozen=True)
+class FlashBackwardWgmmaTiles:
+    """One row of the wgmma dK/dV kernel's table (sm_90a): its WARPGROUPS, 64 keys each, which walk
+    query tiles of 64 rows (the M of dQ's wgmma)."""
+
+    warpgroups: int
+
+    block_m = 64
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+
+# head_dim 128 only: two warpgroups hold dK and dV (64 fp32 registers each per thread) beside Sᵀ and
+# dPᵀ (32 each), and each takes 64 of dQ's columns, a whole swizzle block of K. At head_dim 64 two
+# warpgroups would split dQ into 32-column halves of a swizzle block, and one warpgroup would add dQ
+# per 64 keys instead of 128; at 96 the rows are not whole swizzle blocks, and at 256 dK and dV alone
+# would take every register. Those keep the mma.sync kernel.
+FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashBackwardWgmmaTiles] = {
+    128: FlashBackwardWgmmaTiles(warpgroups=2),
+}
+
+# A dK/dV row: its type names the kernel.
+FlashBackwardDkdvRow = FlashBackwardTiles | FlashBackwardWgmmaTiles
+
+
+def flash_backward_mma_tiles(head_dim: int, target: Target | None) -> tuple[FlashBackwardTiles, FlashBackwardTiles]:
+    """The mma.sync kernels' (dK/dV, dQ) rows of ``head_dim`` for ``target``: Hopper's, or the every-part ones."""
     if has_hopper_shared_memory(target):
         return FLASH_BACKWARD_DKDV_TILES_HOPPER[head_dim], FLASH_BACKWARD_DQ_TILES_HOPPER[head_dim]
     return FLASH_BACKWARD_DKDV_TILES[head_dim], FLASH_BACKWARD_DQ_TILES[head_dim]
 
 
-def flash_backward_dkdv_shared_bytes(head_dim: int, tiles: FlashBackwardTiles, element_bytes: int = 2) -> int:
-    """Dynamic shared memory of one dK/dV block: flash::KeyBlockTiles<...>::kBytes.
+def flash_backward_tiles(head_dim: int, target: Target | None) -> tuple[FlashBackwardDkdvRow, FlashBackwardTiles]:
+    """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: the wgmma dK/dV kernel on sm_90a where
+    its table has the head_dim, else the mma.sync rows. (The deterministic schedule's dQ kernel is
+    mma.sync everywhere.)"""
+    dkdv, dq = flash_backward_mma_tiles(head_dim, target)
+    if runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES:
+        dkdv = FLASH_BACKWARD_DKDV_WGMMA_TILES[head_dim]
+    return dkdv, dq
+
+
+def flash_backward_dkdv_shared_bytes(head_dim: int, tiles: FlashBackwardDkdvRow, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of one dK/dV block of either kernel."""
+    if isinstance(tiles, FlashBackwardWgmmaTiles):
+        return flash_backward_dkdv_wgmma_shared_bytes(head_dim, tiles, element_bytes)
+    return flash_backward_dkdv_mma_shared_bytes(head_dim, tiles, element_bytes)
+
+
+def flash_backward_dkdv_wgmma_shared_bytes(head_dim: int, tiles: FlashBackwardWgmmaTiles,
+                                           element_bytes: int = 2) -> int:
+    """Dynamic shared memory of one wgmma dK/dV block: flash::WgmmaKeyBlockTiles<...>::kBytes.
+
+    K and V (block_n rows each), two slots each of Q and dO (block_m rows), unpadded (swizzled); dSᵀ
+    (block_n rows of block_m); then fp32 LSE and Delta, two slots of block_m.
+    """
+    elements = (2 * tiles.block_n + 4 * tiles.block_m) * head_dim + tiles.block_n * tiles.block_m
+    return elements * element_bytes + 2 * 2 * tiles.block_m * 4
+
+
+def flash_backward_dkdv_mma_shared_bytes(head_dim: int, tiles: FlashBackwardTiles, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of one mma.sync dK/dV block: flash::KeyBlockTiles<...>::kBytes.
 
     K and V (block_n rows each), two slots each of Q and dO (block_m rows), every row head_dim + 8
     elements; Pᵀ and dSᵀ (block_n rows of block_m + 8); then fp32 LSE and Delta, two slots of block_m.
@@ -603,7 +662,11 @@ def flash_backward_dq_shared_bytes(head_dim: int, tiles: FlashBackwardTiles, ele
     return (2 * tiles.block_m + 4 * tiles.block_n) * (head_dim + _FLASH_ROW_PAD) * element_bytes
 
 
-def flash_backward_dkdv_spec(dtype: str, head_dim: int, write_dq: bool, tiles: FlashBackwardTiles) -> KernelSpec:
+def flash_backward_dkdv_spec(dtype: str, head_dim: int, write_dq: bool, tiles: FlashBackwardDkdvRow) -> KernelSpec:
+    """The dK/dV kernel of ``tiles``' type (wgmma or mma.sync) with those tiles."""
+    if isinstance(tiles, FlashBackwardWgmmaTiles):
+        return FLASH_BACKWARD_DKDV_WGMMA.spec(dtype=dtype, head_dim=head_dim, warpgroups=tiles.warpgroups,
+                                              write_dq=write_dq)
     return FLASH_BACKWARD_DKDV_MMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m,
                                         block_n=tiles.block_n, warps=tiles.warps, write_dq=write_dq)
 
@@ -637,14 +700,22 @@ FLASH_BACKWARD_PARAMS = ParamsStruct(
 def _flash_backward_dkdv_specs(target: Target) -> list[KernelSpec]:
     if not runs_nvidia_mma(target):
         return []
-    return [flash_backward_dkdv_spec(t, d, w, flash_backward_tiles(d, target)[0])
+    return [flash_backward_dkdv_spec(t, d, w, flash_backward_mma_tiles(d, target)[0])
             for t in DTYPES for d in FLASH_HEAD_DIMS for w in (False, True)]
+
+
+def _flash_backward_dkdv_wgmma_specs(target: Target) -> list[KernelSpec]:
+    if not runs_nvidia_wgmma(target):
+        return []
+    return [flash_backward_dkdv_spec(t, d, w, tiles) for t in DTYPES
+            for d, tiles in FLASH_BACKWARD_DKDV_WGMMA_TILES.items() for w in (False, True)]
 
 
 def _flash_backward_dq_specs(target: Target) -> list[KernelSpec]:
     if not runs_nvidia_mma(target):
         return []
-    return [flash_backward_dq_spec(t, d, flash_backward_tiles(d, target)[1]) for t in DTYPES for d in FLASH_HEAD_DIMS]
+    return [flash_backward_dq_spec(t, d, flash_backward_mma_tiles(d, target)[1])
+            for t in DTYPES for d in FLASH_HEAD_DIMS]
 
 
 FLASH_BACKWARD_DKDV_MMA = _register(
@@ -655,6 +726,18 @@ FLASH_BACKWARD_DKDV_MMA = _register(
         template_params=("dtype", "head_dim", "block_m", "block_n", "warps", "write_dq"),
         params=FLASH_BACKWARD_PARAMS,
         shipped=_flash_backward_dkdv_specs,
+        structs=(VARLEN_RECORD,),
+    )
+)
+
+FLASH_BACKWARD_DKDV_WGMMA = _register(
+    KernelFamily(
+        name="flash_backward_dkdv_wgmma",
+        source="flash/backward_wgmma.hip",
+        template="hipattn::flash_backward_dkdv_wgmma",
+        template_params=("dtype", "head_dim", "warpgroups", "write_dq"),
+        params=FLASH_BACKWARD_PARAMS,
+        shipped=_flash_backward_dkdv_wgmma_specs,
         structs=(VARLEN_RECORD,),
     )
 )

@@ -17,6 +17,7 @@ from hipattn.families import (
     HOPPER_SHARED_BYTES,
     flash_backward_dkdv_shared_bytes,
     flash_backward_dq_shared_bytes,
+    flash_backward_mma_tiles,
     flash_backward_tiles,
     flash_forward_shared_bytes,
 )
@@ -39,7 +40,8 @@ def test_hopper_rows_fit_hopper_and_serve_only_it(head_dim):
     assert flash_backward_dkdv_shared_bytes(head_dim, dkdv) <= HOPPER_SHARED_BYTES
     assert flash_backward_dq_shared_bytes(head_dim, dq) <= HOPPER_SHARED_BYTES
     for arch in ("sm_90", "sm_90a"):
-        assert flash_backward_tiles(head_dim, Target.parse(arch)) == (dkdv, dq)
+        assert flash_backward_mma_tiles(head_dim, Target.parse(arch)) == (dkdv, dq)
+    assert flash_backward_tiles(head_dim, Target.parse("sm_90")) == (dkdv, dq)
     for arch in ("sm_80", "sm_86", "sm_89", "sm_120"):
         assert flash_backward_tiles(head_dim, Target.parse(arch)) == (FLASH_BACKWARD_DKDV_TILES[head_dim],
                                                                       FLASH_BACKWARD_DQ_TILES[head_dim])

@@ -39,7 +39,10 @@ from hipattn.families import (  # noqa: E402 - the repository root goes on the p
     FLASH_FORWARD_TILES,
     SMALLSEQ_MMA_BACKWARD_WARPS,
     SMALLSEQ_TILE,
+    FlashBackwardWgmmaTiles,
     FlashForwardWgmmaTiles,
+    flash_backward_mma_tiles,
+    flash_backward_tiles,
     flash_forward_tiles,
 )
 from hipattn.target import Target  # noqa: E402
@@ -147,8 +150,9 @@ class Case:
     head_dim: int = 64
     heads_q: int = 8
     heads_kv: int = 8
-    # small-seq: "tensor-core" or "portable" (HIPATTN_SMALLSEQ_KERNEL=portable); flash forward: the
-    # device's own (on the H200, sm_90a: wgmma at the head_dims of its table) or "mma.sync" (its tile row)
+    # small-seq: "tensor-core" or "portable" (HIPATTN_SMALLSEQ_KERNEL=portable); flash forward and the
+    # backward's dK/dV kernel: the device's own (on the H200, sm_90a: wgmma at the head_dims of its tables)
+    # or "mma.sync" (its tile row)
     kernel: str = "tensor-core"
     layout: str = "thd"
     cu_seqlens_q: list[int] | None = None
@@ -167,12 +171,19 @@ class Case:
     families: tuple[str, ...] = field(default=())
 
 
-def flash_forward_family(case: Case) -> str:
+def flash_forward_family(head_dim: int, kernel: str) -> str:
     """The flash forward a case launches on the sanitizer's machine (SANITIZER_TARGET)."""
-    if case.kernel != "mma.sync" and isinstance(flash_forward_tiles(case.head_dim, SANITIZER_TARGET),
-                                                FlashForwardWgmmaTiles):
+    if kernel != "mma.sync" and isinstance(flash_forward_tiles(head_dim, SANITIZER_TARGET), FlashForwardWgmmaTiles):
         return "flash_forward_wgmma"
     return "flash_forward_mma"
+
+
+def flash_dkdv_family(head_dim: int, kernel: str) -> str:
+    """The backward's dK/dV kernel a case launches on the sanitizer's machine."""
+    if kernel != "mma.sync" and isinstance(flash_backward_tiles(head_dim, SANITIZER_TARGET)[0],
+                                           FlashBackwardWgmmaTiles):
+        return "flash_backward_dkdv_wgmma"
+    return "flash_backward_dkdv_mma"
 
 
 def families_of(case: Case) -> tuple[str, ...]:
@@ -183,11 +194,13 @@ def families_of(case: Case) -> tuple[str, ...]:
         mma_backward = tensor_cores and case.heads_q == case.heads_kv and case.head_dim in SMALLSEQ_MMA_BACKWARD_WARPS
         return (forward, "smallseq_backward_mma" if mma_backward else "smallseq_backward")
     if case.kind == "flash_backward":  # the forward gives O and LSE, then the backward's kernels in order
-        return (flash_forward_family(case), *(("varlen_records",) if case.varlen_prep == "device" else ()),
-                "bwd_dot_do_o",
-                "flash_backward_dkdv_mma", "flash_backward_dq_mma" if case.deterministic else "bwd_convert_dq")
+        # (the forward is the device's own whatever the case's kernel)
+        return (flash_forward_family(case.head_dim, "device"),
+                *(("varlen_records",) if case.varlen_prep == "device" else ()), "bwd_dot_do_o",
+                flash_dkdv_family(case.head_dim, case.kernel),
+                "flash_backward_dq_mma" if case.deterministic else "bwd_convert_dq")
     if case.kind == "flash_forward":
-        return (flash_forward_family(case),)
+        return (flash_forward_family(case.head_dim, case.kernel),)
     return {"dot_do_o": ("bwd_dot_do_o",), "convert_dq": ("bwd_convert_dq",)}[case.kind]
 
 
@@ -256,7 +269,8 @@ def build_cases(quick: bool = False) -> list[Case]:
                               cu_seqlens_k=bad_k[name], adversarial=True, **base))
     # The flash backward, called directly, THD with its work list: key lengths across the dK/dV
     # tiles (128 keys, or 64 at head_dim 128 off Hopper: families.flash_backward_tiles), both dQ schedules, the
-    # work list from the kernel and from the host path; then adversarial descriptions.
+    # work list from the kernel and from the host path, the device's dK/dV kernel and the mma.sync one;
+    # then adversarial descriptions.
     backward_q = cumulative([0, 1, 90, 33])
     backward_k = cumulative([5, 150, 0, 70])
     backward_configs = (("bf16", 64, 4, 4), ("fp16", 128, 4, 2))
@@ -267,9 +281,11 @@ def build_cases(quick: bool = False) -> list[Case]:
         for deterministic in (False, True):
             for prep in ("device", "host"):
                 for causal in (deterministic,) if quick else (False, True):
-                    cases.append(Case(name=f"{tag} valid causal={causal} det={deterministic} prep={prep}",
-                                      cu_seqlens_q=backward_q, cu_seqlens_k=backward_k, causal=causal,
-                                      deterministic=deterministic, varlen_prep=prep, **base))
+                    for kernel in ("device", "mma.sync") if prep == "device" or not quick else ("device",):
+                        cases.append(Case(name=f"{tag} valid causal={causal} det={deterministic} prep={prep} "
+                                               f"kernel={kernel}", cu_seqlens_q=backward_q, cu_seqlens_k=backward_k,
+                                          causal=causal, deterministic=deterministic, varlen_prep=prep,
+                                          kernel=kernel, **base))
         bad_q, bad_k = adversarial_cu_seqlens(base["total_q"]), adversarial_cu_seqlens(base["total_k"])
         for i, name in enumerate(bad_q):
             deterministic, prep = bool(i % 2), ("device", "host")[i // 2 % 2]
@@ -515,9 +531,10 @@ def run_flash_backward(runner: Runner, case: Case) -> None:
             stream = resolve_stream((qa, ka, va), None, device=problem.device)
             out_a, lse_a = array(out, "out"), array(lse, "lse")
             flash.forward(problem, qa, ka, va, out_a, lse_a, stream, **sequences)
+            mma_rows = flash_backward_mma_tiles(case.head_dim, SANITIZER_TARGET)
             flash_backward.backward(problem, qa, ka, va, out_a, array(dout, "dout"), lse_a, array(dq, "dq"),
                                     array(dk, "dk"), array(dv, "dv"), stream, deterministic=case.deterministic,
-                                    **workspace, **sequences)
+                                    tiles=mma_rows if case.kernel == "mma.sync" else None, **workspace, **sequences)
     finally:
         if previous is None:
             os.environ.pop(PREP_SWITCH, None)

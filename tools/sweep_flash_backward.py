@@ -5,8 +5,9 @@ schedules, its gradients checked against torch SDPA's flash backend on the same 
     python tools/sweep_flash_backward.py --variants 128:32x64x8/64x32x4,128:32x128x8/64x64x4
 
 A variant is ``HEAD_DIM:BMxBNxWARPS/BMxBNxWARPS``, the dK/dV kernel's tiles then the dQ kernel's
-(families.FlashBackwardTiles). By default each head_dim's every-part table row is timed against
-Hopper's. Workload: bf16, batch mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
+(families.FlashBackwardTiles); a dK/dV part ``wWARPGROUPS`` (``128:w2/128x64x8``) runs the wgmma dK/dV
+kernel (sm_90a; families.FlashBackwardWgmmaTiles). By default each head_dim's every-part table row is
+timed against Hopper's mma.sync rows and, where sm_90a has one, its wgmma row. Workload: bf16, batch mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
 Every variant's kernels are compiled first, in parallel processes, into the disk cache.
 
 Reported per variant: milliseconds of one backward call (Delta, the dK/dV kernel, and dQ either by
@@ -28,23 +29,38 @@ from benchlib import median_ms  # tools/ is on sys.path when a tool runs as a sc
 TOKENS, HEADS = 16384, 16
 # Sweeps add --variants of their own; by default each head_dim's two table rows are compared.
 def default_variants() -> list[str]:
-    """Per head_dim, the every-part table's row, then Hopper's (families.flash_backward_tiles)."""
+    """Per head_dim, the every-part table's rows, Hopper's mma.sync rows, and sm_90a's where they differ
+    (families.flash_backward_tiles)."""
     from hipattn.families import FLASH_HEAD_DIMS, flash_backward_tiles
     from hipattn.target import Target
 
-    def spell(tiles) -> str:
-        return f"{tiles.block_m}x{tiles.block_n}x{tiles.warps}"
+    variants = []
+    for head_dim in FLASH_HEAD_DIMS:
+        for arch in ("sm_80", "sm_90", "sm_90a"):
+            dkdv, dq = flash_backward_tiles(head_dim, Target.parse(arch))
+            variant = f"{head_dim}:{spell(dkdv)}/{spell(dq)}"
+            if variant not in variants:
+                variants.append(variant)
+    return variants
 
-    return [f"{head_dim}:{spell(dkdv)}/{spell(dq)}" for head_dim in FLASH_HEAD_DIMS for arch in ("sm_80", "sm_90")
-            for dkdv, dq in [flash_backward_tiles(head_dim, Target.parse(arch))]]
+
+def spell(tiles) -> str:
+    """A row as a variant spells it: BMxBNxWARPS (mma.sync), or wWARPGROUPS (the wgmma dK/dV kernel)."""
+    if hasattr(tiles, "warpgroups"):
+        return f"w{tiles.warpgroups}"
+    return f"{tiles.block_m}x{tiles.block_n}x{tiles.warps}"
 
 
 def parse_variant(text: str):
-    from hipattn.families import FlashBackwardTiles
+    from hipattn.families import FlashBackwardTiles, FlashBackwardWgmmaTiles
 
     head_dim, tiles = text.split(":")
-    dkdv, dq = (FlashBackwardTiles(*map(int, part.split("x"))) for part in tiles.split("/"))
-    return int(head_dim), dkdv, dq
+    dkdv_text, dq_text = tiles.split("/")
+    if dkdv_text.startswith("w"):
+        dkdv = FlashBackwardWgmmaTiles(int(dkdv_text[1:]))
+    else:
+        dkdv = FlashBackwardTiles(*map(int, dkdv_text.split("x")))
+    return int(head_dim), dkdv, FlashBackwardTiles(*map(int, dq_text.split("x")))
 
 
 def compile_variants(variants) -> None:
@@ -133,8 +149,7 @@ def _case(head_dim: int, seqlen: int, causal: bool, variants) -> list[dict]:
                 error = max(relative_error(g, r) for g, r in zip(grads, reference, strict=True))
                 ms = median_ms(run, warmup=3, repeat=15)
                 rows.append({"head_dim": head_dim, "seqlen": seqlen, "causal": causal,
-                             "dkdv": f"{dkdv_tiles.block_m}x{dkdv_tiles.block_n}x{dkdv_tiles.warps}",
-                             "dq": f"{dq_tiles.block_m}x{dq_tiles.block_n}x{dq_tiles.warps}",
+                             "dkdv": spell(dkdv_tiles), "dq": spell(dq_tiles),
                              "deterministic": deterministic, "backward_ms": ms,
                              "backward_tflops": 2.5 * flops / (ms * 1e-3) / 1e12, "max_error_vs_sdpa_flash": error})
                 print(json.dumps(rows[-1]), flush=True)

@@ -6,6 +6,7 @@ import functools
 
 from ..backends import get_backend
 from ..families import (
+    FlashBackwardDkdvRow,
     FlashBackwardTiles,
     FlashForwardRow,
     flash_backward_tiles,
@@ -38,9 +39,9 @@ def forward_tiles(device: int, head_dim: int) -> FlashForwardRow:
 
 
 @functools.cache
-def backward_tiles(device: int, head_dim: int) -> tuple[FlashBackwardTiles, FlashBackwardTiles]:
+def backward_tiles(device: int, head_dim: int) -> tuple[FlashBackwardDkdvRow, FlashBackwardTiles]:
     """The flash backward's (dK/dV, dQ) tiles for ``head_dim`` on ``device`` (families.flash_backward_tiles:
-    Hopper's larger rows on sm_90). Cached as above."""
+    Hopper's larger rows on sm_90, the wgmma dK/dV kernel's on sm_90a). Cached as above."""
     return flash_backward_tiles(head_dim, get_backend().device_target(device))
 
 

@@ -1,4 +1,5 @@
-"""Launch the general attention backward (FlashAttention-2 on NVIDIA tensor cores, sm_80+).
+"""Launch the general attention backward (FlashAttention-2 on NVIDIA tensor cores, sm_80+; on sm_90a the
+dK/dV kernel runs on Hopper's warpgroup tensor cores where its table has the head_dim).
 
 hipattn.attention.backward calls it for every call the small-seq path cannot take (hipattn.dispatch),
 with the workspace sections of workspace.backward_workspace.
@@ -33,6 +34,7 @@ from ..arrays import DeviceArray
 from ..backends import get_backend
 from ..families import (
     FLASH_HEAD_DIMS,
+    FlashBackwardDkdvRow,
     FlashBackwardTiles,
     flash_backward_dkdv_shared_bytes,
     flash_backward_dkdv_spec,
@@ -61,7 +63,7 @@ def ineligibility(problem: Problem) -> str | None:
 
 
 @functools.cache
-def _dkdv_spec(dtype: str, head_dim: int, write_dq: bool, tiles: FlashBackwardTiles) -> KernelSpec:
+def _dkdv_spec(dtype: str, head_dim: int, write_dq: bool, tiles: FlashBackwardDkdvRow) -> KernelSpec:
     return flash_backward_dkdv_spec(dtype, head_dim, write_dq, tiles)
 
 
@@ -102,7 +104,7 @@ def _check_records(varlen_records: DeviceArray, problem: Problem) -> None:
 def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int, *, softmax_d: DeviceArray,
              dq_accum: DeviceArray | None = None, varlen_records: DeviceArray | None = None,
              deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-             tiles: tuple[FlashBackwardTiles, FlashBackwardTiles] | None = None) -> None:
+             tiles: tuple[FlashBackwardDkdvRow, FlashBackwardTiles] | None = None) -> None:
     """Enqueue dQ, dK and dV of attention ``out`` = softmax(scale q kᵀ) v, given dout and the forward's lse.
 
     All arguments are DeviceArrays in ``problem``'s layout; dq, dk, dv take q, k, v's shapes and dtype.
@@ -110,8 +112,9 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     ``dq_accum`` is contiguous fp32 workspace shaped like dq, needed unless ``deterministic``.
     ``varlen_records`` (THD only) is contiguous int32 workspace [batch, VARLEN_RECORD_WORDS]: the
     dK/dV kernel's work list, prepared here on ``stream`` (workspace.backward_workspace's section).
-    ``tiles`` overrides the (dK/dV, dQ) table rows for head_dim (tools/sweep_flash_backward.py sweeps
-    them this way); the default is the device's rows (families.flash_backward_tiles).
+    ``tiles`` overrides the (dK/dV, dQ) table rows for head_dim, and with the dK/dV row's type its
+    kernel (tools/sweep_flash_backward.py sweeps them this way, and times mma.sync against wgmma on one
+    device); the default is the device's rows (families.flash_backward_tiles).
     """
     reason = ineligibility(problem)
     if reason is not None:
@@ -162,7 +165,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
                 flash_backward_dq_shared_bytes(problem.head_dim, dq_tiles), dq_blocks, problem, stream, fields)
 
 
-def _launch(spec: KernelSpec, tiles: FlashBackwardTiles, shared_bytes: int, blocks: int, problem: Problem,
+def _launch(spec: KernelSpec, tiles: FlashBackwardDkdvRow, shared_bytes: int, blocks: int, problem: Problem,
             stream: int, fields: dict) -> None:
     """One of the two kernels, on ``blocks`` blocks of ``tiles.threads``; both read the one struct."""
     kernel = get_kernel(spec, problem.device)

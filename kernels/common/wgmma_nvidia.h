@@ -92,10 +92,12 @@ HIPATTN_DEVICE u64 pin(u64 descriptor) {
 }
 
 // d (+)= A B for one k16 step, m64nN. ss: A and B from shared memory, both K-major (rows of A and
-// of B contiguous along K). rs: A from registers, B MN-major (rows of B contiguous along N: the
-// transpose bit set). `accumulate` 0 overwrites d.
+// of B contiguous along K). ss_mn: both MN-major (A's columns contiguous along M, B's rows along N:
+// both transpose bits set). rs: A from registers, B MN-major. `accumulate` 0 overwrites d.
 template <typename T, int N>
 HIPATTN_DEVICE void mma_ss(float (&d)[N / 8][4], u64 a, u64 b, int accumulate);
+template <typename T, int N>
+HIPATTN_DEVICE void mma_ss_mn(float (&d)[N / 8][4], u64 a, u64 b, int accumulate);
 template <typename T, int N>
 HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64 b, int accumulate);
 
@@ -128,6 +130,13 @@ HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64
   HIPATTN_DEVICE void mma_ss<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) {                \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N     \
                  "k16.f32." PTX_TYPE "." PTX_TYPE " {" OPS "}, %" #I0 ", %" #I1 ", p, 1, 1, 0, 0;\n}\n"      \
+                 : ACC()                                                                                   \
+                 : "l"(a), "l"(b), "r"(accumulate));                                                       \
+  }                                                                                                        \
+  template <>                                                                                              \
+  HIPATTN_DEVICE void mma_ss_mn<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) {             \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N     \
+                 "k16.f32." PTX_TYPE "." PTX_TYPE " {" OPS "}, %" #I0 ", %" #I1 ", p, 1, 1, 1, 1;\n}\n"      \
                  : ACC()                                                                                   \
                  : "l"(a), "l"(b), "r"(accumulate));                                                       \
   }                                                                                                        \

@@ -28,13 +28,11 @@
 // Keys of a sequence that no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
 #pragma once
 #include "common/mma_nvidia.h"
-#include "common/sequence.h"
+#include "flash/backward_common.h"
 #include "flash/staging.h"
 
 namespace hipattn {
 namespace flash {
-
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared-memory layout of a dK/dV block, in elements of T, then fp32 row statistics:
 //   K, V          BLOCK_N rows each
@@ -101,49 +99,6 @@ struct QueryBlockTiles {
   static_assert(kBytes <= 227 * 1024, "the tiles must fit 227 KiB of shared memory");
 };
 
-struct KeyBlock {
-  int n_block;  // key tile within the sequence
-  int batch_index;  // -1: the block has no work (past the end of the varlen work list)
-  int head_kv;
-};
-
-// The one place that maps a dK/dV block to its work.
-// Without a work list (BSHD, or THD sized from max_seqlen_k), grid.x enumerates (key tile, sequence,
-// KV head), the key tile fastest. With one (THD: p.varlen_records, hipattn/varlen_metadata.py),
-// grid.x enumerates (work-list key block, KV head), the head fastest, so every real block comes
-// before the idle tail of the host-sized grid; the block finds its sequence by a binary search for
-// the last record whose first_key_block is not past its key block (sequences without blocks share
-// their successor's first_key_block and are never found). Either way a sequence's tile 0 comes
-// first: under causal masking it sees the most query rows.
-template <int BLOCK_N>
-HIPATTN_DEVICE KeyBlock key_block_of(unsigned int block, const FlashBackwardParams& p) {
-  const unsigned int heads_kv = static_cast<unsigned int>(p.heads_kv);
-  if (p.varlen_records == nullptr) {
-    const unsigned int n_blocks = static_cast<unsigned int>((p.max_seqlen_k + BLOCK_N - 1) / BLOCK_N);
-    const unsigned int problem = block / n_blocks;
-    return {static_cast<int>(block % n_blocks), static_cast<int>(problem / heads_kv),
-            static_cast<int>(problem % heads_kv)};
-  }
-  if (p.batch < 1) return {0, -1, 0};
-  const VarlenSequenceRecord* const records = static_cast<const VarlenSequenceRecord*>(p.varlen_records);
-  const long long work = block / heads_kv;
-  int lo = 0;
-  int hi = p.batch - 1;
-  while (lo < hi) {
-    const int mid = hi - (hi - lo) / 2;
-    if (records[mid].first_key_block <= work) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const long long n_block = work - records[lo].first_key_block;
-  const int key_length = records[lo].key_length;
-  const int blocks = key_length / BLOCK_N + (key_length % BLOCK_N != 0);
-  if (n_block < 0 || n_block >= blocks) return {0, -1, 0};
-  return {static_cast<int>(n_block), lo, static_cast<int>(block % heads_kv)};
-}
-
 struct QueryBlock {
   int m_block;  // query tile within the sequence
   int batch_index;
@@ -192,9 +147,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   // whose diagonal reaches n0. Every query head of the KV head's group walks the same tiles; the
   // block's work list is (group head, query tile) flattened, so the copies run ahead across heads.
   const int diagonal = len_k - len_q;  // query i sees key j <= i + diagonal when causal
-  const int first_row = p.causal ? clamp_int(n0 - diagonal, 0, len_q) : 0;
-  const int m_first = first_row / BLOCK_M;
-  const int m_count = first_row < len_q ? (len_q + BLOCK_M - 1) / BLOCK_M - m_first : 0;
+  const flash::QueryTiles seeing = flash::query_tiles_seeing<BLOCK_M>(n0, len_q, diagonal, p.causal);
+  const int m_first = seeing.first;
+  const int m_count = seeing.count;
   const int group = p.heads_q / p.heads_kv;
   const int first_head = block.head_kv * group;
   const int tiles = group * m_count;  // zero: no query sees these keys, and dK = dV = 0 is written

@@ -21,8 +21,8 @@
 // unswizzled layout, whose conflict-free copies read 64-byte segments, left this kernel bound by L2:
 // 76% of its throughput at 250 TFLOP/s on the H200, against 23% at 319 swizzled, same tiles.)
 #pragma once
-#include "common/wgmma_nvidia.h"
 #include "flash/forward_common.h"
+#include "flash/wgmma_staging.h"
 
 namespace hipattn {
 namespace flash {
@@ -49,25 +49,6 @@ struct WgmmaForwardTiles {
   static_assert(STAGES >= 2 && STAGES <= 3, "two or three K/V slots: K of the next tile is read early");
   static_assert(kBytes <= 227 * 1024, "the tiles must fit sm_90's 227 KiB of shared memory");
 };
-
-// Copy rows [0, rows) of a swizzled tile of TILE_ROWS rows with cp.async; rows past `rows` are
-// zero-filled when ZERO_TAIL (V, Q: their products must stay finite) and left alone otherwise (K: their
-// scores are masked by selection). Consecutive threads copy consecutive 16-byte chunks of a row.
-template <typename T, int HEAD_DIM, int TILE_ROWS, int THREADS, bool ZERO_TAIL>
-HIPATTN_DEVICE void stage_swizzled_tile(T* tile, const T* first_row, long long token_stride, int rows) {
-  constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
-#pragma unroll
-  for (int c = threadIdx.x; c < TILE_ROWS * kChunks; c += THREADS) {
-    const int row = c / kChunks;
-    const int col = (c % kChunks) * 8;
-    T* const destination = tile + wgmma::swizzled_offset<TILE_ROWS>(row, col);
-    if (row < rows) {
-      mma::copy_async_16(destination, first_row + row * token_stride + col);
-    } else if (ZERO_TAIL) {
-      *reinterpret_cast<Vec<T, 8>*>(destination) = Vec<T, 8>{};
-    }
-  }
-}
 
 }  // namespace flash
 

@@ -17,10 +17,11 @@ import torch
 from hipattn import arrays
 from hipattn import problem as problem_mod
 from hipattn.backends import get_backend
-from hipattn.families import FLASH_HEAD_DIMS
+from hipattn.families import FLASH_HEAD_DIMS, flash_backward_mma_tiles
 from hipattn.ops import flash, flash_backward
 from hipattn.ops.capabilities import backward_tiles
 from hipattn.streams import on_device, resolve_stream
+from hipattn.target import Target
 from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
 
 from .conftest import (
@@ -47,13 +48,14 @@ LENGTHS_K = [9, 1, 18, 17, 65, 63, 200, 129, 0, 0, 31]
 
 def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                            seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
-                           deterministic=False, out=None, lse=None, work_list=True):
+                           deterministic=False, out=None, lse=None, work_list=True, tiles=None):
     """The flash forward (O, LSE), then the flash backward into dq, dk, dv; returns (out, lse,
     softmax_d), the last the backward's Delta = rowsum(dout * out).
 
     ``out`` and ``lse`` are allocated unless given (a given pair is reused as it is: the deterministic
     test replays the backward on one forward's output). ``work_list``: THD calls pass the
-    varlen_records section (poisoned: the backward prepares it)."""
+    varlen_records section (poisoned: the backward prepares it). ``tiles`` overrides the device's
+    (dK/dV, dQ) rows, and with the dK/dV row's type the kernel."""
     (qa, ka, va), sequences, problem = describe_call(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale)
@@ -75,7 +77,8 @@ def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_s
             problem, qa, ka, va, out_a, arrays.as_device_array(dout, "dout"), lse_a, arrays.as_device_array(dq, "dq"),
             arrays.as_device_array(dk, "dk"), arrays.as_device_array(dv, "dv"), stream,
             softmax_d=arrays.as_device_array(softmax_d, "softmax_d"), dq_accum=device_array_or_none(dq_accum, "dq_accum"),
-            varlen_records=device_array_or_none(records, "varlen_records"), deterministic=deterministic, **sequences)
+            varlen_records=device_array_or_none(records, "varlen_records"), deterministic=deterministic, tiles=tiles,
+            **sequences)
     return out, lse, softmax_d
 
 
@@ -125,7 +128,7 @@ def _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case):
 
 
 def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, deterministic=False,
-                 bound_slack=0, tail_rows=0, work_list=True, case=""):
+                 bound_slack=0, tail_rows=0, work_list=True, tiles=None, case=""):
     """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
     cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
     t = TORCH_DTYPE[dtype]
@@ -139,7 +142,7 @@ def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causa
         q, k, v, dout, dq, dk, dv, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
         cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
         max_seqlen_q=max(lengths_q, default=0) + bound_slack, max_seqlen_k=max(lengths_k, default=0) + bound_slack,
-        causal=causal, deterministic=deterministic, work_list=work_list)
+        causal=causal, deterministic=deterministic, work_list=work_list, tiles=tiles)
     torch.cuda.synchronize()
     nq, nk = cu_q[-1], cu_k[-1]
     _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case)
@@ -154,6 +157,17 @@ def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causa
 def test_every_shipped_instantiation_matches_float64(dtype, head_dim, causal, deterministic, rng):
     _varlen_case(LENGTHS_Q, LENGTHS_K, 2, 2, head_dim, dtype, causal, rng, deterministic=deterministic, tail_rows=3,
                  case=f"{dtype} d{head_dim} causal={causal} deterministic={deterministic}")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_mma_sync_dkdv_kernel_matches_float64(dtype, causal, deterministic, rng):
+    """head_dim 128 runs the wgmma dK/dV kernel on sm_90a; its mma.sync row (what every other sm_80+
+    part runs) is checked here too, through the tiles override."""
+    tiles = flash_backward_mma_tiles(128, Target.parse("sm_90"))
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, 128, dtype, causal, rng, deterministic=deterministic, tail_rows=3,
+                 tiles=tiles, case=f"mma.sync {dtype} d128 causal={causal} deterministic={deterministic}")
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (6, 1)])
@@ -172,10 +186,12 @@ def test_gqa_and_mqa_sum_kv_gradients_over_the_group(heads_q, heads_kv, causal, 
     ([17], [1000]),  # Q much shorter: every key tile but the last is seen by all rows
     ([1], [1]),
     ([127, 128, 129], [129, 128, 127]),  # one short of, exactly, one past the tile multiples
+    # the wgmma dK/dV kernel's 128-key block: a last block whose second warpgroup has no key, or a few
+    ([63, 64, 65, 191], [64, 63, 193, 65]),
     ([0, 0, 3], [0, 5, 0]),
 ])
 def test_lengths_around_the_tiles(lengths_q, lengths_k, causal, rng):
-    for head_dim in (64, 256):  # the tile shapes at the ends of the tables
+    for head_dim in (64, 128, 256):  # the tile shapes at the ends of the tables, and the wgmma kernel's
         for deterministic in (False, True):
             _varlen_case(lengths_q, lengths_k, 2, 1, head_dim, "bf16", causal, rng, deterministic=deterministic,
                          case=f"lengths {lengths_q}/{lengths_k} d{head_dim} causal={causal} det={deterministic}")

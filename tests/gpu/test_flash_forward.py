@@ -148,10 +148,13 @@ def test_gqa_and_mqa(heads_q, heads_kv, causal, head_dim, rng):
     ([17], [1000]),  # Q much shorter: causal rows see all but the last keys
     ([1], [1]),
     ([127, 128, 129], [129, 128, 127]),  # one short of, exactly, one past BLOCK_M / 2 BLOCK_N
+    # around the wgmma kernel's 192-row block (3 warpgroups): a last block whose second and third
+    # warpgroups have no row, and causal blocks whose warpgroups see different numbers of key tiles
+    ([191, 192, 193, 65, 129], [193, 192, 191, 300, 64]),
     ([0, 0, 3], [0, 5, 0]),
 ])
 def test_lengths_around_the_tiles(lengths_q, lengths_k, causal, rng):
-    for head_dim in (64, 256):  # the two tile shapes at the ends of the table
+    for head_dim in (64, 128, 256):  # the tile shapes of the table: 3 warpgroups at 64 and 128, 2 at 256
         _varlen_case(lengths_q, lengths_k, 2, 2, head_dim, "bf16", causal, rng,
                      case=f"lengths {lengths_q}/{lengths_k} d{head_dim} causal={causal}")
 

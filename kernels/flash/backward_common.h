@@ -1,0 +1,69 @@
+// What the flash backward's dK/dV kernels (backward_mma.hip: mma.sync; backward_wgmma.hip: Hopper's
+// wgmma) share: which (key tile, sequence, KV head) a block owns, and which query tiles see its keys.
+#pragma once
+#include "common/sequence.h"
+
+namespace hipattn {
+namespace flash {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct KeyBlock {
+  int n_block;  // key tile within the sequence
+  int batch_index;  // -1: the block has no work (past the end of the varlen work list)
+  int head_kv;
+};
+
+// The one place that maps a dK/dV block to its work.
+// Without a work list (BSHD, or THD sized from max_seqlen_k), grid.x enumerates (key tile, sequence,
+// KV head), the key tile fastest. With one (THD: p.varlen_records, hipattn/varlen_metadata.py),
+// grid.x enumerates (work-list key block, KV head), the head fastest, so every real block comes
+// before the idle tail of the host-sized grid; the block finds its sequence by a binary search for
+// the last record whose first_key_block is not past its key block (sequences without blocks share
+// their successor's first_key_block and are never found). Either way a sequence's tile 0 comes
+// first: under causal masking it sees the most query rows.
+template <int BLOCK_N>
+HIPATTN_DEVICE KeyBlock key_block_of(unsigned int block, const FlashBackwardParams& p) {
+  const unsigned int heads_kv = static_cast<unsigned int>(p.heads_kv);
+  if (p.varlen_records == nullptr) {
+    const unsigned int n_blocks = static_cast<unsigned int>((p.max_seqlen_k + BLOCK_N - 1) / BLOCK_N);
+    const unsigned int problem = block / n_blocks;
+    return {static_cast<int>(block % n_blocks), static_cast<int>(problem / heads_kv),
+            static_cast<int>(problem % heads_kv)};
+  }
+  if (p.batch < 1) return {0, -1, 0};
+  const VarlenSequenceRecord* const records = static_cast<const VarlenSequenceRecord*>(p.varlen_records);
+  const long long work = block / heads_kv;
+  int lo = 0;
+  int hi = p.batch - 1;
+  while (lo < hi) {
+    const int mid = hi - (hi - lo) / 2;
+    if (records[mid].first_key_block <= work) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const long long n_block = work - records[lo].first_key_block;
+  const int key_length = records[lo].key_length;
+  const int blocks = key_length / BLOCK_N + (key_length % BLOCK_N != 0);
+  if (n_block < 0 || n_block >= blocks) return {0, -1, 0};
+  return {static_cast<int>(n_block), lo, static_cast<int>(block % heads_kv)};
+}
+
+// The query tiles of BLOCK_M rows, [first, first + count), whose rows see some of the keys from n0 on:
+// causal, the first such row is the one whose diagonal reaches n0 (query i sees key j <= i + diagonal).
+struct QueryTiles {
+  int first;
+  int count;
+};
+
+template <int BLOCK_M>
+HIPATTN_DEVICE QueryTiles query_tiles_seeing(int n0, int len_q, int diagonal, bool causal) {
+  const int first_row = causal ? clamp_int(n0 - diagonal, 0, len_q) : 0;
+  const int first = first_row / BLOCK_M;
+  return {first, first_row < len_q ? (len_q + BLOCK_M - 1) / BLOCK_M - first : 0};
+}
+
+}  // namespace flash
+}  // namespace hipattn

@@ -1,0 +1,360 @@
+// General attention backward, the dK/dV kernel (with dQ's share added atomically), on Hopper's
+// warpgroup tensor cores (sm_90a): backward_mma.hip's algorithm with wgmma.mma_async in place of
+// mma.sync and ldmatrix.
+//
+// One block per (key tile of 64 * WARPGROUPS keys, sequence, KV head), found as backward_mma.hip's
+// (flash/backward_common.h); each warpgroup owns 64 of the keys, as the rows of its accumulators.
+// K and V stay in shared memory and dK, dV in fp32 registers while the block walks every 64-row query
+// tile (of every query head of the KV head's group) whose rows see some of its keys; Q, dO, LSE and
+// Delta are double-buffered with cp.async, so the next tile's copies overlap this tile's math. Per
+// query tile, each warpgroup, in the transposed frame (keys as rows):
+//   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ   both operands from shared memory (K-major), issued together; Pᵀ is
+//                               exponentiated while dPᵀ is still in flight
+//   dV += Pᵀ dO, dK += dSᵀ Q     Pᵀ and dSᵀ = Pᵀ (dPᵀ - Delta) from registers (the accumulator layout
+//                               is the A fragment's), dO and Q from shared memory read transposed
+//   dQ_partial = dS K           WRITE_DQ: dSᵀ goes to shared memory, where the tensor cores read it
+//                               transposed as dS; every warpgroup takes HEAD_DIM / WARPGROUPS columns of
+//                               dQ over all the block's keys and adds them into the fp32 dq_accum
+//                               with atomics (convert_dq scales them later)
+// so no product waits for a register shuffle, and no tile passes through ldmatrix. Shared tiles are in
+// wgmma's 128-byte swizzled layout (common/wgmma_nvidia.h).
+//
+// Conventions are the forward's: causal is bottom-right aligned, query i sees key j when
+// j <= i + len_k - len_q; keys no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
+#pragma once
+#include "flash/backward_common.h"
+#include "flash/wgmma_staging.h"
+
+namespace hipattn {
+namespace flash {
+
+// Shared-memory layout of a block, in elements of T, then fp32 row statistics; every tile swizzled and
+// 1024-byte aligned:
+//   K, V        BLOCK_N rows each
+//   Q, dO       two slots of BLOCK_M rows each (double buffer)
+//   dSᵀ         BLOCK_N rows of BLOCK_M queries (one 128-byte swizzle row each)
+//   LSE, Delta  fp32, two slots of BLOCK_M each: [slot][LSE | Delta]
+// hipattn/families.py's flash_backward_dkdv_wgmma_shared_bytes computes kBytes from the same arguments.
+template <typename T, int HEAD_DIM, int WARPGROUPS>
+struct WgmmaKeyBlockTiles {
+  static constexpr int kBlockN = 64 * WARPGROUPS;
+  static constexpr int kBlockM = 64;  // dQ's rows: one wgmma's M
+  static constexpr int kThreads = 128 * WARPGROUPS;
+  static constexpr int kDqColumns = HEAD_DIM / WARPGROUPS;  // dQ columns per warpgroup
+  static constexpr int kKeyElements = kBlockN * HEAD_DIM;
+  static constexpr int kQueryElements = kBlockM * HEAD_DIM;
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKeyElements;
+  static constexpr int kQOffset = 2 * kKeyElements;
+  static constexpr int kDoOffset = kQOffset + 2 * kQueryElements;
+  static constexpr int kDsOffset = kDoOffset + 2 * kQueryElements;
+  static constexpr int kElements = kDsOffset + kBlockN * kBlockM;
+  static constexpr int kStatsOffsetBytes = kElements * static_cast<int>(sizeof(T));
+  static constexpr int kBytes = kStatsOffsetBytes + 2 * 2 * kBlockM * static_cast<int>(sizeof(float));
+
+  static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "dK and dV are one wgmma's N each (64 or 128)");
+  static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 2, "one or two warpgroups (64 or 128 keys)");
+  static_assert(kDqColumns % 64 == 0,
+                "a warpgroup's dQ columns are whole 64-column swizzle blocks of K (head_dim / warpgroups)");
+  static_assert(kBytes <= 227 * 1024, "the tiles must fit sm_90's 227 KiB of shared memory");
+};
+
+}  // namespace flash
+
+template <typename T, int HEAD_DIM, int WARPGROUPS, bool WRITE_DQ>
+__global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(const FlashBackwardParams p) {
+  using Tiles = flash::WgmmaKeyBlockTiles<T, HEAD_DIM, WARPGROUPS>;
+  constexpr int kBlockN = Tiles::kBlockN;
+  constexpr int kBlockM = Tiles::kBlockM;
+  constexpr int kThreads = Tiles::kThreads;
+  constexpr int kQTiles = kBlockM / 8;     // 8-query accumulator tiles of Sᵀ and dPᵀ
+  constexpr int kDTiles = HEAD_DIM / 8;    // 8-column accumulator tiles of dK and dV
+  constexpr int kDqColumns = Tiles::kDqColumns;
+  extern __shared__ __align__(1024) unsigned char shared_bytes[];
+  T* const shared = reinterpret_cast<T*>(shared_bytes);
+  float* const stats = reinterpret_cast<float*>(shared_bytes + Tiles::kStatsOffsetBytes);
+
+  const flash::KeyBlock block = flash::key_block_of<kBlockN>(blockIdx.x, p);
+  if (block.batch_index < 0) return;  // past the work list's last key block; before any barrier
+  const int batch_index = block.batch_index;
+  const Sequence seq_q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q),
+                                         static_cast<const int*>(p.seqused_q), batch_index, p.max_seqlen_q,
+                                         p.total_q, p.max_seqlen_q);
+  const Sequence seq_k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k),
+                                         static_cast<const int*>(p.seqused_k), batch_index, p.max_seqlen_k,
+                                         p.total_k, p.max_seqlen_k);
+  const int len_q = seq_q.length;
+  const int len_k = seq_k.length;
+  const int n0 = block.n_block * kBlockN;
+  if (n0 >= len_k) return;  // no key of this sequence here; uniform over the block, before any barrier
+  const int keys = len_k - n0 < kBlockN ? len_k - n0 : kBlockN;
+
+  // Every query head of the KV head's group walks the same query tiles; the work list is (group head,
+  // query tile) flattened, so the copies run ahead across heads.
+  const int diagonal = len_k - len_q;  // query i sees key j <= i + diagonal when causal
+  const flash::QueryTiles seeing = flash::query_tiles_seeing<kBlockM>(n0, len_q, diagonal, p.causal);
+  const int group = p.heads_q / p.heads_kv;
+  const int first_head = block.head_kv * group;
+  const int tiles = group * seeing.count;  // zero: no query sees these keys, and dK = dV = 0 is written
+
+  T* const k_tile = shared + Tiles::kKOffset;
+  T* const v_tile = shared + Tiles::kVOffset;
+  T* const q_slots = shared + Tiles::kQOffset;
+  T* const do_slots = shared + Tiles::kDoOffset;
+  T* const ds_tile = shared + Tiles::kDsOffset;
+
+  // K and V rows past the sequence are zeroed: they meet probabilities of exactly 0 in dS and dQ,
+  // and 0 x stale NaN would be NaN.
+  {
+    const long long token = seq_k.start + n0;
+    flash::stage_swizzled_tile<T, HEAD_DIM, kBlockN, kThreads, true>(
+        k_tile, static_cast<const T*>(p.k) + batch_index * p.k_batch_stride + token * p.k_token_stride +
+                    block.head_kv * p.k_head_stride,
+        p.k_token_stride, keys);
+    flash::stage_swizzled_tile<T, HEAD_DIM, kBlockN, kThreads, true>(
+        v_tile, static_cast<const T*>(p.v) + batch_index * p.v_batch_stride + token * p.v_token_stride +
+                    block.head_kv * p.v_head_stride,
+        p.v_token_stride, keys);
+  }
+
+  // Work item i: its query head and first row.
+  auto head_of = [&](int i) { return first_head + i / seeing.count; };
+  auto m0_of = [&](int i) { return (seeing.first + i % seeing.count) * kBlockM; };
+  // Issue the copies of work item i into slot i % 2 (nothing past the last item) and always commit,
+  // so that at the top of iteration i exactly one group, item i's, is in flight.
+  auto load_query_tile = [&](int i) {
+    if (i < tiles) {
+      const int head = head_of(i);
+      const int m0 = m0_of(i);
+      const int rows = len_q - m0 < kBlockM ? len_q - m0 : kBlockM;
+      const int slot = i % 2;
+      const long long token = seq_q.start + m0;
+      // Q and dO rows past the sequence are zeroed: they are B operands of dK and dV, met by P = 0.
+      flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, true>(
+          q_slots + slot * Tiles::kQueryElements,
+          static_cast<const T*>(p.q) + batch_index * p.q_batch_stride + token * p.q_token_stride +
+              head * p.q_head_stride,
+          p.q_token_stride, rows);
+      flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, true>(
+          do_slots + slot * Tiles::kQueryElements,
+          static_cast<const T*>(p.dout) + batch_index * p.dout_batch_stride + token * p.dout_token_stride +
+              head * p.dout_head_stride,
+          p.dout_token_stride, rows);
+      float* const lse_slot = stats + slot * 2 * kBlockM;
+      float* const delta_slot = lse_slot + kBlockM;
+      const float* const lse_row =
+          static_cast<const float*>(p.lse) + batch_index * p.lse_batch_stride + head * p.lse_head_stride + token;
+      const float* const delta_row = static_cast<const float*>(p.softmax_d) +
+                                     batch_index * p.softmax_d_batch_stride + head * p.softmax_d_head_stride + token;
+      for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+        if (r < rows) {
+          mma::copy_async_4(lse_slot + r, lse_row + r);
+          mma::copy_async_4(delta_slot + r, delta_row + r);
+        } else {
+          // Rows past the sequence: P = exp(-inf) = 0, and a finite Delta (dot_do_o's value there
+          // comes from rows of O nobody wrote).
+          lse_slot[r] = infinity();
+          delta_slot[r] = 0.0f;
+        }
+      }
+    }
+    mma::commit_async_copies();
+  };
+  load_query_tile(0);  // in one group with K and V
+
+  const int warpgroup = threadIdx.x / 128;
+  const int warp = (threadIdx.x / 32) % 4;  // within the warpgroup
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4;  // accumulator rows g and g + 8 of the warp's 16
+  const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
+  const int own_first_key = 64 * warpgroup;  // the warpgroup's keys in the block's tile
+  const int own_n0 = n0 + own_first_key;
+  const float scale_log2 = p.softmax_scale * flash::kLog2e;
+
+  float dk[kDTiles][4];
+  float dv[kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.0f;
+
+  // Descriptors. K and V rows (the warpgroup's 64) are the K-major A of Sᵀ and dPᵀ, whose B, the Q and
+  // dO rows, are K-major too: a k16 step is 32 bytes along a 128-byte row, then the next column block.
+  // Q and dO are also the MN-major B of dK and dV: a k16 step is 16 queries (two 8-row atoms), column
+  // blocks BLOCK_M rows apart. dQ reads dSᵀ as the MN-major A (queries contiguous: one column block,
+  // k16 steps of 16 keys) and the warpgroup's column blocks of K as its MN-major B.
+  constexpr int kSlotBytes = Tiles::kQueryElements * static_cast<int>(sizeof(T));
+  const wgmma::u64 k_rows = wgmma::descriptor(mma::shared_address(k_tile + own_first_key * 64), wgmma::kRowBytes,
+                                              wgmma::kAtomBytes);
+  const wgmma::u64 v_rows = wgmma::descriptor(mma::shared_address(v_tile + own_first_key * 64), wgmma::kRowBytes,
+                                              wgmma::kAtomBytes);
+  const wgmma::u64 q_rows = wgmma::descriptor(mma::shared_address(q_slots), wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 do_rows = wgmma::descriptor(mma::shared_address(do_slots), wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 q_columns =
+      wgmma::descriptor(mma::shared_address(q_slots), kBlockM * wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 do_columns =
+      wgmma::descriptor(mma::shared_address(do_slots), kBlockM * wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 ds_columns =
+      wgmma::descriptor(mma::shared_address(ds_tile), kBlockN * wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 k_columns = wgmma::descriptor(
+      mma::shared_address(k_tile + (kDqColumns / 64) * warpgroup * kBlockN * 64), kBlockN * wgmma::kRowBytes,
+      wgmma::kAtomBytes);
+
+  for (int i = 0; i < tiles; ++i) {
+    const int head = head_of(i);
+    const int m0 = m0_of(i);
+    const int slot = i % 2;
+    const float* const lse_slot = stats + slot * 2 * kBlockM;
+    const float* const delta_slot = lse_slot + kBlockM;
+
+    mma::wait_async_copies();  // item i (and K, V) have landed for this thread: the only group in flight
+    wgmma::fence_shared_for_async_proxy();
+    __syncthreads();  // ... for every thread; every warpgroup is done with item i - 1's slot and dSᵀ
+    load_query_tile(i + 1);
+
+    // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, 64 keys x 64 queries per warpgroup, two groups ----
+    float s[kQTiles][4];
+    float dp[kQTiles][4];
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
+      wgmma::mma_ss<T, kBlockM>(s, wgmma::advance(k_rows, wgmma::k_major_step<kBlockN>(ks)),
+                                wgmma::advance(q_rows, slot * kSlotBytes + wgmma::k_major_step<kBlockM>(ks)), ks > 0);
+    wgmma::commit();
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
+      wgmma::mma_ss<T, kBlockM>(dp, wgmma::advance(v_rows, wgmma::k_major_step<kBlockN>(ks)),
+                                wgmma::advance(do_rows, slot * kSlotBytes + wgmma::k_major_step<kBlockM>(ks)), ks > 0);
+    wgmma::commit();
+
+    // ---- Pᵀ, while dPᵀ is in flight; masked entries are 0 by selection (a stale NaN is discarded,
+    // never multiplied). The warpgroup's tile needs the mask when it reaches past either sequence or,
+    // causal, when its last key lies beyond its first row's diagonal. ----
+    wgmma::wait<1>();
+    wgmma::pin(s);
+    const bool masked = m0 + kBlockM > len_q || own_n0 + 64 > len_k || (p.causal && own_n0 + 63 > m0 + diagonal);
+    const int key = own_n0 + 16 * warp + g;  // this lane's keys: key, key + 8
+    unsigned int p_packed[kQTiles][2];       // Pᵀ in T: the A operand of dV += Pᵀ dO
+#pragma unroll
+    for (int n = 0; n < kQTiles; ++n) {
+      const int column = 8 * n + 2 * t;  // this lane's queries in the tile: column, column + 1
+      const float2 lse = *reinterpret_cast<const float2*>(lse_slot + column);
+      const float lse_log2[2] = {lse.x * flash::kLog2e, lse.y * flash::kLog2e};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int query = m0 + column + (e & 1);
+        const int row_key = key + 8 * (e / 2);
+        const bool visible =
+            !masked || (query < len_q && row_key < len_k && (!p.causal || row_key <= query + diagonal));
+        s[n][e] = visible ? fast_exp2(s[n][e] * scale_log2 - lse_log2[e & 1]) : 0.0f;
+      }
+      p_packed[n][0] = mma::pack2<T>(s[n][0], s[n][1]);  // key row g
+      p_packed[n][1] = mma::pack2<T>(s[n][2], s[n][3]);  // key row g + 8
+    }
+    wgmma::wait<0>();
+    wgmma::pin(dp);
+    unsigned int ds_packed[kQTiles][2];  // dSᵀ in T: the A operand of dK += dSᵀ Q
+#pragma unroll
+    for (int n = 0; n < kQTiles; ++n) {
+      const float2 delta = *reinterpret_cast<const float2*>(delta_slot + 8 * n + 2 * t);
+      ds_packed[n][0] = mma::pack2<T>(s[n][0] * (dp[n][0] - delta.x), s[n][1] * (dp[n][1] - delta.y));
+      ds_packed[n][1] = mma::pack2<T>(s[n][2] * (dp[n][2] - delta.x), s[n][3] * (dp[n][3] - delta.y));
+    }
+
+    // ---- dV += Pᵀ dO and dK += dSᵀ Q over the tile's 64 queries, one group ----
+    wgmma::pin(dv);
+    wgmma::pin(dk);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const unsigned int a[4] = {p_packed[2 * kk][0], p_packed[2 * kk][1], p_packed[2 * kk + 1][0],
+                                 p_packed[2 * kk + 1][1]};
+      wgmma::mma_rs<T, HEAD_DIM>(dv, a, wgmma::advance(do_columns, slot * kSlotBytes + 2 * wgmma::kAtomBytes * kk), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const unsigned int a[4] = {ds_packed[2 * kk][0], ds_packed[2 * kk][1], ds_packed[2 * kk + 1][0],
+                                 ds_packed[2 * kk + 1][1]};
+      wgmma::mma_rs<T, HEAD_DIM>(dk, a, wgmma::advance(q_columns, slot * kSlotBytes + 2 * wgmma::kAtomBytes * kk), 1);
+    }
+    wgmma::commit();
+
+    // ---- dQ of the tile's rows += dS K over the block's keys, added into dq_accum ----
+    if constexpr (WRITE_DQ) {
+      // dSᵀ to shared memory, [key][query]: each lane's pairs are two queries of one key.
+#pragma unroll
+      for (int n = 0; n < kQTiles; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          *reinterpret_cast<unsigned int*>(ds_tile + wgmma::swizzled_offset<kBlockN>(
+                                                         own_first_key + 16 * warp + g + 8 * r, 8 * n + 2 * t)) =
+              ds_packed[n][r];
+      wgmma::fence_shared_for_async_proxy();
+      __syncthreads();  // every warpgroup's dSᵀ is in shared memory
+      float dq[kDqColumns / 8][4];
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        wgmma::mma_ss_mn<T, kDqColumns>(dq, wgmma::advance(ds_columns, 2 * wgmma::kAtomBytes * kk),
+                                        wgmma::advance(k_columns, 2 * wgmma::kAtomBytes * kk), kk > 0);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::pin(dq);
+      float* const dq_rows = static_cast<float*>(p.dq_accum) + batch_index * p.dq_accum_batch_stride +
+                             static_cast<long long>(seq_q.start + m0) * p.dq_accum_token_stride +
+                             head * p.dq_accum_head_stride + kDqColumns * warpgroup;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = 16 * warp + g + 8 * r;
+        if (m0 + row < len_q) {  // rows past the sequence belong to the next one (THD) or to padding
+          float* const destination = dq_rows + row * p.dq_accum_token_stride + 2 * t;
+#pragma unroll
+          for (int n = 0; n < kDqColumns / 8; ++n) {
+            atomic_add(destination + 8 * n, dq[n][2 * r]);
+            atomic_add(destination + 8 * n + 1, dq[n][2 * r + 1]);
+          }
+        }
+      }
+    } else {
+      wgmma::wait<0>();
+    }
+    wgmma::pin(dv);
+    wgmma::pin(dk);
+    wgmma::pin(p_packed);
+    wgmma::pin(ds_packed);
+  }
+  // Every thread's copies have landed (the last commit was empty), and the barrier: every warpgroup
+  // is done reading K and V, which now stage dK and dV for wide stores.
+  mma::wait_async_copies();
+  __syncthreads();
+
+  // ---- epilogue: dK = scale * dSᵀ Q and dV through the K and V tiles, rows past the sequence skipped ----
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int offset = wgmma::swizzled_offset<kBlockN>(own_first_key + 16 * warp + g + 8 * r, 8 * d + 2 * t);
+      *reinterpret_cast<unsigned int*>(k_tile + offset) =
+          mma::pack2<T>(dk[d][2 * r] * p.softmax_scale, dk[d][2 * r + 1] * p.softmax_scale);
+      *reinterpret_cast<unsigned int*>(v_tile + offset) = mma::pack2<T>(dv[d][2 * r], dv[d][2 * r + 1]);
+    }
+  __syncthreads();
+  constexpr int kChunks = HEAD_DIM / 8;
+  const long long token = seq_k.start + n0;
+  T* const dk_rows = static_cast<T*>(p.dk) + batch_index * p.dk_batch_stride + token * p.dk_token_stride +
+                     block.head_kv * p.dk_head_stride;
+  T* const dv_rows = static_cast<T*>(p.dv) + batch_index * p.dv_batch_stride + token * p.dv_token_stride +
+                     block.head_kv * p.dv_head_stride;
+  for (int c = threadIdx.x; c < keys * kChunks; c += kThreads) {
+    const int row = c / kChunks;
+    const int col = (c % kChunks) * 8;
+    const int offset = wgmma::swizzled_offset<kBlockN>(row, col);
+    *reinterpret_cast<Vec<T, 8>*>(dk_rows + row * p.dk_token_stride + col) =
+        *reinterpret_cast<const Vec<T, 8>*>(k_tile + offset);
+    *reinterpret_cast<Vec<T, 8>*>(dv_rows + row * p.dv_token_stride + col) =
+        *reinterpret_cast<const Vec<T, 8>*>(v_tile + offset);
+  }
+}
+
+}  // namespace hipattn
