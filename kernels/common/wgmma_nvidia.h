@@ -64,6 +64,12 @@ HIPATTN_DEVICE void wait() {
 // (the async proxy): each writing thread fences after its writes complete, before the barrier.
 HIPATTN_DEVICE void fence_shared_for_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// Two fp32 additions into adjacent global words in one reduction (vector red is sm_90's): a warp's
+// accumulator pairs (columns 2t, 2t + 1) then fill whole 32-byte sectors. `address` is 8-byte aligned.
+HIPATTN_DEVICE void atomic_add2(float* address, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(address), "f"(a), "f"(b) : "memory");
+}
+
 // Accumulators are written by the tensor cores until wait(): pinning each register through an
 // empty asm after the wait keeps the compiler from moving their reads above it (and, before a
 // batch, their writes below the fence).

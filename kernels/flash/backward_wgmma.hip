@@ -15,7 +15,7 @@
 //   dQ_partial = dS K           WRITE_DQ: dSᵀ goes to shared memory, where the tensor cores read it
 //                               transposed as dS; every warpgroup takes HEAD_DIM / WARPGROUPS columns of
 //                               dQ over all the block's keys and adds them into the fp32 dq_accum
-//                               with atomics (convert_dq scales them later)
+//                               with two-word reductions (convert_dq scales them later)
 // so no product waits for a register shuffle, and no tile passes through ldmatrix. Shared tiles are in
 // wgmma's 128-byte swizzled layout (common/wgmma_nvidia.h).
 //
@@ -308,12 +308,12 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       for (int r = 0; r < 2; ++r) {
         const int row = 16 * warp + g + 8 * r;
         if (m0 + row < len_q) {  // rows past the sequence belong to the next one (THD) or to padding
+          // One reduction per column pair, not per word: a warp's instruction then fills whole 32-byte
+          // sectors, and the L2 sees half as many atomic operations (1.24x the whole backward on the
+          // H200, BENCHMARKS.md). dq_accum is the workspace's contiguous section, so pairs are 8-byte aligned.
           float* const destination = dq_rows + row * p.dq_accum_token_stride + 2 * t;
 #pragma unroll
-          for (int n = 0; n < kDqColumns / 8; ++n) {
-            atomic_add(destination + 8 * n, dq[n][2 * r]);
-            atomic_add(destination + 8 * n + 1, dq[n][2 * r + 1]);
-          }
+          for (int n = 0; n < kDqColumns / 8; ++n) wgmma::atomic_add2(destination + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
         }
       }
     } else {
