@@ -130,22 +130,20 @@ HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64
   HIPATTN_ACC_64(), HIPATTN_ACC_8(16), HIPATTN_ACC_8(18), HIPATTN_ACC_8(20), HIPATTN_ACC_8(22), HIPATTN_ACC_8(24), \
   HIPATTN_ACC_8(26), HIPATTN_ACC_8(28), HIPATTN_ACC_8(30)
 
-// One specialisation pair per (type, N). I0.. are the operand numbers after the N / 2 accumulators.
+// The specialisations per (type, N). I0.. are the operand numbers after the N / 2 accumulators. The
+// shared-memory forms differ only in the transpose immediates of A and B (TRANSPOSE: "0, 0" K-major,
+// "1, 1" MN-major).
+#define HIPATTN_WGMMA_SS(NAME, TRANSPOSE, TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2)                          \
+  template <>                                                                                              \
+  HIPATTN_DEVICE void NAME<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) {                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N     \
+                 "k16.f32." PTX_TYPE "." PTX_TYPE " {" OPS "}, %" #I0 ", %" #I1 ", p, 1, 1, " TRANSPOSE ";\n}\n" \
+                 : ACC()                                                                                   \
+                 : "l"(a), "l"(b), "r"(accumulate));                                                       \
+  }
 #define HIPATTN_WGMMA(TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2, I3, I4, I5)                                  \
-  template <>                                                                                              \
-  HIPATTN_DEVICE void mma_ss<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) {                \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N     \
-                 "k16.f32." PTX_TYPE "." PTX_TYPE " {" OPS "}, %" #I0 ", %" #I1 ", p, 1, 1, 0, 0;\n}\n"      \
-                 : ACC()                                                                                   \
-                 : "l"(a), "l"(b), "r"(accumulate));                                                       \
-  }                                                                                                        \
-  template <>                                                                                              \
-  HIPATTN_DEVICE void mma_ss_mn<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) {             \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N     \
-                 "k16.f32." PTX_TYPE "." PTX_TYPE " {" OPS "}, %" #I0 ", %" #I1 ", p, 1, 1, 1, 1;\n}\n"      \
-                 : ACC()                                                                                   \
-                 : "l"(a), "l"(b), "r"(accumulate));                                                       \
-  }                                                                                                        \
+  HIPATTN_WGMMA_SS(mma_ss, "0, 0", TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2)                                 \
+  HIPATTN_WGMMA_SS(mma_ss_mn, "1, 1", TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2)                              \
   template <>                                                                                              \
   HIPATTN_DEVICE void mma_rs<TYPE, N>(float (&d)[N / 8][4], const unsigned int (&a)[4], u64 b, int accumulate) { \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I5 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N     \
@@ -165,6 +163,7 @@ HIPATTN_WGMMA_BOTH_TYPES(256, HIPATTN_OPS_128, HIPATTN_ACC_128, 128, 129, 130, 1
 
 #undef HIPATTN_WGMMA_BOTH_TYPES
 #undef HIPATTN_WGMMA
+#undef HIPATTN_WGMMA_SS
 #undef HIPATTN_ACC_128
 #undef HIPATTN_ACC_64
 #undef HIPATTN_ACC_32
