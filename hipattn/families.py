@@ -584,7 +584,7 @@ class FlashBackwardWgmmaTiles:
 
     warpgroups: int
 
-    block_m = 64
+    block_m = 64  # query rows per tile, fixed: not a field
 
     @property
     def block_n(self) -> int:

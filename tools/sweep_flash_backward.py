@@ -7,7 +7,8 @@ schedules, its gradients checked against torch SDPA's flash backend on the same 
 A variant is ``HEAD_DIM:BMxBNxWARPS/BMxBNxWARPS``, the dK/dV kernel's tiles then the dQ kernel's
 (families.FlashBackwardTiles); a dK/dV part ``wWARPGROUPS`` (``128:w2/128x64x8``) runs the wgmma dK/dV
 kernel (sm_90a; families.FlashBackwardWgmmaTiles). By default each head_dim's every-part table row is
-timed against Hopper's mma.sync rows and, where sm_90a has one, its wgmma row. Workload: bf16, batch mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
+timed against Hopper's mma.sync rows and, where sm_90a has one, its wgmma row. Workload: bf16, batch
+mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
 Every variant's kernels are compiled first, in parallel processes, into the disk cache.
 
 Reported per variant: milliseconds of one backward call (Delta, the dK/dV kernel, and dQ either by
@@ -27,7 +28,7 @@ import sys
 from benchlib import median_ms  # tools/ is on sys.path when a tool runs as a script
 
 TOKENS, HEADS = 16384, 16
-# Sweeps add --variants of their own; by default each head_dim's two table rows are compared.
+# Sweeps add --variants of their own; by default each head_dim's table rows are compared.
 def default_variants() -> list[str]:
     """Per head_dim, the every-part table's rows, Hopper's mma.sync rows, and sm_90a's where they differ
     (families.flash_backward_tiles)."""
@@ -46,7 +47,9 @@ def default_variants() -> list[str]:
 
 def spell(tiles) -> str:
     """A row as a variant spells it: BMxBNxWARPS (mma.sync), or wWARPGROUPS (the wgmma dK/dV kernel)."""
-    if hasattr(tiles, "warpgroups"):
+    from hipattn.families import FlashBackwardWgmmaTiles
+
+    if isinstance(tiles, FlashBackwardWgmmaTiles):
         return f"w{tiles.warpgroups}"
     return f"{tiles.block_m}x{tiles.block_n}x{tiles.warps}"
 

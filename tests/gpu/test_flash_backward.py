@@ -21,7 +21,6 @@ from hipattn.families import FLASH_HEAD_DIMS, flash_backward_mma_tiles
 from hipattn.ops import flash, flash_backward
 from hipattn.ops.capabilities import backward_tiles
 from hipattn.streams import on_device, resolve_stream
-from hipattn.target import Target
 from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
 
 from .conftest import (
@@ -165,7 +164,7 @@ def test_every_shipped_instantiation_matches_float64(dtype, head_dim, causal, de
 def test_the_mma_sync_dkdv_kernel_matches_float64(dtype, causal, deterministic, rng):
     """head_dim 128 runs the wgmma dK/dV kernel on sm_90a; its mma.sync row (what every other sm_80+
     part runs) is checked here too, through the tiles override."""
-    tiles = flash_backward_mma_tiles(128, Target.parse("sm_90"))
+    tiles = flash_backward_mma_tiles(128, get_backend().device_target(0))
     _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, 128, dtype, causal, rng, deterministic=deterministic, tail_rows=3,
                  tiles=tiles, case=f"mma.sync {dtype} d128 causal={causal} deterministic={deterministic}")
 
