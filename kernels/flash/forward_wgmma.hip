@@ -78,19 +78,17 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   // zeroed (P is 0 there, and 0 x NaN is NaN); K rows are left alone (their scores are masked by
   // selection). Two lambdas, not one generic one: NVRTC 13.0 (the H200 image's) rejects a
   // lambda with an `auto` parameter in device code as a host function.
-  auto tile_rows = [&](int i) {
-    const int n0 = (b.n_tiles - 1 - i) * BLOCK_N;
-    return len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N;
-  };
+  auto key_start = [&](int i) { return (b.n_tiles - 1 - i) * BLOCK_N; };  // iteration i's first key
+  auto tile_rows = [&](int i) { return len_k - key_start(i) < BLOCK_N ? len_k - key_start(i) : BLOCK_N; };
   auto stage_k = [&](int i) {
     flash::stage_swizzled_tile<T, HEAD_DIM, BLOCK_N, kThreads, false>(
-        k_slots + (i % STAGES) * Tiles::kSlotElements,
-        static_cast<const T*>(b.k) + (b.n_tiles - 1 - i) * BLOCK_N * p.k_token_stride, p.k_token_stride, tile_rows(i));
+        k_slots + (i % STAGES) * Tiles::kSlotElements, static_cast<const T*>(b.k) + key_start(i) * p.k_token_stride,
+        p.k_token_stride, tile_rows(i));
   };
   auto stage_v = [&](int i) {
     flash::stage_swizzled_tile<T, HEAD_DIM, BLOCK_N, kThreads, true>(
-        v_slots + (i % STAGES) * Tiles::kSlotElements,
-        static_cast<const T*>(b.v) + (b.n_tiles - 1 - i) * BLOCK_N * p.v_token_stride, p.v_token_stride, tile_rows(i));
+        v_slots + (i % STAGES) * Tiles::kSlotElements, static_cast<const T*>(b.v) + key_start(i) * p.v_token_stride,
+        p.v_token_stride, tile_rows(i));
   };
   auto load_group = [&](int i) {  // {V[i], K[i + 1]}
     if (i < b.n_tiles) stage_v(i);
@@ -164,7 +162,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     wgmma::commit();
   };
   auto softmax = [&](float(&s)[kNTiles][4], int i, unsigned int(&p_packed)[kNTiles][2], float(&correction)[2]) {
-    const int n0 = (b.n_tiles - 1 - i) * BLOCK_N;
+    const int n0 = key_start(i);
     flash::online_softmax<T>(s, row_max, row_sum, p_packed, correction, n0 + BLOCK_N > b.unmasked_end, n0,
                              key_limit, scale_log2, t);
   };

@@ -1,0 +1,154 @@
+"""Fingerprints of hipattn's NVIDIA kernels as NVRTC compiles them: kernel refactors checked without a GPU.
+
+    python tools/kernel_fingerprint.py --arch sm_90a                      # one line per shipped kernel
+    python tools/kernel_fingerprint.py --arch sm_90a --against c22a6ac    # this tree against a revision
+    python tools/kernel_fingerprint.py --arch sm_90a --families flash_forward_wgmma --against HEAD
+
+Every shipped spec of the named families (default: every family shipped for the arch) is compiled to
+PTX for the arch's virtual architecture (sm_90a: compute_90a) and hashed, without what changes from one
+compile to the next: comment lines, and the per-compilation ID NVRTC writes into the names of
+internal-linkage symbols. Equal hashes mean ptxas gets the same input, so a kernel change that keeps
+every hash (comments, renamed locals, helpers moved between headers, macros folded) runs what the GPU
+last ran, and one that changes a hash must run on the GPU again. With --against, the revision is
+checked out into a temporary git worktree and fingerprinted by this script the same way; the exit
+status is 1 when any kernel differs or exists on one side only.
+
+NVRTC comes from cuda-bindings (hipattn's `nvidia` extra); no GPU or driver is needed. Both sides are
+compiled by the same NVRTC, whose version is part of the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# NVRTC names internal-linkage symbols _ZN<length>_INTERNAL_<digits>_<digits>_<file>_<hex id>_<digits><rest>:
+# the id and the trailing counter (and with it the length) differ between compiles of the same source.
+_INTERNAL_ID = re.compile(rb"[0-9]*_INTERNAL_[0-9]+_[0-9]+_\w+?_[0-9a-f]{8}_[0-9]+")
+
+
+def normalized_ptx(ptx: bytes) -> bytes:
+    """PTX without comment lines and with per-compilation symbol IDs replaced by one token."""
+    lines = (line for line in ptx.rstrip(b"\0").split(b"\n") if not line.lstrip().startswith(b"//"))
+    return _INTERNAL_ID.sub(b"_INTERNAL_", b"\n".join(lines))
+
+
+def virtual_arch(arch: str) -> str:
+    """The PTX target of a real one: sm_90a -> compute_90a."""
+    if not arch.startswith("sm_"):
+        raise SystemExit(f"{arch!r} is not an NVIDIA arch (sm_80, sm_90a, ...): only NVRTC's PTX is fingerprinted")
+    return "compute_" + arch[len("sm_"):]
+
+
+def _ptx(nvrtc, source: str, headers: dict[str, str], name_expression: str, arch: str) -> bytes:
+    names = [name.encode() for name in headers]
+    texts = [text.encode() for text in headers.values()]
+    result, program = nvrtc.nvrtcCreateProgram(source.encode(), b"hipattn_kernel.cu", len(names), texts, names)
+    if result:
+        raise RuntimeError(f"nvrtcCreateProgram: {result}")
+    try:
+        nvrtc.nvrtcAddNameExpression(program, name_expression.encode())
+        options = [f"--gpu-architecture={virtual_arch(arch)}".encode(), b"-std=c++17"]
+        (result,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        if result:
+            _, size = nvrtc.nvrtcGetProgramLogSize(program)
+            log = bytearray(size)
+            nvrtc.nvrtcGetProgramLog(program, log)
+            raise RuntimeError(f"{name_expression} does not compile for {arch}:\n{bytes(log).decode(errors='replace')}")
+        _, size = nvrtc.nvrtcGetPTXSize(program)
+        ptx = bytearray(size)
+        nvrtc.nvrtcGetPTX(program, ptx)
+        return bytes(ptx)
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def fingerprints(arch: str, family_names: list[str] | None) -> dict[str, str]:
+    """{spec's canonical text: hash of its normalized PTX} for the shipped specs of ``family_names``
+    (None: every family shipped for ``arch``), from the hipattn on sys.path."""
+    from cuda.bindings import nvrtc
+
+    from hipattn.families import FAMILIES
+    from hipattn.sources import compile_unit
+    from hipattn.spec import name_expression
+    from hipattn.target import Target
+
+    target = Target.parse(arch)
+    names = family_names if family_names is not None else sorted(FAMILIES)
+    result = {}
+    for name in names:
+        if name not in FAMILIES:
+            continue  # the other side may not have it; the comparison reports its specs
+        family = FAMILIES[name]
+        specs = family.shipped(target)
+        if not specs:
+            continue
+        source, headers = compile_unit(family)
+        for spec in specs:
+            ptx = _ptx(nvrtc, source, headers, name_expression(family, spec), arch)
+            result[spec.canonical()] = hashlib.sha256(normalized_ptx(ptx)).hexdigest()[:16]
+    return result
+
+
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def _fingerprints_of_revision(revision: str, arch: str, family_names: list[str] | None) -> dict[str, str]:
+    """This script, run on ``revision`` checked out into a temporary worktree."""
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix="hipattn-fingerprint-") as scratch:
+        tree = os.path.join(scratch, "tree")
+        subprocess.run(["git", "-C", repository, "worktree", "add", "--detach", "--quiet", tree, revision], check=True)
+        try:
+            command = [sys.executable, os.path.abspath(__file__), "--tree", tree, "--arch", arch, "--json"]
+            if family_names is not None:
+                command += ["--families", ",".join(family_names)]
+            done = subprocess.run(command, check=True, capture_output=True, text=True)
+            return json.loads(done.stdout)
+        finally:
+            subprocess.run(["git", "-C", repository, "worktree", "remove", "--force", tree], check=False)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="sm_90a", help="an NVIDIA arch: sm_80, sm_90, sm_90a, ...")
+    parser.add_argument("--families", default=None, help="comma-separated kernel families (default: all shipped)")
+    parser.add_argument("--against", default=None, help="a git revision to compare this tree with")
+    parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # the checkout whose hipattn to import
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, args.tree or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    family_names = args.families.split(",") if args.families else None
+    ours = fingerprints(args.arch, family_names)
+    if args.json:
+        print(json.dumps(ours))
+        return 0
+    if args.against is None:
+        print(f"# NVRTC {nvrtc_version()}, {args.arch}")
+        for spec, digest in sorted(ours.items()):
+            print(digest, spec)
+        return 0
+    theirs = _fingerprints_of_revision(args.against, args.arch, family_names)
+    differing = sorted(spec for spec in ours.keys() & theirs.keys() if ours[spec] != theirs[spec])
+    only_ours, only_theirs = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
+    print(f"# NVRTC {nvrtc_version()}, {args.arch}: {len(ours.keys() & theirs.keys()) - len(differing)} kernels "
+          f"identical to {args.against}, {len(differing)} differ, {len(only_ours)} only here, "
+          f"{len(only_theirs)} only in {args.against}")
+    for label, specs in (("differs", differing), ("only here", only_ours), (f"only in {args.against}", only_theirs)):
+        for spec in specs:
+            print(f"{label}: {spec}")
+    return 1 if differing or only_ours or only_theirs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
