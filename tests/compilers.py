@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from local_rocm import use_local_rocm
 
+from hipattn.backends.cuda import CudaBackend  # both modules import their vendor packages lazily
+from hipattn.backends.hip import HipBackend
 from hipattn.errors import BackendUnavailableError
 from hipattn.sources import compile_unit
 from hipattn.spec import name_expression
@@ -13,28 +15,23 @@ from hipattn.spec import name_expression
 use_local_rocm()
 
 
-def nvrtc_backend():
-    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
-    from hipattn.backends.cuda import CudaBackend
-
-    backend = CudaBackend()
+def _loadable_backend(module: str, package: str, backend_class, compiler: str):
+    """A ``backend_class()`` whose compiler answers, or a skip naming what is missing."""
+    pytest.importorskip(module, reason=f"{package} is not installed")
+    backend = backend_class()
     try:
         backend.compiler_identity()
     except BackendUnavailableError as error:
-        pytest.skip(f"NVRTC is not loadable: {error}")
+        pytest.skip(f"{compiler} is not loadable: {error}")
     return backend
+
+
+def nvrtc_backend():
+    return _loadable_backend("cuda.bindings.nvrtc", "cuda-bindings", CudaBackend, "NVRTC")
 
 
 def hiprtc_backend():
-    pytest.importorskip("hip", reason="hip-python is not installed")
-    from hipattn.backends.hip import HipBackend
-
-    backend = HipBackend()
-    try:
-        backend.compiler_identity()
-    except BackendUnavailableError as error:
-        pytest.skip(f"hiprtc is not loadable: {error}")
-    return backend
+    return _loadable_backend("hip", "hip-python", HipBackend, "hiprtc")
 
 
 def compile_family(backend, family, target, spec, extra_lines=()):
@@ -46,8 +43,14 @@ def compile_family(backend, family, target, spec, extra_lines=()):
                            spec.canonical())
 
 
-def layout_checks(layout: str, shared_bytes: int, threads: int, formula: str) -> list[str]:
-    """static_asserts that the kernel's layout struct ``layout`` (a C++ type) has the launcher's dynamic
-    shared bytes (families.``formula``) and threads per block."""
-    return [f'static_assert({layout}::kBytes == {shared_bytes}, "{layout}: bytes differ from families.{formula}");',
-            f'static_assert({layout}::kThreads == {threads}, "{layout}: threads differ from its tile row");']
+def compile_with_layout_checks(backend, family, target, table, layout_of, shared_bytes) -> None:
+    """One compile of ``family``'s unit for ``target`` with static_asserts that, for every (head_dim, tiles)
+    row of ``table``, the kernel's layout struct ``layout_of(head_dim, tiles)`` (a C++ type) has the
+    launcher's dynamic shared bytes, ``shared_bytes(head_dim, tiles)``, and the row's threads per block."""
+    checks = []
+    for head_dim, tiles in sorted(table.items()):
+        layout = layout_of(head_dim, tiles)
+        checks += [f'static_assert({layout}::kBytes == {shared_bytes(head_dim, tiles)}, '
+                   f'"{layout}: bytes differ from families.{shared_bytes.__name__}");',
+                   f'static_assert({layout}::kThreads == {tiles.threads}, "{layout}: threads differ from its tile row");']
+    compile_family(backend, family, target, family.shipped(target)[0], checks)

@@ -5,7 +5,7 @@ by NVRTC, no GPU needed)."""
 from __future__ import annotations
 
 import pytest
-from compilers import compile_family, layout_checks, nvrtc_backend
+from compilers import compile_with_layout_checks, nvrtc_backend
 
 from hipattn.families import (
     DTYPES,
@@ -18,6 +18,7 @@ from hipattn.families import (
     FlashBackwardWgmmaTiles,
     flash_backward_dkdv_shared_bytes,
     flash_backward_dkdv_spec,
+    flash_backward_dkdv_wgmma_shared_bytes,
     flash_backward_tiles,
 )
 from hipattn.target import Target
@@ -63,9 +64,7 @@ def test_kernel_layout_matches_the_launcher_bytes():
     """One NVRTC compile of the kernel's unit with a static_assert per table row."""
     backend = nvrtc_backend()
     target = Target.parse("sm_90a")
-    checks = []
-    for head_dim, tiles in sorted(FLASH_BACKWARD_DKDV_WGMMA_TILES.items()):
-        layout = f"hipattn::flash::WgmmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.warpgroups}>"
-        checks += layout_checks(layout, flash_backward_dkdv_shared_bytes(head_dim, tiles), tiles.threads,
-                                "flash_backward_dkdv_wgmma_shared_bytes")
-    compile_family(backend, FLASH_BACKWARD_DKDV_WGMMA, target, FLASH_BACKWARD_DKDV_WGMMA.shipped(target)[0], checks)
+    compile_with_layout_checks(
+        backend, FLASH_BACKWARD_DKDV_WGMMA, target, FLASH_BACKWARD_DKDV_WGMMA_TILES,
+        lambda head_dim, tiles: f"hipattn::flash::WgmmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.warpgroups}>",
+        flash_backward_dkdv_wgmma_shared_bytes)

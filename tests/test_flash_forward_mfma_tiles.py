@@ -4,7 +4,7 @@ passes agree with the layout the kernel computes (checked by hiprtc, no GPU need
 from __future__ import annotations
 
 import pytest
-from compilers import compile_family, hiprtc_backend, layout_checks
+from compilers import compile_with_layout_checks, hiprtc_backend
 from local_rocm import use_local_rocm
 
 from hipattn.families import (
@@ -62,9 +62,8 @@ def test_kernel_layout_matches_the_launcher_bytes():
     if not backend.can_compile_for(target):
         pytest.skip(backend.unsupported_reason(target))
 
-    checks = []
-    for head_dim, tiles in sorted(FLASH_FORWARD_MFMA_TILES.items()):
-        layout = f"hipattn::flash::MfmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_m}, {tiles.block_n}>"
-        checks += layout_checks(layout, flash_forward_mfma_shared_bytes(head_dim, tiles), tiles.threads,
-                                "flash_forward_mfma_shared_bytes")
-    compile_family(backend, FLASH_FORWARD_MFMA, target, FLASH_FORWARD_MFMA.shipped(target)[0], checks)
+    compile_with_layout_checks(
+        backend, FLASH_FORWARD_MFMA, target, FLASH_FORWARD_MFMA_TILES,
+        lambda head_dim, tiles: f"hipattn::flash::MfmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_m}, "
+                                f"{tiles.block_n}>",
+        flash_forward_mfma_shared_bytes)

@@ -5,7 +5,7 @@ holds the wgmma instructions refuses every other target (all checked by NVRTC, n
 from __future__ import annotations
 
 import pytest
-from compilers import compile_family, layout_checks, nvrtc_backend
+from compilers import compile_family, compile_with_layout_checks, nvrtc_backend
 
 from hipattn.errors import CompileError
 from hipattn.families import (
@@ -65,13 +65,11 @@ def test_kernel_layout_matches_the_launcher_bytes():
     """One NVRTC compile of the kernel's unit with a static_assert per table row."""
     backend = nvrtc_backend()
     target = Target.parse("sm_90a")
-    checks = []
-    for head_dim, tiles in sorted(FLASH_FORWARD_WGMMA_TILES.items()):
-        layout = (f"hipattn::flash::WgmmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}, {tiles.warpgroups}, "
-                  f"{tiles.stages}>")
-        checks += layout_checks(layout, flash_forward_wgmma_shared_bytes(head_dim, tiles), tiles.threads,
-                                "flash_forward_wgmma_shared_bytes")
-    compile_family(backend, FLASH_FORWARD_WGMMA, target, FLASH_FORWARD_WGMMA.shipped(target)[0], checks)
+    compile_with_layout_checks(
+        backend, FLASH_FORWARD_WGMMA, target, FLASH_FORWARD_WGMMA_TILES,
+        lambda head_dim, tiles: f"hipattn::flash::WgmmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}, "
+                                f"{tiles.warpgroups}, {tiles.stages}>",
+        flash_forward_wgmma_shared_bytes)
 
 
 @pytest.mark.nvrtc
