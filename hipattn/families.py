@@ -352,6 +352,12 @@ def runs_nvidia_wgmma(target: Target | None) -> bool:
     return target is not None and target.arch == WGMMA_ARCH
 
 
+# A warpgroup: the four warps that issue a wgmma together, and the M of every wgmma (the rows of its
+# accumulators). Both wgmma kernels size their blocks in warpgroups.
+WGMMA_WARPGROUP_THREADS = 128
+WGMMA_WARPGROUP_ROWS = 64
+
+
 @dataclass(frozen=True)
 class FlashForwardWgmmaTiles:
     """One row of the wgmma flash forward's tile table: the kernel's BLOCK_N, WARPGROUPS and STAGES."""
@@ -362,11 +368,11 @@ class FlashForwardWgmmaTiles:
 
     @property
     def block_m(self) -> int:
-        return 64 * self.warpgroups
+        return WGMMA_WARPGROUP_ROWS * self.warpgroups
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        return WGMMA_WARPGROUP_THREADS * self.warpgroups
 
 
 # Per head_dim, for both 16-bit dtypes. The tensor cores read Q, K and V from shared memory, so a
@@ -584,15 +590,15 @@ class FlashBackwardWgmmaTiles:
 
     warpgroups: int
 
-    block_m = 64  # query rows per tile, fixed: not a field
+    block_m = WGMMA_WARPGROUP_ROWS  # query rows per tile, fixed (dQ's M): not a field
 
     @property
     def block_n(self) -> int:
-        return 64 * self.warpgroups
+        return WGMMA_WARPGROUP_ROWS * self.warpgroups
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        return WGMMA_WARPGROUP_THREADS * self.warpgroups
 
 
 # head_dim 128 only: two warpgroups hold dK and dV (64 fp32 registers each per thread) beside Sᵀ and

@@ -148,11 +148,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   // block's work list is (group head, query tile) flattened, so the copies run ahead across heads.
   const int diagonal = len_k - len_q;  // query i sees key j <= i + diagonal when causal
   const flash::QueryTiles seeing = flash::query_tiles_seeing<BLOCK_M>(n0, len_q, diagonal, p.causal);
-  const int m_first = seeing.first;
-  const int m_count = seeing.count;
   const int group = p.heads_q / p.heads_kv;
   const int first_head = block.head_kv * group;
-  const int tiles = group * m_count;  // zero: no query sees these keys, and dK = dV = 0 is written
+  const int tiles = group * seeing.count;  // zero: no query sees these keys, and dK = dV = 0 is written
 
   T* const k_tile = shared + Tiles::kKOffset;
   T* const v_tile = shared + Tiles::kVOffset;
@@ -176,8 +174,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   }
 
   // Tile i of the work list: its query head and first row.
-  auto head_of = [&](int i) { return first_head + i / m_count; };
-  auto m0_of = [&](int i) { return (m_first + i % m_count) * BLOCK_M; };
+  auto head_of = [&](int i) { return first_head + i / seeing.count; };
+  auto m0_of = [&](int i) { return (seeing.first + i % seeing.count) * BLOCK_M; };
   // Issue the copies of work item i into slot i % 2 (nothing past the last item) and always commit,
   // so that at the top of iteration i exactly one group, item i's, is in flight.
   auto load_query_tile = [&](int i) {
