@@ -183,15 +183,82 @@ SMALLSEQ_FORWARD = _register(
     )
 )
 
-# NVIDIA tensor-core variant of the forward (mma.sync, sm_80+): one warp per problem, WARPS
-# problems per block, sized so a block's tiles fit the 48 KiB of static shared memory.
-SMALLSEQ_MMA_WARPS = {64: 3, 128: 2, 256: 1}
+# NVIDIA tensor-core variants (mma.sync, sm_80+): each warp stages its problem in shared memory of
+# its own and walks a run of (sequence, head) problems, so they take dynamic shared memory.
 
 
-def smallseq_mma_spec(fam: KernelFamily, dtype: str, head_dim: int, heads: int) -> KernelSpec:
-    """The tensor-core forward or backward instantiation: one warp per problem, table-sized blocks."""
-    warps = (SMALLSEQ_MMA_WARPS if fam.name == "smallseq_forward_mma" else SMALLSEQ_MMA_BACKWARD_WARPS)[head_dim]
-    return fam.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE, warps=warps)
+@dataclass(frozen=True)
+class SmallSeqMmaTiles:
+    """One row of a tensor-core small-seq kernel's table: warps per block, and the run of problems
+    each warp walks in a large call (smallseq_problems_per_warp caps it for small ones)."""
+
+    warps: int
+    problems_per_warp: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+# These kernels are bound by latency (each warp issues one instruction every 6-7 cycles), so the rows
+# are chosen for warps per SM and measured on the H200 (BENCHMARKS.md, tools/sweep_smallseq.py).
+# A warp needs 7, 14 and 27 KiB (forward) or 12, 21 and 38 KiB (backward) at head_dim 64, 128 and
+# 256, so an SM holds 28, 16 and 8 forward warps and 16, 10 and 5 backward ones. Runs of 2-4
+# problems per warp let a block retire less often than one problem per warp would. Every block
+# stays within the 99 KiB that sm_86/sm_89 allow. (Head_dim 64 is not in issue 3's workloads: its
+# rows follow head_dim 128's.)
+SMALLSEQ_FORWARD_MMA_TILES = {
+    64: SmallSeqMmaTiles(warps=4, problems_per_warp=4),
+    128: SmallSeqMmaTiles(warps=4, problems_per_warp=4),
+    256: SmallSeqMmaTiles(warps=1, problems_per_warp=4),
+}
+SMALLSEQ_BACKWARD_MMA_TILES = {
+    64: SmallSeqMmaTiles(warps=2, problems_per_warp=2),
+    128: SmallSeqMmaTiles(warps=2, problems_per_warp=2),
+    256: SmallSeqMmaTiles(warps=1, problems_per_warp=2),
+}
+
+# The backward's P and dZ tiles: [SMALLSEQ_TILE query rows][32 keys + 8 of pad], 16-bit
+# (smallseq::kScorePitch).
+_SMALLSEQ_SCORE_PITCH = 32 + 8
+
+
+def smallseq_mma_warp_bytes(direction: str, head_dim: int, element_bytes: int = 2) -> int:
+    """Shared memory of one warp of a tensor-core small-seq kernel: smallseq::WarpTiles<...>::kBytes.
+
+    A zero row; SMALLSEQ_TILE-row tiles (forward Q, K, V; backward Q, dO, K, V, then the LSE rows,
+    padded to 16 bytes, and the P and dZ tiles). Rows are head_dim + 8 elements long.
+    """
+    pitch = (head_dim + 8) * element_bytes
+    tensors, stat_rows, scratch = {
+        "forward": (3, 0, 0),
+        "backward": (4, SMALLSEQ_TILE, 2 * SMALLSEQ_TILE * _SMALLSEQ_SCORE_PITCH * element_bytes),
+    }[direction]
+    return pitch + tensors * SMALLSEQ_TILE * pitch + (stat_rows * 4 + 15) // 16 * 16 + scratch
+
+
+def smallseq_mma_shared_bytes(direction: str, head_dim: int, tiles: SmallSeqMmaTiles) -> int:
+    """Dynamic shared memory of one block of a tensor-core small-seq kernel."""
+    return tiles.warps * smallseq_mma_warp_bytes(direction, head_dim)
+
+
+# A call of fewer than problems_per_warp * SMALLSEQ_WARPS_WANTED problems gives its warps shorter
+# runs, so that it still spreads over the GPU.
+SMALLSEQ_WARPS_WANTED = 16384
+
+
+def smallseq_problems_per_warp(problems: int, tiles: SmallSeqMmaTiles) -> int:
+    """The run of problems each warp of a tensor-core small-seq kernel walks (host facts only)."""
+    return max(1, min(tiles.problems_per_warp, problems // SMALLSEQ_WARPS_WANTED))
+
+
+def smallseq_mma_spec(fam: KernelFamily, dtype: str, head_dim: int, heads: int,
+                      tiles: SmallSeqMmaTiles | None = None) -> KernelSpec:
+    """The tensor-core forward or backward instantiation with ``tiles`` (default: its table's row)."""
+    if tiles is None:
+        tiles = (SMALLSEQ_FORWARD_MMA_TILES if fam.name == "smallseq_forward_mma" else SMALLSEQ_BACKWARD_MMA_TILES)[
+            head_dim]
+    return fam.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE, warps=tiles.warps)
 
 
 def _smallseq_mma_specs(fam: KernelFamily, target: Target) -> list[KernelSpec]:
@@ -206,23 +273,12 @@ SMALLSEQ_FORWARD_MMA = _register(
         source="smallseq/forward_mma.hip",
         template="hipattn::smallseq_forward_mma",
         template_params=("dtype", "head_dim", "heads", "tile", "warps"),
-        params=SMALLSEQ_FORWARD.params,
+        params=ParamsStruct("SmallSeqForwardMmaParams", SMALLSEQ_FORWARD.params.fields + (("problems_per_warp", "i32"),)),
         shipped=lambda target: _smallseq_mma_specs(SMALLSEQ_FORWARD_MMA, target),
     )
 )
 
-# The tensor-core backward covers Hq == Hkv and head_dim <= 128 (its tiles must fit 48 KiB of static
-# shared memory); other calls take the portable backward.
-SMALLSEQ_MMA_BACKWARD_WARPS = {64: 2, 128: 1}
-
-
-def _smallseq_mma_backward_specs(fam: KernelFamily, target: Target) -> list[KernelSpec]:
-    if not runs_nvidia_mma(target):
-        return []
-    return [
-        smallseq_mma_spec(fam, t, d, h) for t in DTYPES for d in SMALLSEQ_MMA_BACKWARD_WARPS for h in SMALLSEQ_SHIPPED_HEADS
-    ]
-
+# The tensor-core backward covers Hq == Hkv; GQA/MQA calls take the portable backward.
 
 SMALLSEQ_BACKWARD = _register(
     KernelFamily(
@@ -252,8 +308,9 @@ SMALLSEQ_BACKWARD_MMA = _register(
         source="smallseq/backward_mma.hip",
         template="hipattn::smallseq_backward_mma",
         template_params=("dtype", "head_dim", "heads", "tile", "warps"),
-        params=SMALLSEQ_BACKWARD.params,
-        shipped=lambda target: _smallseq_mma_backward_specs(SMALLSEQ_BACKWARD_MMA, target),
+        params=ParamsStruct("SmallSeqBackwardMmaParams",
+                            SMALLSEQ_BACKWARD.params.fields + (("problems_per_warp", "i32"),)),
+        shipped=lambda target: _smallseq_mma_specs(SMALLSEQ_BACKWARD_MMA, target),
     )
 )
 

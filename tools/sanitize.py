@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from hipattn.families import (  # noqa: E402 - the repository root goes on the path first
     FLASH_FORWARD_TILES,
-    SMALLSEQ_MMA_BACKWARD_WARPS,
+    SMALLSEQ_BACKWARD_MMA_TILES,
     SMALLSEQ_TILE,
     FlashBackwardWgmmaTiles,
     FlashForwardWgmmaTiles,
@@ -168,6 +168,9 @@ class Case:
     adversarial: bool = False
     deterministic: bool = False  # flash_backward: the dQ kernel (True) or atomics + bwd_convert_dq
     varlen_prep: str = "device"  # flash_backward: HIPATTN_VARLEN_PREP, how the work list is prepared
+    # tensor-core small-seq: every warp walks a run of this many problems (None: ops.smallseq's rule,
+    # which gives these tiny calls runs of one), so that tiles reused from problem to problem are checked
+    problems_per_warp: int | None = None
     families: tuple[str, ...] = field(default=())
 
 
@@ -191,7 +194,7 @@ def families_of(case: Case) -> tuple[str, ...]:
     if case.kind == "smallseq":
         tensor_cores = case.kernel == "tensor-core"
         forward = "smallseq_forward_mma" if tensor_cores else "smallseq_forward"
-        mma_backward = tensor_cores and case.heads_q == case.heads_kv and case.head_dim in SMALLSEQ_MMA_BACKWARD_WARPS
+        mma_backward = tensor_cores and case.heads_q == case.heads_kv and case.head_dim in SMALLSEQ_BACKWARD_MMA_TILES
         return (forward, "smallseq_backward_mma" if mma_backward else "smallseq_backward")
     if case.kind == "flash_backward":  # the forward gives O and LSE, then the backward's kernels in order
         # (the forward is the device's own whatever the case's kernel)
@@ -220,7 +223,7 @@ def build_cases(quick: bool = False) -> list[Case]:
     configs = [("bf16", 64, 8, 8), ("bf16", 128, 8, 8), ("bf16", 256, 8, 8), ("fp16", 128, 8, 8),
                ("bf16", 64, 8, 2), ("fp16", 128, 8, 1), ("bf16", 256, 8, 4)]
     if quick:
-        configs = [("bf16", 128, 8, 8), ("bf16", 64, 8, 2)]
+        configs = [("bf16", 128, 8, 8), ("bf16", 64, 8, 2), ("bf16", 256, 8, 8)]
     for kernel in ("tensor-core", "portable"):
         for dtype, head_dim, hq, hkv in configs:
             base = dict(kind="smallseq", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv, kernel=kernel)
@@ -230,6 +233,9 @@ def build_cases(quick: bool = False) -> list[Case]:
                                   causal=causal, **base))
             cases.append(Case(name=f"{tag} valid allocated", cu_seqlens_q=full_q, cu_seqlens_k=full_k,
                               allocate_outputs=True, **base))
+            if kernel == "tensor-core":
+                cases.append(Case(name=f"{tag} valid causal=True runs of 3", cu_seqlens_q=valid_q,
+                                  cu_seqlens_k=valid_k, causal=True, problems_per_warp=3, **base))
         # The adversarial sweep on one MHA and one GQA configuration per kernel.
         for dtype, head_dim, hq, hkv in (("bf16", 128, 8, 8), ("bf16", 64, 8, 2)):
             base = dict(kind="smallseq", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv, kernel=kernel,
@@ -400,6 +406,7 @@ def _row_mask(torch, shape, rows_per_batch: list[set[int]], token_axis: int, bat
 
 def run_smallseq(runner: Runner, case: Case) -> None:
     import hipattn
+    from hipattn.ops import smallseq as smallseq_ops
 
     torch = runner.torch
     thd = case.layout == "thd"
@@ -428,6 +435,9 @@ def run_smallseq(runner: Runner, case: Case) -> None:
         os.environ[KERNEL_SWITCH] = "portable"
     else:
         os.environ.pop(KERNEL_SWITCH, None)
+    rule = smallseq_ops.smallseq_problems_per_warp
+    if case.problems_per_warp is not None:
+        smallseq_ops.smallseq_problems_per_warp = lambda problems, tiles: case.problems_per_warp
     try:
         if case.allocate_outputs:
             out, lse = hipattn.forward(q, k, v, **args)
@@ -445,6 +455,7 @@ def run_smallseq(runner: Runner, case: Case) -> None:
         dv = runner.output("dv", k_shape, case.dtype)
         hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
     finally:
+        smallseq_ops.smallseq_problems_per_warp = rule
         if previous is None:
             os.environ.pop(KERNEL_SWITCH, None)
         else:

@@ -13,14 +13,17 @@ import os
 from ..families import (
     SMALLSEQ_BACKWARD,
     SMALLSEQ_BACKWARD_MMA,
+    SMALLSEQ_BACKWARD_MMA_TILES,
     SMALLSEQ_FORWARD,
     SMALLSEQ_FORWARD_MMA,
+    SMALLSEQ_FORWARD_MMA_TILES,
     SMALLSEQ_HEAD_DIMS,
-    SMALLSEQ_MMA_BACKWARD_WARPS,
-    SMALLSEQ_MMA_WARPS,
     SMALLSEQ_TILE,
+    SmallSeqMmaTiles,
+    smallseq_mma_shared_bytes,
     smallseq_mma_spec,
     smallseq_portable_spec,
+    smallseq_problems_per_warp,
     smallseq_teams_per_block,
 )
 from ..problem import Problem
@@ -69,29 +72,41 @@ def _tensor_cores(device: int) -> bool:
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None) -> None:
-    """Enqueue O and LSE for every (sequence, query head) problem: one team (or warp) each."""
+    """Enqueue O and LSE for every (sequence, query head) problem: one team each (portable), or a
+    warp for each run of problems (tensor cores)."""
     problems = problem.batch * problem.heads_q
     if problems == 0:
         return  # batch 0: nothing to read or write
-    if _tensor_cores(problem.device):
-        warps = SMALLSEQ_MMA_WARPS[problem.head_dim]
-        spec = _forward_spec(True, problem.dtype, problem.head_dim, problem.heads_q)
-        problems_per_block, block_threads = warps, 32 * warps
-    else:
-        spec = _forward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
-        problems_per_block, block_threads = smallseq_teams_per_block(spec), spec.arg("block_threads")
-    kernel = get_kernel(spec, problem.device)
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    params = kernel.params.from_dict(fields)
+    if _tensor_cores(problem.device):
+        spec = _forward_spec(True, problem.dtype, problem.head_dim, problem.heads_q)
+        _launch_on_warps(spec, SMALLSEQ_FORWARD_MMA_TILES[problem.head_dim], "forward", problem, problems, fields,
+                         stream)
+        return
+    spec = _forward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
+    kernel = get_kernel(spec, problem.device)
     # The (sequence, head) count goes on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
-    blocks = (problems + problems_per_block - 1) // problems_per_block
-    kernel.launch((blocks, 1, 1), (block_threads, 1, 1), 0, stream, params)
+    teams = smallseq_teams_per_block(spec)
+    kernel.launch(((problems + teams - 1) // teams, 1, 1), (spec.arg("block_threads"), 1, 1), 0, stream,
+                  kernel.params.from_dict(fields))
+
+
+def _launch_on_warps(spec: KernelSpec, tiles: SmallSeqMmaTiles, direction: str, problem: Problem, problems: int,
+                     fields: dict, stream: int) -> None:
+    """Launch a tensor-core kernel: a warp per run of problems_per_warp problems, on grid.x."""
+    kernel = get_kernel(spec, problem.device)
+    shared = smallseq_mma_shared_bytes(direction, problem.head_dim, tiles)
+    kernel.reserve_dynamic_shared_memory(shared)
+    fields["problems_per_warp"] = per_warp = smallseq_problems_per_warp(problems, tiles)
+    warps = (problems + per_warp - 1) // per_warp
+    blocks = (warps + tiles.warps - 1) // tiles.warps
+    kernel.launch((blocks, 1, 1), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
 
 
 def _backward_on_tensor_cores(problem: Problem) -> bool:
     return (
         problem.heads_q == problem.heads_kv
-        and problem.head_dim in SMALLSEQ_MMA_BACKWARD_WARPS
+        and problem.head_dim in SMALLSEQ_BACKWARD_MMA_TILES
         and _tensor_cores(problem.device)
     )
 
@@ -106,25 +121,25 @@ def backward_shared_bytes(problem: Problem, teams_per_block: int) -> int:
 
 def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None) -> None:
-    """Enqueue dQ, dK, dV: one team per (sequence, KV head), walking the query heads of its group."""
+    """Enqueue dQ, dK, dV: one team per (sequence, KV head), walking the query heads of its group
+    (portable), or a warp for each run of (sequence, head) problems (tensor cores, Hq == Hkv)."""
     problems = problem.batch * problem.heads_kv
     if problems == 0:
         return
-    if _backward_on_tensor_cores(problem):
-        warps = SMALLSEQ_MMA_BACKWARD_WARPS[problem.head_dim]
-        spec = _backward_spec(True, problem.dtype, problem.head_dim, problem.heads_q)
-        problems_per_block, block_threads, shared = warps, 32 * warps, 0
-    else:
-        spec = _backward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
-        problems_per_block, block_threads = smallseq_teams_per_block(spec), spec.arg("block_threads")
-        shared = backward_shared_bytes(problem, problems_per_block)
-    kernel = get_kernel(spec, problem.device)
-    kernel.reserve_dynamic_shared_memory(shared)
     fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     layout = problem.layout
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         put_tensor(fields, name, a, layout)
     put_row_statistic(fields, "lse", lse, problem)
-    params = kernel.params.from_dict(fields)
-    blocks = (problems + problems_per_block - 1) // problems_per_block
-    kernel.launch((blocks, 1, 1), (block_threads, 1, 1), shared, stream, params)
+    if _backward_on_tensor_cores(problem):
+        spec = _backward_spec(True, problem.dtype, problem.head_dim, problem.heads_q)
+        _launch_on_warps(spec, SMALLSEQ_BACKWARD_MMA_TILES[problem.head_dim], "backward", problem, problems, fields,
+                         stream)
+        return
+    spec = _backward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
+    kernel = get_kernel(spec, problem.device)
+    teams = smallseq_teams_per_block(spec)
+    shared = backward_shared_bytes(problem, teams)
+    kernel.reserve_dynamic_shared_memory(shared)
+    kernel.launch(((problems + teams - 1) // teams, 1, 1), (spec.arg("block_threads"), 1, 1), shared, stream,
+                  kernel.params.from_dict(fields))

@@ -56,6 +56,10 @@ HIPATTN_DEVICE void ldmatrix_x4_trans(unsigned int (&r)[4], const void* row) {
 }
 
 // Two 8x8 matrices; lanes 0..15 give the row addresses.
+HIPATTN_DEVICE void ldmatrix_x2(unsigned int (&r)[2], unsigned int row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(row_address));
+}
+
 HIPATTN_DEVICE void ldmatrix_x2(unsigned int (&r)[2], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                : "=r"(r[0]), "=r"(r[1])
@@ -109,6 +113,10 @@ HIPATTN_DEVICE unsigned int pack2<half_t>(float low, float high) {
 }
 
 // 16 bytes global -> shared without a register round trip; completes at wait_async_copies().
+HIPATTN_DEVICE void copy_async_16(unsigned int shared_address, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address), "l"(global));
+}
+
 HIPATTN_DEVICE void copy_async_16(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared)), "l"(global));
 }

@@ -1,90 +1,76 @@
 // Small-sequence attention forward on NVIDIA tensor cores (sm_80+): same contract as
 // smallseq/forward.hip (the portable kernel, which AMD targets use until an MFMA variant exists).
 //
-// One warp per (sequence, head). The warp copies its Q, K and V rows into shared memory with
-// cp.async (16-byte accesses, coalesced), computes S = Q Kᵀ with mma.sync m16n8k16 (at most two
-// 16-row query tiles by three 8-key tiles), takes the softmax on the accumulators (row reductions
-// inside each quad of lanes), reuses the probabilities as the A operand of O = P V, and writes O
-// back through shared memory with 16-byte stores. Warps are independent: no block barrier.
+// Each warp walks a run of problems (smallseq/mma_tiles.h). Per problem it copies the Q, K and V
+// rows into its tiles with cp.async, computes S = Q Kᵀ with mma.sync m16n8k16 (at most two 16-row
+// query tiles by three 8-key tiles), takes the softmax on the accumulators (row reductions inside
+// each quad of lanes), reuses the probabilities as the A operand of O = P V, and writes O back
+// through the Q tile with 16-byte stores. Warps are independent: no block barrier.
 #pragma once
 #include "smallseq/mma_tiles.h"
 
 namespace hipattn {
+namespace smallseq {
 
+template <typename T, int HEAD_DIM, int TILE>
+using ForwardWarpTiles = WarpTiles<T, HEAD_DIM, TILE, 3, 0, 0>;
 
-template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSeqForwardParams p) {
-  using Tiles = smallseq::MmaTiles<T, HEAD_DIM>;
-  static_assert(TILE > 16 && TILE <= 24, "the tiles hold up to 32 query rows, 24 keys and 2 k-steps of keys");
-  static_assert(WARPS * Tiles::kElements * sizeof(T) <= 48 * 1024, "static shared memory is limited to 48 KiB");
-  __shared__ __align__(16) T shared[WARPS][Tiles::kElements];
+// Issue the copies of problem x's Q, K and V rows into `tiles` (in that order).
+template <typename T, int HEAD_DIM, int HEADS, int TILE>
+HIPATTN_DEVICE void stage_forward(const SmallSeqForwardMmaParams& p, const Problem& x, unsigned char* tiles, int lane) {
+  using Tiles = ForwardWarpTiles<T, HEAD_DIM, TILE>;
+  const int head_kv = x.head / (HEADS / p.heads_kv);
+  stage_rows<T, HEAD_DIM>(tiles, static_cast<const T*>(p.q) + x.batch_index * p.q_batch_stride +
+                                    x.q.start * p.q_token_stride + x.head * p.q_head_stride,
+                          p.q_token_stride, x.q.length, lane);
+  stage_rows<T, HEAD_DIM>(tiles + Tiles::kTileBytes, static_cast<const T*>(p.k) + x.batch_index * p.k_batch_stride +
+                                                        x.k.start * p.k_token_stride + head_kv * p.k_head_stride,
+                          p.k_token_stride, x.k.length, lane);
+  stage_rows<T, HEAD_DIM>(tiles + 2 * Tiles::kTileBytes, static_cast<const T*>(p.v) +
+                                                            x.batch_index * p.v_batch_stride +
+                                                            x.k.start * p.v_token_stride + head_kv * p.v_head_stride,
+                          p.v_token_stride, x.k.length, lane);
+}
 
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const long long problem = static_cast<long long>(blockIdx.x) * WARPS + warp;
-  if (problem >= static_cast<long long>(p.batch) * HEADS) return;  // no block barrier follows
-  const int batch_index = static_cast<int>(problem / HEADS);
-  const int head = static_cast<int>(problem % HEADS);
-  const int head_kv = head / (HEADS / p.heads_kv);
-  const smallseq::Sequence seq_q = smallseq::sequence_bounds(
-      static_cast<const int*>(p.cu_seqlens_q), static_cast<const int*>(p.seqused_q), batch_index, p.max_seqlen_q,
-      p.total_q, TILE);
-  const smallseq::Sequence seq_k = smallseq::sequence_bounds(
-      static_cast<const int*>(p.cu_seqlens_k), static_cast<const int*>(p.seqused_k), batch_index, p.max_seqlen_k,
-      p.total_k, TILE);
-  const int len_q = seq_q.length;
-  const int len_k = seq_k.length;
-  if (len_q == 0) return;
-
-  T* q_tile = shared[warp];
-  T* k_tile = q_tile + Tiles::kQRows * Tiles::kPitch;
-  T* v_tile = k_tile + Tiles::kKRows * Tiles::kPitch;
-  smallseq::stage_rows<T, HEAD_DIM>(q_tile,
-                                    static_cast<const T*>(p.q) + batch_index * p.q_batch_stride +
-                                        seq_q.start * p.q_token_stride + head * p.q_head_stride,
-                                    p.q_token_stride, len_q, lane);
-  smallseq::stage_rows<T, HEAD_DIM>(k_tile,
-                                    static_cast<const T*>(p.k) + batch_index * p.k_batch_stride +
-                                        seq_k.start * p.k_token_stride + head_kv * p.k_head_stride,
-                                    p.k_token_stride, len_k, lane);
-  smallseq::stage_rows<T, HEAD_DIM>(v_tile,
-                                    static_cast<const T*>(p.v) + batch_index * p.v_batch_stride +
-                                        seq_k.start * p.v_token_stride + head_kv * p.v_head_stride,
-                                    p.v_token_stride, len_k, lane);
-  // V rows past the last key up to the end of its k-step meet P = 0 in the MMA; zero them, since
-  // 0 * (whatever was in shared memory) could be NaN. Unused Q and K rows only reach rows and
-  // columns of S that are masked or never stored.
-  const int v_rows = len_k > 16 ? 32 : 16;
-  for (int c = lane; c < (v_rows - len_k) * Tiles::kChunks; c += 32) {
-    *reinterpret_cast<Vec<T, 8>*>(v_tile + (len_k + c / Tiles::kChunks) * Tiles::kPitch + (c % Tiles::kChunks) * 8) =
-        Vec<T, 8>{};
-  }
-  mma::wait_async_copies();
-  __syncwarp();
-
+// O and LSE of problem x, whose rows are staged in `tiles`; O overwrites the Q tile on its way out.
+template <typename T, int HEAD_DIM, int TILE>
+HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Problem& x, unsigned char* tiles,
+                                    unsigned int zero, int lane) {
+  using Tiles = ForwardWarpTiles<T, HEAD_DIM, TILE>;
+  constexpr int kPitchBytes = Tiles::kPitchBytes;
+  const int len_q = x.q.length;
+  const int len_k = x.k.length;
+  const unsigned int q_tile = mma::shared_address(tiles);
+  const unsigned int k_tile = q_tile + Tiles::kTileBytes;
+  const unsigned int v_tile = k_tile + Tiles::kTileBytes;
   const int g = lane / 4;  // fragment row within a 16-row tile (and +8)
   const int t = lane % 4;  // fragment column pair
   const int n_tiles = (len_k + 7) / 8;
   const int k_steps = (len_k + 15) / 16;
   const int m_tiles = (len_q + 15) / 16;
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  // The key rows this lane addresses for the B operands of S (three 8-key tiles).
+  const unsigned int k_rows01 = row_or_zero(k_tile, zero, 8 * (lane / 16) + lane % 8, len_k, kPitchBytes) +
+                                16 * ((lane / 8) % 2);
+  const unsigned int k_row2 = row_or_zero(k_tile, zero, 16 + lane % 8, len_k, kPitchBytes) + 16 * ((lane / 8) % 2);
 
   for (int mt = 0; mt < m_tiles; ++mt) {
     // ---- S = Q Kᵀ for query rows [16 mt, 16 mt + 16) and keys [0, 24) ----
+    const unsigned int q_row = row_or_zero(q_tile, zero, 16 * mt + lane % 16, len_q, kPitchBytes) + 16 * (lane / 16);
     float s[3][4] = {};
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
       unsigned int a[4];
-      mma::ldmatrix_x4(a, q_tile + (16 * mt + lane % 16) * Tiles::kPitch + 16 * ks + 8 * (lane / 16));
+      mma::ldmatrix_x4(a, q_row + 32 * ks);
       if (n_tiles > 0) {
         unsigned int b[4];
-        mma::ldmatrix_x4(b, k_tile + (8 * (lane / 16) + lane % 8) * Tiles::kPitch + 16 * ks + 8 * ((lane / 8) % 2));
+        mma::ldmatrix_x4(b, k_rows01 + 32 * ks);
         mma::mma_16816<T>(s[0], a, b[0], b[1]);
         mma::mma_16816<T>(s[1], a, b[2], b[3]);
       }
       if (n_tiles > 2) {
         unsigned int b[2];
-        mma::ldmatrix_x2(b, k_tile + (16 + lane % 8) * Tiles::kPitch + 16 * ks + 8 * ((lane / 8) % 2));
+        mma::ldmatrix_x2(b, k_row2 + 32 * ks);
         mma::mma_16816<T>(s[2], a, b[0], b[1]);
       }
     }
@@ -97,7 +83,7 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSe
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = 8 * nt + 2 * t + (e & 1);
-        const bool visible = j < len_k && smallseq::key_visible(row[e / 2], j, len_q, len_k, p.causal);
+        const bool visible = j < len_k && key_visible(row[e / 2], j, len_q, len_k, p.causal);
         s[nt][e] = visible ? s[nt][e] * scale_log2 : -infinity();
         row_max[e / 2] = fmaxf(row_max[e / 2], s[nt][e]);
       }
@@ -123,7 +109,7 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSe
       // A row that sees no key: O = 0 and LSE = +inf (flash-attn's convention; see forward.hip).
       inv_sum[r] = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
       if (t == 0 && row[r] < len_q) {
-        static_cast<float*>(p.lse)[batch_index * p.lse_batch_stride + head * p.lse_head_stride + seq_q.start +
+        static_cast<float*>(p.lse)[x.batch_index * p.lse_batch_stride + x.head * p.lse_head_stride + x.q.start +
                                    row[r]] =
             row_sum[r] > 0.0f ? (row_max[r] + fast_log2(row_sum[r])) * 0.6931471805599453f : infinity();
       }
@@ -147,7 +133,8 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSe
         if (kk < k_steps) {
           unsigned int b[4];
           mma::ldmatrix_x4_trans(
-              b, v_tile + (16 * kk + lane % 8 + 8 * ((lane / 8) % 2)) * Tiles::kPitch + 16 * nt + 8 * (lane / 16));
+              b, row_or_zero(v_tile, zero, 16 * kk + lane % 8 + 8 * ((lane / 8) % 2), len_k, kPitchBytes) +
+                     32 * nt + 16 * (lane / 16));
           mma::mma_16816<T>(o[0], pa[kk], b[0], b[1]);
           mma::mma_16816<T>(o[1], pa[kk], b[2], b[3]);
         }
@@ -155,23 +142,46 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSe
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          *reinterpret_cast<unsigned int*>(q_tile + row[r] * Tiles::kPitch + 16 * nt + 8 * half + 2 * t) =
-              mma::pack2<T>(o[half][2 * r] * inv_sum[r], o[half][2 * r + 1] * inv_sum[r]);
-        }
+        for (int r = 0; r < 2; ++r)
+          if (row[r] < len_q)  // the Q tile holds TILE rows
+            *reinterpret_cast<unsigned int*>(tiles + row[r] * kPitchBytes + 32 * nt + 16 * half + 4 * t) =
+                mma::pack2<T>(o[half][2 * r] * inv_sum[r], o[half][2 * r + 1] * inv_sum[r]);
     }
+  }
+  __syncwarp();
+  // ---- O's rows out with 16-byte stores ----
+  store_rows<T, HEAD_DIM>(static_cast<T*>(p.o) + x.batch_index * p.o_batch_stride + x.q.start * p.o_token_stride +
+                              x.head * p.o_head_stride,
+                          p.o_token_stride, tiles, len_q, lane);
+}
+
+}  // namespace smallseq
+
+// WARPS warps per block, each walking its run of problems_per_warp problems; the host's table
+// (families.SMALLSEQ_FORWARD_MMA_TILES) sizes the dynamic shared memory.
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSeqForwardMmaParams p) {
+  using Tiles = smallseq::ForwardWarpTiles<T, HEAD_DIM, TILE>;
+  static_assert(TILE > 16 && TILE <= 24, "the fragments cover up to 32 query rows, 24 keys and 2 k-steps of keys");
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const smallseq::Run run =
+      smallseq::warp_run(static_cast<long long>(p.batch) * HEADS, p.problems_per_warp, WARPS, warp);
+  unsigned char* const base = shared_bytes + warp * Tiles::kBytes;
+  smallseq::zero_bytes(base, Tiles::kPitchBytes, lane);  // the zero row; the first __syncwarp publishes it
+  const unsigned int zero = mma::shared_address(base);
+  unsigned char* const tiles = base + Tiles::kTilesOffset;
+
+  smallseq::Problem x = smallseq::no_problem();
+  for (long long index = run.first; index < run.end; index += run.step) {
+    x = smallseq::locate_problem<HEADS, TILE>(p, index, x);
+    smallseq::stage_forward<T, HEAD_DIM, HEADS, TILE>(p, x, tiles, lane);
+    mma::wait_async_copies();
     __syncwarp();
-    // ---- write this tile's rows of O with 16-byte stores ----
-    const int first = 16 * mt;
-    const int rows = (len_q < first + 16 ? len_q : first + 16) - first;
-    T* o_rows = static_cast<T*>(p.o) + batch_index * p.o_batch_stride + (seq_q.start + first) * p.o_token_stride +
-                head * p.o_head_stride;
-    for (int c = lane; c < rows * Tiles::kChunks; c += 32) {
-      const int r = c / Tiles::kChunks;
-      const int chunk = c % Tiles::kChunks;
-      *reinterpret_cast<Vec<T, 8>*>(o_rows + r * p.o_token_stride + chunk * 8) =
-          *reinterpret_cast<const Vec<T, 8>*>(q_tile + (first + r) * Tiles::kPitch + chunk * 8);
-    }
+    if (x.q.length > 0) smallseq::forward_problem<T, HEAD_DIM, TILE>(p, x, tiles, zero, lane);
+    __syncwarp();  // every lane is done with the tiles before the next problem's copies land in them
   }
 }
 

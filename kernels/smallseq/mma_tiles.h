@@ -1,4 +1,12 @@
-// Shared by the tensor-core small-seq kernels: staging rows of one head into a warp's shared tiles.
+// Shared by the tensor-core small-seq kernels: a warp's shared tiles, the copies of one head's rows
+// in and out of them, and the walk over the warp's run of (sequence, head) problems.
+//
+// The kernels move little data per problem and do little math on it, so they are bound by latency:
+// what matters is how many warps an SM holds (each stages its own problem) and how few instructions
+// a problem takes. Tiles hold exactly TILE rows; fragment rows past a sequence's length read one
+// shared zero row instead, so nothing is zeroed per problem and a warp needs as little shared memory
+// as its rows. Rows are copied in and out with 16-byte accesses whose addresses advance by constant
+// steps.
 #pragma once
 #include "common/mma_nvidia.h"
 #include "smallseq/common.h"
@@ -6,36 +14,111 @@
 namespace hipattn {
 namespace smallseq {
 
-// Shared-memory tile of one warp: Q (two 16-row tiles), K (three 8-row tiles), V (two 16-row k
-// steps), each row padded by 16 bytes so that ldmatrix's eight row reads hit distinct banks.
-template <typename T, int HEAD_DIM>
-struct MmaTiles {
-  static constexpr int kPitch = HEAD_DIM + 8;
-  static constexpr int kQRows = 32;
-  static constexpr int kKRows = 24;
-  static constexpr int kVRows = 32;
-  static constexpr int kElements = (kQRows + kKRows + kVRows) * kPitch;
-  static constexpr int kChunks = HEAD_DIM / 8;  // 16-byte pieces of a row
+// One warp's shared memory, in bytes from its base: a zero row; TENSORS tiles of TILE rows (forward:
+// Q, K, V; backward: Q, dO, K, V); STATS fp32 row statistics per query row (the backward's LSE),
+// padded to 16 bytes; then SCRATCH_BYTES for the kernel's own use. Rows are padded by 16 bytes so
+// that ldmatrix's eight row reads hit distinct banks.
+// hipattn/families.py's smallseq_mma_warp_bytes computes kBytes from the same arguments.
+template <typename T, int HEAD_DIM, int TILE, int TENSORS, int STATS, int SCRATCH_BYTES>
+struct WarpTiles {
+  static constexpr int kPitch = HEAD_DIM + 8;  // elements
+  static constexpr int kPitchBytes = kPitch * static_cast<int>(sizeof(T));
+  static constexpr int kTileBytes = TILE * kPitchBytes;
+  static constexpr int kTilesOffset = kPitchBytes;  // after the zero row
+  static constexpr int kStatsOffset = kTilesOffset + TENSORS * kTileBytes;
+  static constexpr int kScratchOffset = kStatsOffset + (TILE * STATS * 4 + 15) / 16 * 16;
+  static constexpr int kBytes = kScratchOffset + SCRATCH_BYTES;
+  static_assert(kPitchBytes % 16 == 0 && SCRATCH_BYTES % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
 };
 
-// Copy `rows` rows of one head into a shared tile with cp.async.
+// Lane geometry of a row copy: each lane moves one 16-byte piece of every kRowsPerPass-th row.
 template <typename T, int HEAD_DIM>
-HIPATTN_DEVICE void stage_rows(T* tile, const T* first_row, long long token_stride, int rows, int lane) {
-  using Tiles = MmaTiles<T, HEAD_DIM>;
-  for (int c = lane; c < rows * Tiles::kChunks; c += 32) {
-    const int row = c / Tiles::kChunks;
-    const int chunk = c % Tiles::kChunks;
-    mma::copy_async_16(tile + row * Tiles::kPitch + chunk * 8, first_row + row * token_stride + chunk * 8);
+struct RowCopy {
+  static constexpr int kChunks = HEAD_DIM * static_cast<int>(sizeof(T)) / 16;  // 16-byte pieces of a row
+  static constexpr int kRowsPerPass = 32 / kChunks;
+  static constexpr int kPitchBytes = (HEAD_DIM + 8) * static_cast<int>(sizeof(T));
+  static_assert(kChunks <= 32 && 32 % kChunks == 0, "a warp covers whole rows");
+};
+
+// Copy `rows` rows of one head (global, token_stride apart) into a shared tile with cp.async.
+template <typename T, int HEAD_DIM>
+HIPATTN_DEVICE void stage_rows(unsigned char* tile, const T* first_row, long long token_stride, int rows, int lane) {
+  using Copy = RowCopy<T, HEAD_DIM>;
+  const int row = lane / Copy::kChunks;
+  const int chunk = lane % Copy::kChunks;
+  const T* source = first_row + row * token_stride + chunk * 8;
+  unsigned int target = mma::shared_address(tile) + row * Copy::kPitchBytes + chunk * 16;
+  for (int r = row; r < rows; r += Copy::kRowsPerPass) {
+    mma::copy_async_16(target, source);
+    source += Copy::kRowsPerPass * token_stride;
+    target += Copy::kRowsPerPass * Copy::kPitchBytes;
   }
 }
 
-// Zero rows [from, to) of a staged tile: rows that meet zero weights in an MMA must not hold NaN.
+// Write the first `rows` rows of a shared tile out to one head's rows (global, token_stride apart).
 template <typename T, int HEAD_DIM>
-HIPATTN_DEVICE void zero_rows(T* tile, int from, int to, int lane) {
-  using Tiles = MmaTiles<T, HEAD_DIM>;
-  for (int c = lane; c < (to - from) * Tiles::kChunks; c += 32)
-    *reinterpret_cast<Vec<T, 8>*>(tile + (from + c / Tiles::kChunks) * Tiles::kPitch + (c % Tiles::kChunks) * 8) =
-        Vec<T, 8>{};
+HIPATTN_DEVICE void store_rows(T* first_row, long long token_stride, const unsigned char* tile, int rows, int lane) {
+  using Copy = RowCopy<T, HEAD_DIM>;
+  const int row = lane / Copy::kChunks;
+  const int chunk = lane % Copy::kChunks;
+  T* target = first_row + row * token_stride + chunk * 8;
+  const unsigned char* source = tile + row * Copy::kPitchBytes + chunk * 16;
+  for (int r = row; r < rows; r += Copy::kRowsPerPass) {
+    *reinterpret_cast<Vec<T, 8>*>(target) = *reinterpret_cast<const Vec<T, 8>*>(source);
+    target += Copy::kRowsPerPass * token_stride;
+    source += Copy::kRowsPerPass * Copy::kPitchBytes;
+  }
+}
+
+// Zero `bytes` bytes of a warp's shared memory (16-byte multiple).
+HIPATTN_DEVICE void zero_bytes(unsigned char* first, int bytes, int lane) {
+  for (int c = lane; c < bytes / 16; c += 32) reinterpret_cast<Vec<unsigned int, 4>*>(first)[c] = Vec<unsigned int, 4>{};
+}
+
+// The shared address ldmatrix takes for fragment row `row` of a tile: the staged row, or the zero
+// row past `length`.
+HIPATTN_DEVICE unsigned int row_or_zero(unsigned int tile, unsigned int zero, int row, int length, int pitch_bytes) {
+  return row < length ? tile + row * pitch_bytes : zero;
+}
+
+// One (sequence, head) problem of a warp's run, with its sequences' bounds.
+struct Problem {
+  int batch_index;
+  int head;
+  Sequence q;
+  Sequence k;
+};
+
+// Problems are numbered sequence-major (index = batch_index * HEADS + head): a warp whose next problem
+// is in the same sequence keeps its bounds instead of reading cu_seqlens again.
+template <int HEADS, int TILE, typename Params>
+HIPATTN_DEVICE Problem locate_problem(const Params& p, long long index, const Problem& previous) {
+  Problem x{static_cast<int>(index / HEADS), static_cast<int>(index % HEADS), previous.q, previous.k};
+  if (x.batch_index != previous.batch_index) {
+    x.q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q), static_cast<const int*>(p.seqused_q),
+                          x.batch_index, p.max_seqlen_q, p.total_q, TILE);
+    x.k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k), static_cast<const int*>(p.seqused_k),
+                          x.batch_index, p.max_seqlen_k, p.total_k, TILE);
+  }
+  return x;
+}
+
+HIPATTN_DEVICE Problem no_problem() { return Problem{-1, 0, Sequence{0, 0}, Sequence{0, 0}}; }
+
+// A warp's run: problems first, first + step, ... below end. A block owns WARPS * problems_per_warp
+// consecutive problems and its warps take every WARPS-th of them, so the warps of a block work on
+// neighbouring heads of a sequence at the same time and their rows sit side by side in memory.
+struct Run {
+  long long first;
+  int step;
+  long long end;
+};
+
+HIPATTN_DEVICE Run warp_run(long long problems, int problems_per_warp, int warps_per_block, int warp) {
+  const long long block_problems = static_cast<long long>(warps_per_block) * problems_per_warp;
+  const long long block_first = static_cast<long long>(blockIdx.x) * block_problems;
+  const long long end = block_first + block_problems;
+  return Run{block_first + warp, warps_per_block, end < problems ? end : problems};
 }
 
 }  // namespace smallseq

@@ -56,6 +56,10 @@ def _pinned_pools() -> list[pinned.PinnedPool]:
 
 def _snapshot() -> dict:
     torch.cuda.synchronize()
+    # One-shot host functions that have run are dropped at the next launch; drop them now, so that
+    # python_host_funcs counts the ones still pending or owned by a graph, not how many the last
+    # call happened to enqueue.
+    pinned.collect_host_funcs()
     free, total = get_backend().mem_get_info()
     pools = [pool.stats() for pool in _pinned_pools()]
     loaded = registry.default_registry().loaded()

@@ -10,6 +10,7 @@ import torch
 
 import hipattn
 from hipattn.families import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
+from hipattn.ops import smallseq as smallseq_ops
 
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
@@ -109,6 +110,21 @@ def test_gqa_and_mqa_sum_kv_gradients_over_the_group(heads_q, heads_kv, causal, 
     errors = _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, 128, "bf16", causal, rng)
     record_errors(f"gqa {heads_q}/{heads_kv} causal={causal} {forward_kernel}", **errors)
     assert max(errors.values()) < TOLERANCE["bf16"], errors
+
+
+@pytest.mark.parametrize("per_warp", [2, 3, 16, 64])
+@pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
+def test_warps_walking_runs_of_problems_match_float64(per_warp, head_dim, monkeypatch, rng):
+    """Each warp of the tensor-core kernels walks a run of problems in its own tiles: runs that start
+    and end inside a sequence and cross empty ones must all match."""
+    monkeypatch.setattr(smallseq_ops, "smallseq_problems_per_warp", lambda problems, tiles: per_warp)
+    gen = torch.Generator().manual_seed(fresh_seed())
+    lengths_q = [0, 17, 1, 0] + torch.randint(0, SMALLSEQ_TILE + 1, (36,), generator=gen).tolist()
+    lengths_k = [5, 17, 0, 0] + torch.randint(0, SMALLSEQ_TILE + 1, (36,), generator=gen).tolist()
+    for causal in (False, True):
+        errors = _run_and_check(lengths_q, lengths_k, 8, 8, head_dim, "bf16", causal, rng)
+        record_errors(f"runs of {per_warp} d{head_dim} causal={causal}", **errors)
+        assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
 def test_batch_zero_is_valid_and_touches_nothing(forward_kernel):
