@@ -189,24 +189,32 @@ SMALLSEQ_FORWARD = _register(
 
 @dataclass(frozen=True)
 class SmallSeqMmaTiles:
-    """One row of a tensor-core small-seq kernel's table: warps per block, and the run of problems
-    each warp walks in a large call (smallseq_problems_per_warp caps it for small ones)."""
+    """One row of a tensor-core small-seq kernel's table: warps per block; the run of problems each
+    team of warps walks in a large call (smallseq_problems_per_warp caps it for small ones); and the
+    warps in a team, which split a problem's head_dim columns (the backward takes 1 or 2, the
+    forward 1)."""
 
     warps: int
     problems_per_warp: int
+    split: int = 1
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
+    @property
+    def teams(self) -> int:
+        return self.warps // self.split
+
 
 # These kernels are bound by latency (each warp issues one instruction every 6-7 cycles), so the rows
 # are chosen for warps per SM and measured on the H200 (BENCHMARKS.md, tools/sweep_smallseq.py).
-# A warp needs 7, 14 and 27 KiB (forward) or 12, 21 and 38 KiB (backward) at head_dim 64, 128 and
-# 256, so an SM holds 28, 16 and 8 forward warps and 16, 10 and 5 backward ones. Runs of 2-4
-# problems per warp let a block retire less often than one problem per warp would. Every block
-# stays within the 99 KiB that sm_86/sm_89 allow. (Head_dim 64 is not in issue 3's workloads: its
-# rows follow head_dim 128's.)
+# A forward warp needs 7, 14 and 27 KiB at head_dim 64, 128 and 256, so an SM holds 28, 16 and 8 of
+# them; a backward warp 12 and 21 KiB at head_dim 64 and 128 (16 and 10 per SM), and at 256 two warps
+# share a problem's columns, 45 KiB a pair (8 warps per SM, where one warp per problem fits 5). Runs
+# of 2-4 problems let a block retire less often than one problem per warp would. Every block stays
+# within the 99 KiB that sm_86/sm_89 allow. (Head_dim 64 is not in issue 3's workloads: its rows
+# follow head_dim 128's.)
 SMALLSEQ_FORWARD_MMA_TILES = {
     64: SmallSeqMmaTiles(warps=4, problems_per_warp=4),
     128: SmallSeqMmaTiles(warps=4, problems_per_warp=4),
@@ -215,50 +223,62 @@ SMALLSEQ_FORWARD_MMA_TILES = {
 SMALLSEQ_BACKWARD_MMA_TILES = {
     64: SmallSeqMmaTiles(warps=2, problems_per_warp=2),
     128: SmallSeqMmaTiles(warps=2, problems_per_warp=2),
-    256: SmallSeqMmaTiles(warps=1, problems_per_warp=2),
+    256: SmallSeqMmaTiles(warps=2, problems_per_warp=2, split=2),
 }
 
 # The backward's P and dZ tiles: [SMALLSEQ_TILE query rows][32 keys + 8 of pad], 16-bit
-# (smallseq::kScorePitch).
+# (smallseq::kScorePitch); and the partial S and dP one warp of a pair hands the other: two query
+# tiles of 32 lanes x 24 fp32 (smallseq::kExchangeBytes).
 _SMALLSEQ_SCORE_PITCH = 32 + 8
+_SMALLSEQ_EXCHANGE_BYTES = 2 * 32 * 24 * 4
 
 
-def smallseq_mma_warp_bytes(direction: str, head_dim: int, element_bytes: int = 2) -> int:
-    """Shared memory of one warp of a tensor-core small-seq kernel: smallseq::WarpTiles<...>::kBytes.
+def smallseq_mma_team_bytes(direction: str, head_dim: int, split: int = 1, element_bytes: int = 2) -> int:
+    """Shared memory of one team of a tensor-core small-seq kernel: smallseq::ForwardWarpTiles<...>::kBytes
+    (a team is one warp) or smallseq::BackwardTeamTiles<...>::kBytes.
 
-    A zero row; SMALLSEQ_TILE-row tiles (forward Q, K, V; backward Q, dO, K, V, then the LSE rows,
-    padded to 16 bytes, and the P and dZ tiles). Rows are head_dim + 8 elements long.
+    Per warp, a zero row and SMALLSEQ_TILE-row tiles of head_dim / split columns (forward Q, K, V;
+    backward Q, dO, K, V), rows head_dim / split + 8 elements long. The backward's team then holds
+    the LSE rows (padded to 16 bytes), the P and dZ tiles and, for split 2, the exchanged sums.
     """
-    pitch = (head_dim + 8) * element_bytes
-    tensors, stat_rows, scratch = {
-        "forward": (3, 0, 0),
-        "backward": (4, SMALLSEQ_TILE, 2 * SMALLSEQ_TILE * _SMALLSEQ_SCORE_PITCH * element_bytes),
-    }[direction]
-    return pitch + tensors * SMALLSEQ_TILE * pitch + (stat_rows * 4 + 15) // 16 * 16 + scratch
+    pitch = (head_dim // split + 8) * element_bytes
+    if direction == "forward":
+        if split != 1:
+            raise ValueError("the small-seq forward runs one warp per problem")
+        return pitch + 3 * SMALLSEQ_TILE * pitch
+    warp = pitch + 4 * SMALLSEQ_TILE * pitch
+    lse = (SMALLSEQ_TILE * 4 + 15) // 16 * 16
+    scores = 2 * SMALLSEQ_TILE * _SMALLSEQ_SCORE_PITCH * element_bytes
+    return split * warp + lse + scores + (_SMALLSEQ_EXCHANGE_BYTES if split == 2 else 0)
 
 
 def smallseq_mma_shared_bytes(direction: str, head_dim: int, tiles: SmallSeqMmaTiles) -> int:
     """Dynamic shared memory of one block of a tensor-core small-seq kernel."""
-    return tiles.warps * smallseq_mma_warp_bytes(direction, head_dim)
+    return tiles.teams * smallseq_mma_team_bytes(direction, head_dim, tiles.split)
 
 
-# A call of fewer than problems_per_warp * SMALLSEQ_WARPS_WANTED problems gives its warps shorter
+# A call of fewer than problems_per_warp * SMALLSEQ_TEAMS_WANTED problems gives its teams shorter
 # runs, so that it still spreads over the GPU.
-SMALLSEQ_WARPS_WANTED = 16384
+SMALLSEQ_TEAMS_WANTED = 16384
 
 
 def smallseq_problems_per_warp(problems: int, tiles: SmallSeqMmaTiles) -> int:
-    """The run of problems each warp of a tensor-core small-seq kernel walks (host facts only)."""
-    return max(1, min(tiles.problems_per_warp, problems // SMALLSEQ_WARPS_WANTED))
+    """The run of problems each team of a tensor-core small-seq kernel walks (host facts only)."""
+    return max(1, min(tiles.problems_per_warp, problems // SMALLSEQ_TEAMS_WANTED))
 
 
 def smallseq_mma_spec(fam: KernelFamily, dtype: str, head_dim: int, heads: int,
                       tiles: SmallSeqMmaTiles | None = None) -> KernelSpec:
     """The tensor-core forward or backward instantiation with ``tiles`` (default: its table's row)."""
+    forward = fam.name == "smallseq_forward_mma"
     if tiles is None:
-        tiles = (SMALLSEQ_FORWARD_MMA_TILES if fam.name == "smallseq_forward_mma" else SMALLSEQ_BACKWARD_MMA_TILES)[
-            head_dim]
-    return fam.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE, warps=tiles.warps)
+        tiles = (SMALLSEQ_FORWARD_MMA_TILES if forward else SMALLSEQ_BACKWARD_MMA_TILES)[head_dim]
+    if forward:
+        if tiles.split != 1:
+            raise ValueError(f"{tiles}: the small-seq forward runs one warp per problem")
+        return fam.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE, warps=tiles.warps)
+    return fam.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE, warps=tiles.warps,
+                    split=tiles.split)
 
 
 def _smallseq_mma_specs(fam: KernelFamily, target: Target) -> list[KernelSpec]:
@@ -307,7 +327,7 @@ SMALLSEQ_BACKWARD_MMA = _register(
         name="smallseq_backward_mma",
         source="smallseq/backward_mma.hip",
         template="hipattn::smallseq_backward_mma",
-        template_params=("dtype", "head_dim", "heads", "tile", "warps"),
+        template_params=("dtype", "head_dim", "heads", "tile", "warps", "split"),
         params=ParamsStruct("SmallSeqBackwardMmaParams",
                             SMALLSEQ_BACKWARD.params.fields + (("problems_per_warp", "i32"),)),
         shipped=lambda target: _smallseq_mma_specs(SMALLSEQ_BACKWARD_MMA, target),

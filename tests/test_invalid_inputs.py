@@ -595,15 +595,18 @@ def test_valid_small_calls_launch_once_with_one_block_per_group_of_problems(
     # Forward: one problem per (sequence, query head). Backward: one per (sequence, KV head), which
     # walks the query heads of its group.
     problems = batch * (heads_q if direction == "forward" else heads_kv)
-    # Tensor-core kernels give each run of problems_per_warp problems a warp; the portable ones give
-    # each problem a team of head_dim / 4 lanes (four elements of a row per lane).
+    # Tensor-core kernels give each run of problems_per_warp problems a team of warps (a warp, or at
+    # backward head_dim 256 two); the portable ones give each problem a team of head_dim / 4 lanes
+    # (four elements of a row per lane).
     tensor_cores = not portable and (direction == "forward" or heads_q == heads_kv)
     if tensor_cores:
-        per_warp = params.problems_per_warp
         table = families.SMALLSEQ_FORWARD_MMA_TILES if direction == "forward" else families.SMALLSEQ_BACKWARD_MMA_TILES
-        assert per_warp == families.smallseq_problems_per_warp(problems, table[head_dim])
-        problems = -(-problems // per_warp)  # warps, each of which walks its run
-    lanes = WARP_LANES if tensor_cores else head_dim // 4
+        tiles = table[head_dim]
+        assert params.problems_per_warp == families.smallseq_problems_per_warp(problems, tiles)
+        problems = -(-problems // params.problems_per_warp)  # teams, each of which walks its run
+        lanes = WARP_LANES * tiles.split
+    else:
+        lanes = head_dim // 4
     assert block[0] % lanes == 0 and block[1:] == (1, 1)
     per_block = block[0] // lanes
     assert grid == (-(-problems // per_block), 1, 1)

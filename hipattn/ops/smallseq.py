@@ -93,13 +93,13 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
 
 def _launch_on_warps(spec: KernelSpec, tiles: SmallSeqMmaTiles, direction: str, problem: Problem, problems: int,
                      fields: dict, stream: int) -> None:
-    """Launch a tensor-core kernel: a warp per run of problems_per_warp problems, on grid.x."""
+    """Launch a tensor-core kernel: a team of warps per run of problems_per_warp problems, on grid.x."""
     kernel = get_kernel(spec, problem.device)
     shared = smallseq_mma_shared_bytes(direction, problem.head_dim, tiles)
     kernel.reserve_dynamic_shared_memory(shared)
-    fields["problems_per_warp"] = per_warp = smallseq_problems_per_warp(problems, tiles)
-    warps = (problems + per_warp - 1) // per_warp
-    blocks = (warps + tiles.warps - 1) // tiles.warps
+    fields["problems_per_warp"] = per_team = smallseq_problems_per_warp(problems, tiles)
+    teams = (problems + per_team - 1) // per_team
+    blocks = (teams + tiles.teams - 1) // tiles.teams
     kernel.launch((blocks, 1, 1), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
 
 

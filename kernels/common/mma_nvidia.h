@@ -72,6 +72,13 @@ HIPATTN_DEVICE void ldmatrix_x2_trans(unsigned int (&r)[2], const void* row) {
                : "r"(shared_address(row)));
 }
 
+// Barrier `id` (1..15; 0 is __syncthreads's) over THREADS threads, whole warps: warps that share a
+// problem meet here without holding up the rest of their block.
+template <int THREADS>
+HIPATTN_DEVICE void named_barrier(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
+}
+
 // d += a * b for one 16x8x16 tile, fp32 accumulation.
 template <typename T>
 HIPATTN_DEVICE void mma_16816(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1);

@@ -10,6 +10,12 @@
 //   dV = Pᵀ dO, dK = scale * dZᵀ Q             (Pᵀ and dZᵀ read back transposed with ldmatrix.trans)
 // D_i = sum_j P_ij dP_ij equals rowsum(dO * O), so O is never read. Each gradient is staged in a
 // tile its inputs no longer need (dQ in V's, dV in K's, dK in V's) and leaves with 16-byte stores.
+//
+// SPLIT warps share a problem (a team): each stages and computes HEAD_DIM / SPLIT of its columns.
+// S and dP are sums over all columns, so with SPLIT = 2 the second warp hands its partial sums to
+// the first through shared memory; the first forms P and dZ, which both then read back. At
+// head_dim 256 this halves each warp's tiles, so an SM holds 8 warps instead of 5, and halves the
+// chain of dependent instructions per problem.
 // The loops over head_dim's 16-column steps that write gradients are unrolled by 4, not fully: at
 // head_dim 256 the fully unrolled kernel waits on instruction fetch (ncu: "no instruction" stalls)
 // and ran 4-7% slower on the H200 (BENCHMARKS.md).
@@ -28,63 +34,102 @@ struct ScoreTiles {
   static constexpr int kBytes = 2 * TILE * kScorePitch * static_cast<int>(sizeof(T));
 };
 
-template <typename T, int HEAD_DIM, int TILE>
-using BackwardWarpTiles = WarpTiles<T, HEAD_DIM, TILE, 4, 1, ScoreTiles<T, TILE>::kBytes>;
+// The partial S and dP one warp of a team of two hands the other: two query tiles of 32 lanes x 24
+// fp32 accumulators.
+constexpr int kExchangeBytes = 2 * 32 * 2 * 3 * 4 * 4;
 
-// Issue the copies of problem x's Q, dO, K and V rows (tiles in that order) and its LSE.
-template <typename T, int HEAD_DIM, int TILE>
-HIPATTN_DEVICE void stage_backward(const SmallSeqBackwardMmaParams& p, const Problem& x, unsigned char* tiles,
-                                   float* lse_rows, int lane) {
-  using Tiles = BackwardWarpTiles<T, HEAD_DIM, TILE>;
-  stage_rows<T, HEAD_DIM>(tiles, static_cast<const T*>(p.q) + x.batch_index * p.q_batch_stride +
-                                     x.q.start * p.q_token_stride + x.head * p.q_head_stride,
-                          p.q_token_stride, x.q.length, lane);
-  stage_rows<T, HEAD_DIM>(tiles + Tiles::kTileBytes, static_cast<const T*>(p.dout) +
-                                                         x.batch_index * p.dout_batch_stride +
-                                                         x.q.start * p.dout_token_stride + x.head * p.dout_head_stride,
-                          p.dout_token_stride, x.q.length, lane);
-  stage_rows<T, HEAD_DIM>(tiles + 2 * Tiles::kTileBytes, static_cast<const T*>(p.k) +
-                                                             x.batch_index * p.k_batch_stride +
-                                                             x.k.start * p.k_token_stride + x.head * p.k_head_stride,
-                          p.k_token_stride, x.k.length, lane);
-  stage_rows<T, HEAD_DIM>(tiles + 3 * Tiles::kTileBytes, static_cast<const T*>(p.v) +
-                                                             x.batch_index * p.v_batch_stride +
-                                                             x.k.start * p.v_token_stride + x.head * p.v_head_stride,
-                          p.v_token_stride, x.k.length, lane);
-  if (lane < x.q.length) {
+// One team's shared memory, in bytes from its base: each warp's zero row and Q, dO, K and V tiles
+// of HEAD_DIM / SPLIT columns; then the LSE rows (padded to 16 bytes), P and dZ, and, for SPLIT = 2,
+// the exchanged partial sums. hipattn/families.py's smallseq_mma_team_bytes computes kBytes from
+// the same arguments.
+template <typename T, int HEAD_DIM, int TILE, int SPLIT>
+struct BackwardTeamTiles {
+  using Warp = WarpTiles<T, HEAD_DIM / SPLIT, TILE, 4, 0, 0>;
+  static constexpr int kStatsOffset = SPLIT * Warp::kBytes;
+  static constexpr int kScoresOffset = kStatsOffset + (TILE * 4 + 15) / 16 * 16;
+  static constexpr int kExchangeOffset = kScoresOffset + ScoreTiles<T, TILE>::kBytes;
+  static constexpr int kBytes = kExchangeOffset + (SPLIT == 2 ? kExchangeBytes : 0);
+  static_assert(SPLIT == 1 || SPLIT == 2, "one warp per problem, or two that split its columns");
+  static_assert(HEAD_DIM % (16 * SPLIT) == 0, "each warp takes whole 16-column mma steps");
+  static_assert(Warp::kPitch >= kScorePitch, "the zero row also stands in for P's and dZ's rows");
+};
+
+// A team's pieces of shared memory, for one of its warps.
+struct BackwardShared {
+  unsigned char* tiles;  // this warp's Q, dO, K, V tiles
+  unsigned int zero;     // this warp's zero row (shared address)
+  float* lse_rows;
+  unsigned char* scores;    // P, then dZ
+  float* exchange;          // partial S and dP (SPLIT = 2)
+};
+
+// Issue the copies of problem x's Q, dO, K and V rows (COLS columns from `column`, tiles in that
+// order) and, when `with_lse`, its LSE.
+template <typename T, int COLS, int TILE>
+HIPATTN_DEVICE void stage_backward(const SmallSeqBackwardMmaParams& p, const Problem& x, int column,
+                                   unsigned char* tiles, float* lse_rows, bool with_lse, int lane) {
+  using Tiles = WarpTiles<T, COLS, TILE, 4, 0, 0>;
+  stage_rows<T, COLS>(tiles, static_cast<const T*>(p.q) + x.batch_index * p.q_batch_stride +
+                                 x.q.start * p.q_token_stride + x.head * p.q_head_stride + column,
+                      p.q_token_stride, x.q.length, lane);
+  stage_rows<T, COLS>(tiles + Tiles::kTileBytes, static_cast<const T*>(p.dout) + x.batch_index * p.dout_batch_stride +
+                                                     x.q.start * p.dout_token_stride + x.head * p.dout_head_stride +
+                                                     column,
+                      p.dout_token_stride, x.q.length, lane);
+  stage_rows<T, COLS>(tiles + 2 * Tiles::kTileBytes, static_cast<const T*>(p.k) + x.batch_index * p.k_batch_stride +
+                                                         x.k.start * p.k_token_stride + x.head * p.k_head_stride +
+                                                         column,
+                      p.k_token_stride, x.k.length, lane);
+  stage_rows<T, COLS>(tiles + 3 * Tiles::kTileBytes, static_cast<const T*>(p.v) + x.batch_index * p.v_batch_stride +
+                                                         x.k.start * p.v_token_stride + x.head * p.v_head_stride +
+                                                         column,
+                      p.v_token_stride, x.k.length, lane);
+  if (with_lse && lane < x.q.length) {
     mma::copy_async_4(lse_rows + lane, static_cast<const float*>(p.lse) + x.batch_index * p.lse_batch_stride +
                                            x.head * p.lse_head_stride + x.q.start + lane);
   }
 }
 
-// dQ, dK and dV of problem x, whose rows are staged in `tiles` and `lse_rows`; `scores` holds P and dZ.
-template <typename T, int HEAD_DIM, int TILE>
-HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const Problem& x, unsigned char* tiles,
-                                     const float* lse_rows, unsigned char* scores, unsigned int zero, int lane) {
-  using Tiles = BackwardWarpTiles<T, HEAD_DIM, TILE>;
+// The team barrier between its warps' hand-over points (a no-op for a one-warp team, whose own
+// __syncwarp calls order its shared-memory accesses).
+template <int SPLIT>
+HIPATTN_DEVICE void team_sync(int team) {
+  if (SPLIT == 2) mma::named_barrier<64>(1 + team);
+  else __syncwarp();
+}
+
+// dQ, dK and dV of problem x: this warp's `part` of the team's columns, staged in its tiles.
+template <typename T, int HEAD_DIM, int TILE, int SPLIT>
+HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const Problem& x, const BackwardShared& sh,
+                                     int team, int part, int lane) {
+  constexpr int COLS = HEAD_DIM / SPLIT;
+  using Tiles = WarpTiles<T, COLS, TILE, 4, 0, 0>;
   constexpr int kPitchBytes = Tiles::kPitchBytes;
   constexpr int kScorePitchBytes = kScorePitch * static_cast<int>(sizeof(T));
   const int len_q = x.q.length;
   const int len_k = x.k.length;
   const int g = lane / 4;
   const int t = lane % 4;
+  const int first_column = part * COLS;
   T* const dq_rows = static_cast<T*>(p.dq) + x.batch_index * p.dq_batch_stride + x.q.start * p.dq_token_stride +
-                     x.head * p.dq_head_stride;
-  unsigned char* const k_tile_bytes = tiles + 2 * Tiles::kTileBytes;
-  unsigned char* const v_tile_bytes = tiles + 3 * Tiles::kTileBytes;
+                     x.head * p.dq_head_stride + first_column;
+  unsigned char* const k_tile_bytes = sh.tiles + 2 * Tiles::kTileBytes;
+  unsigned char* const v_tile_bytes = sh.tiles + 3 * Tiles::kTileBytes;
   if (len_k == 0) {
-    // No key: P = 0, so dQ = 0 for every query row, and there is no dK/dV row to write.
+    // No key: P = 0, so dQ = 0 for every query row, and there is no dK/dV row to write. (Both warps
+    // of a team take this branch: they share the problem.)
     zero_bytes(v_tile_bytes, Tiles::kTileBytes, lane);
     __syncwarp();
-    store_rows<T, HEAD_DIM>(dq_rows, p.dq_token_stride, v_tile_bytes, len_q, lane);
+    store_rows<T, COLS>(dq_rows, p.dq_token_stride, v_tile_bytes, len_q, lane);
     return;
   }
-  const unsigned int q_tile = mma::shared_address(tiles);
+  const unsigned int zero = sh.zero;
+  const unsigned int q_tile = mma::shared_address(sh.tiles);
   const unsigned int do_tile = q_tile + Tiles::kTileBytes;
   const unsigned int k_tile = q_tile + 2 * Tiles::kTileBytes;
   const unsigned int v_tile = q_tile + 3 * Tiles::kTileBytes;
-  unsigned char* const p_tile = scores;
-  unsigned char* const dz_tile = scores + TILE * kScorePitchBytes;
+  unsigned char* const p_tile = sh.scores;
+  unsigned char* const dz_tile = sh.scores + TILE * kScorePitchBytes;
   const unsigned int p_base = mma::shared_address(p_tile);
   const unsigned int dz_base = mma::shared_address(dz_tile);
 
@@ -102,67 +147,107 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
   const unsigned int k_row2 = row_or_zero(k_tile, zero, key2, len_k, kPitchBytes) + b_column;
   const unsigned int v_row2 = row_or_zero(v_tile, zero, key2, len_k, kPitchBytes) + b_column;
 
-  // ---- per 16-query tile: S, dP, P, dZ; P and dZ to shared memory ----
-  for (int mt = 0; mt < m_tiles; ++mt) {
-    const int a_row = 16 * mt + lane % 16;
-    const unsigned int q_row = row_or_zero(q_tile, zero, a_row, len_q, kPitchBytes) + 16 * (lane / 16);
-    const unsigned int do_row = row_or_zero(do_tile, zero, a_row, len_q, kPitchBytes) + 16 * (lane / 16);
-    float s[3][4] = {}, dp[3][4] = {};
+  // ---- S and dP over this warp's columns, per 16-query tile ----
+  float s[2][3][4] = {}, dp[2][3][4] = {};
 #pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      unsigned int aq[4], ado[4], b[4];
-      mma::ldmatrix_x4(aq, q_row + 32 * ks);
-      mma::ldmatrix_x4(ado, do_row + 32 * ks);
-      mma::ldmatrix_x4(b, k_row01 + 32 * ks);
-      mma::mma_16816<T>(s[0], aq, b[0], b[1]);
-      mma::mma_16816<T>(s[1], aq, b[2], b[3]);
-      mma::ldmatrix_x4(b, v_row01 + 32 * ks);
-      mma::mma_16816<T>(dp[0], ado, b[0], b[1]);
-      mma::mma_16816<T>(dp[1], ado, b[2], b[3]);
-      if (n_tiles > 2) {
-        unsigned int b2[2];
-        mma::ldmatrix_x2(b2, k_row2 + 32 * ks);
-        mma::mma_16816<T>(s[2], aq, b2[0], b2[1]);
-        mma::ldmatrix_x2(b2, v_row2 + 32 * ks);
-        mma::mma_16816<T>(dp[2], ado, b2[0], b2[1]);
+  for (int mt = 0; mt < 2; ++mt) {
+    if (mt < m_tiles) {
+      const int a_row = 16 * mt + lane % 16;
+      const unsigned int q_row = row_or_zero(q_tile, zero, a_row, len_q, kPitchBytes) + 16 * (lane / 16);
+      const unsigned int do_row = row_or_zero(do_tile, zero, a_row, len_q, kPitchBytes) + 16 * (lane / 16);
+#pragma unroll
+      for (int ks = 0; ks < COLS / 16; ++ks) {
+        unsigned int aq[4], ado[4], b[4];
+        mma::ldmatrix_x4(aq, q_row + 32 * ks);
+        mma::ldmatrix_x4(ado, do_row + 32 * ks);
+        mma::ldmatrix_x4(b, k_row01 + 32 * ks);
+        mma::mma_16816<T>(s[mt][0], aq, b[0], b[1]);
+        mma::mma_16816<T>(s[mt][1], aq, b[2], b[3]);
+        mma::ldmatrix_x4(b, v_row01 + 32 * ks);
+        mma::mma_16816<T>(dp[mt][0], ado, b[0], b[1]);
+        mma::mma_16816<T>(dp[mt][1], ado, b[2], b[3]);
+        if (n_tiles > 2) {
+          unsigned int b2[2];
+          mma::ldmatrix_x2(b2, k_row2 + 32 * ks);
+          mma::mma_16816<T>(s[mt][2], aq, b2[0], b2[1]);
+          mma::ldmatrix_x2(b2, v_row2 + 32 * ks);
+          mma::mma_16816<T>(dp[mt][2], ado, b2[0], b2[1]);
+        }
       }
     }
+  }
 
-    const int row[2] = {16 * mt + g, 16 * mt + g + 8};
-    float lse_log2[2];
+  // ---- the second warp's partial sums to the first ----
+  float* const exchange = sh.exchange + lane * 24;  // [query tile][32 lanes][S, dP: 3 x 4 each]
+  if (SPLIT == 2 && part == 1) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r)  // rows past the sequence: LSE = +inf, so P = 0
-      lse_log2[r] = row[r] < len_q ? lse_rows[row[r]] * 1.4426950408889634f : infinity();
-    float d_row[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < 2; ++mt)
+      if (mt < m_tiles)
 #pragma unroll
-    for (int nt = 0; nt < 3; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const int j = 8 * nt + 2 * t + (e & 1);
-        const bool visible = j < len_k && key_visible(row[r], j, len_q, len_k, p.causal);
-        // LSE = +inf (a row that saw no key, or a row past the sequence) gives P = 0.
-        s[nt][e] = visible ? fast_exp2(s[nt][e] * scale_log2 - lse_log2[r]) : 0.0f;
-        dp[nt][e] = visible ? dp[nt][e] : 0.0f;
-        d_row[r] += s[nt][e] * dp[nt][e];
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      d_row[r] += shfl_xor(d_row[r], 1, 32, 0xffffffffu);
-      d_row[r] += shfl_xor(d_row[r], 2, 32, 0xffffffffu);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 3; ++nt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        if (row[r] < len_q) {  // the score tiles hold TILE query rows; later ones read the zero row
-          const int offset = row[r] * kScorePitchBytes + 16 * nt + 4 * t;
-          *reinterpret_cast<unsigned int*>(p_tile + offset) = mma::pack2<T>(s[nt][2 * r], s[nt][2 * r + 1]);
-          *reinterpret_cast<unsigned int*>(dz_tile + offset) =
-              mma::pack2<T>(s[nt][2 * r] * (dp[nt][2 * r] - d_row[r]), s[nt][2 * r + 1] * (dp[nt][2 * r + 1] - d_row[r]));
+        for (int nt = 0; nt < 3; ++nt) {
+          const float* a = s[mt][nt];
+          const float* b = dp[mt][nt];
+          reinterpret_cast<Vec<float, 4>*>(exchange + mt * 32 * 24)[nt] = Vec<float, 4>{{a[0], a[1], a[2], a[3]}};
+          reinterpret_cast<Vec<float, 4>*>(exchange + mt * 32 * 24)[3 + nt] = Vec<float, 4>{{b[0], b[1], b[2], b[3]}};
         }
   }
-  __syncwarp();  // P and dZ of every query tile are in shared memory; V is no longer needed
+  team_sync<SPLIT>(team);
+
+  // ---- P = exp(scale S - LSE), dZ = P (dP - D) to shared memory, by the first warp ----
+  if (part == 0) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      if (mt >= m_tiles) continue;
+      if (SPLIT == 2) {
+#pragma unroll
+        for (int nt = 0; nt < 3; ++nt) {
+          const Vec<float, 4> other_s = reinterpret_cast<const Vec<float, 4>*>(exchange + mt * 32 * 24)[nt];
+          const Vec<float, 4> other_dp = reinterpret_cast<const Vec<float, 4>*>(exchange + mt * 32 * 24)[3 + nt];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[mt][nt][e] += other_s.elements[e];
+            dp[mt][nt][e] += other_dp.elements[e];
+          }
+        }
+      }
+      const int row[2] = {16 * mt + g, 16 * mt + g + 8};
+      float lse_log2[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)  // rows past the sequence: LSE = +inf, so P = 0
+        lse_log2[r] = row[r] < len_q ? sh.lse_rows[row[r]] * 1.4426950408889634f : infinity();
+      float d_row[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2;
+          const int j = 8 * nt + 2 * t + (e & 1);
+          const bool visible = j < len_k && key_visible(row[r], j, len_q, len_k, p.causal);
+          // LSE = +inf (a row that saw no key, or a row past the sequence) gives P = 0.
+          s[mt][nt][e] = visible ? fast_exp2(s[mt][nt][e] * scale_log2 - lse_log2[r]) : 0.0f;
+          dp[mt][nt][e] = visible ? dp[mt][nt][e] : 0.0f;
+          d_row[r] += s[mt][nt][e] * dp[mt][nt][e];
+        }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        d_row[r] += shfl_xor(d_row[r], 1, 32, 0xffffffffu);
+        d_row[r] += shfl_xor(d_row[r], 2, 32, 0xffffffffu);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (row[r] < len_q) {  // the score tiles hold TILE query rows; later ones read the zero row
+            const float* ps = s[mt][nt];
+            const float* dps = dp[mt][nt];
+            const int offset = row[r] * kScorePitchBytes + 16 * nt + 4 * t;
+            *reinterpret_cast<unsigned int*>(p_tile + offset) = mma::pack2<T>(ps[2 * r], ps[2 * r + 1]);
+            *reinterpret_cast<unsigned int*>(dz_tile + offset) =
+                mma::pack2<T>(ps[2 * r] * (dps[2 * r] - d_row[r]), ps[2 * r + 1] * (dps[2 * r + 1] - d_row[r]));
+          }
+    }
+  }
+  team_sync<SPLIT>(team);  // P and dZ of every query tile are in shared memory; V is no longer needed
 
   // ---- dQ = scale * dZ K, per 16-query tile, staged in V's tile ----
   // dZ's columns past the keys this problem wrote hold an earlier problem's finite values (or the
@@ -175,7 +260,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
     for (int kk = 0; kk < 2; ++kk) mma::ldmatrix_x4(dz_a[kk], dz_row + 32 * kk);
     const int row[2] = {16 * mt + g, 16 * mt + g + 8};
 #pragma unroll 4
-    for (int nt = 0; nt < HEAD_DIM / 16; ++nt) {
+    for (int nt = 0; nt < COLS / 16; ++nt) {
       float dq[2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
@@ -198,7 +283,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
     }
   }
   __syncwarp();  // dQ is staged; K is no longer needed
-  store_rows<T, HEAD_DIM>(dq_rows, p.dq_token_stride, v_tile_bytes, len_q, lane);
+  store_rows<T, COLS>(dq_rows, p.dq_token_stride, v_tile_bytes, len_q, lane);
   __syncwarp();  // dQ has left V's tile
 
   // ---- dV = Pᵀ dO and dK = scale * dZᵀ Q, per 16-key tile, staged in K's and V's tiles ----
@@ -217,7 +302,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
     }
     const int key[2] = {16 * mk + g, 16 * mk + g + 8};
 #pragma unroll 4
-    for (int nt = 0; nt < HEAD_DIM / 16; ++nt) {
+    for (int nt = 0; nt < COLS / 16; ++nt) {
       float dv[2][4] = {}, dk[2][4] = {};
 #pragma unroll
       for (int kq = 0; kq < 2; ++kq) {
@@ -247,46 +332,50 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
     }
   }
   __syncwarp();
-  store_rows<T, HEAD_DIM>(static_cast<T*>(p.dv) + x.batch_index * p.dv_batch_stride + x.k.start * p.dv_token_stride +
-                              x.head * p.dv_head_stride,
-                          p.dv_token_stride, k_tile_bytes, len_k, lane);
-  store_rows<T, HEAD_DIM>(static_cast<T*>(p.dk) + x.batch_index * p.dk_batch_stride + x.k.start * p.dk_token_stride +
-                              x.head * p.dk_head_stride,
-                          p.dk_token_stride, v_tile_bytes, len_k, lane);
+  store_rows<T, COLS>(static_cast<T*>(p.dv) + x.batch_index * p.dv_batch_stride + x.k.start * p.dv_token_stride +
+                          x.head * p.dv_head_stride + first_column,
+                      p.dv_token_stride, k_tile_bytes, len_k, lane);
+  store_rows<T, COLS>(static_cast<T*>(p.dk) + x.batch_index * p.dk_batch_stride + x.k.start * p.dk_token_stride +
+                          x.head * p.dk_head_stride + first_column,
+                      p.dk_token_stride, v_tile_bytes, len_k, lane);
 }
 
 }  // namespace smallseq
 
-// WARPS warps per block, each walking its run of problems_per_warp problems; the host's table
-// (families.SMALLSEQ_BACKWARD_MMA_TILES) sizes the dynamic shared memory.
-template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS>
+// WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_warp problems;
+// the host's table (families.SMALLSEQ_BACKWARD_MMA_TILES) sizes the dynamic shared memory.
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS, int SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallSeqBackwardMmaParams p) {
-  using Tiles = smallseq::BackwardWarpTiles<T, HEAD_DIM, TILE>;
+  using Team = smallseq::BackwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
   static_assert(TILE > 16 && TILE <= 24, "the fragments cover up to 32 query rows and 24 keys");
-  static_assert(Tiles::kPitch >= smallseq::kScorePitch, "the zero row also stands in for P's and dZ's rows");
+  static_assert(WARPS % SPLIT == 0 && WARPS / SPLIT <= 15, "whole teams, each with a named barrier of its own");
   extern __shared__ __align__(16) unsigned char shared_bytes[];
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int team = warp / SPLIT;
+  const int part = warp % SPLIT;
   const smallseq::Run run =
-      smallseq::warp_run(static_cast<long long>(p.batch) * HEADS, p.problems_per_warp, WARPS, warp);
-  unsigned char* const base = shared_bytes + warp * Tiles::kBytes;
-  unsigned char* const tiles = base + Tiles::kTilesOffset;
-  float* const lse_rows = reinterpret_cast<float*>(base + Tiles::kStatsOffset);
-  unsigned char* const scores = base + Tiles::kScratchOffset;
+      smallseq::warp_run(static_cast<long long>(p.batch) * HEADS, p.problems_per_warp, WARPS / SPLIT, team);
+  unsigned char* const base = shared_bytes + team * Team::kBytes;
+  unsigned char* const warp_base = base + part * Team::Warp::kBytes;
+  const smallseq::BackwardShared sh{warp_base + Team::Warp::kTilesOffset, mma::shared_address(warp_base),
+                                    reinterpret_cast<float*>(base + Team::kStatsOffset), base + Team::kScoresOffset,
+                                    reinterpret_cast<float*>(base + Team::kExchangeOffset)};
   // The zero row, and P and dZ: their columns past a problem's keys must be finite (they meet K's
-  // zero row in dQ). The first __syncwarp publishes the zeros.
-  smallseq::zero_bytes(base, Tiles::kPitchBytes, lane);
-  smallseq::zero_bytes(scores, smallseq::ScoreTiles<T, TILE>::kBytes, lane);
-  const unsigned int zero = mma::shared_address(base);
+  // zero row in dQ). The first team barrier publishes the zeros.
+  smallseq::zero_bytes(warp_base, Team::Warp::kPitchBytes, lane);
+  if (part == 0) smallseq::zero_bytes(base + Team::kScoresOffset, smallseq::ScoreTiles<T, TILE>::kBytes, lane);
+  smallseq::team_sync<SPLIT>(team);
 
   smallseq::Problem x = smallseq::no_problem();
   for (long long index = run.first; index < run.end; index += run.step) {
     x = smallseq::locate_problem<HEADS, TILE>(p, index, x);
-    smallseq::stage_backward<T, HEAD_DIM, TILE>(p, x, tiles, lse_rows, lane);
+    smallseq::stage_backward<T, HEAD_DIM / SPLIT, TILE>(p, x, part * (HEAD_DIM / SPLIT), sh.tiles, sh.lse_rows,
+                                                        part == 0, lane);
     mma::wait_async_copies();
     __syncwarp();
-    smallseq::backward_problem<T, HEAD_DIM, TILE>(p, x, tiles, lse_rows, scores, zero, lane);
+    smallseq::backward_problem<T, HEAD_DIM, TILE, SPLIT>(p, x, sh, team, part, lane);
     __syncwarp();  // every lane is done with the tiles before the next problem's copies land in them
   }
 }

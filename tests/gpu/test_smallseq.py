@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hipattn
-from hipattn.families import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
+from hipattn import families
+from hipattn.families import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE, SmallSeqMmaTiles
 from hipattn.ops import smallseq as smallseq_ops
 
 from .conftest import (
@@ -124,6 +125,32 @@ def test_warps_walking_runs_of_problems_match_float64(per_warp, head_dim, monkey
     for causal in (False, True):
         errors = _run_and_check(lengths_q, lengths_k, 8, 8, head_dim, "bf16", causal, rng)
         record_errors(f"runs of {per_warp} d{head_dim} causal={causal}", **errors)
+        assert max(errors.values()) < TOLERANCE["bf16"], errors
+
+
+@pytest.fixture
+def backward_row(monkeypatch):
+    """Run the tensor-core backward with another table row: set(head_dim, tiles)."""
+    def use(head_dim, tiles):
+        monkeypatch.setitem(families.SMALLSEQ_BACKWARD_MMA_TILES, head_dim, tiles)
+        smallseq_ops._backward_spec.cache_clear()
+    yield use
+    smallseq_ops._backward_spec.cache_clear()
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
+def test_backward_teams_of_one_or_two_warps_match_float64(split, head_dim, backward_row, monkeypatch, rng):
+    """Two warps of a team split a problem's columns and hand S and dP over: every head_dim, either
+    team size, runs of three problems per team, two teams per block."""
+    backward_row(head_dim, SmallSeqMmaTiles(warps=2 * split, problems_per_warp=3, split=split))
+    monkeypatch.setattr(smallseq_ops, "smallseq_problems_per_warp", lambda problems, tiles: 3)
+    gen = torch.Generator().manual_seed(fresh_seed())
+    lengths_q = [17, 0, 1, 17, 9] + torch.randint(0, SMALLSEQ_TILE + 1, (20,), generator=gen).tolist()
+    lengths_k = [17, 4, 0, 1, 17] + torch.randint(0, SMALLSEQ_TILE + 1, (20,), generator=gen).tolist()
+    for causal in (False, True):
+        errors = _run_and_check(lengths_q, lengths_k, 8, 8, head_dim, "bf16", causal, rng)
+        record_errors(f"backward teams of {split} d{head_dim} causal={causal}", **errors)
         assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
