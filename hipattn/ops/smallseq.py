@@ -19,7 +19,6 @@ from ..families import (
     SMALLSEQ_FORWARD_MMA_TILES,
     SMALLSEQ_HEAD_DIMS,
     SMALLSEQ_TILE,
-    SmallSeqMmaTiles,
     smallseq_mma_shared_bytes,
     smallseq_mma_spec,
     smallseq_portable_spec,
@@ -72,35 +71,36 @@ def _tensor_cores(device: int) -> bool:
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None) -> None:
-    """Enqueue O and LSE for every (sequence, query head) problem: one team each (portable), or a
-    warp for each run of problems (tensor cores)."""
+    """Enqueue O and LSE for every (sequence, query head) problem."""
     problems = problem.batch * problem.heads_q
     if problems == 0:
         return  # batch 0: nothing to read or write
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    if _tensor_cores(problem.device):
-        spec = _forward_spec(True, problem.dtype, problem.head_dim, problem.heads_q)
-        _launch_on_warps(spec, SMALLSEQ_FORWARD_MMA_TILES[problem.head_dim], "forward", problem, problems, fields,
-                         stream)
-        return
-    spec = _forward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
-    kernel = get_kernel(spec, problem.device)
-    # The (sequence, head) count goes on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
-    teams = smallseq_teams_per_block(spec)
-    kernel.launch(((problems + teams - 1) // teams, 1, 1), (spec.arg("block_threads"), 1, 1), 0, stream,
-                  kernel.params.from_dict(fields))
+    _launch("forward", _tensor_cores(problem.device), problem, problems, fields, stream)
 
 
-def _launch_on_warps(spec: KernelSpec, tiles: SmallSeqMmaTiles, direction: str, problem: Problem, problems: int,
-                     fields: dict, stream: int) -> None:
-    """Launch a tensor-core kernel: a team of warps per run of problems_per_warp problems, on grid.x."""
+def _launch(direction: str, tensor_cores: bool, problem: Problem, problems: int, fields: dict, stream: int) -> None:
+    """Launch the forward or backward kernel over ``problems`` problems.
+
+    Portable kernels give each problem a team of head_dim / SMALLSEQ_LANE_ELEMENTS lanes; tensor-core
+    kernels give each run of problems_per_warp problems a team of one or two warps (the table's row).
+    """
+    spec_of = _forward_spec if direction == "forward" else _backward_spec
+    spec = spec_of(tensor_cores, problem.dtype, problem.head_dim, problem.heads_q)
     kernel = get_kernel(spec, problem.device)
-    shared = smallseq_mma_shared_bytes(direction, problem.head_dim, tiles)
+    if tensor_cores:
+        table = SMALLSEQ_FORWARD_MMA_TILES if direction == "forward" else SMALLSEQ_BACKWARD_MMA_TILES
+        tiles = table[problem.head_dim]
+        shared = smallseq_mma_shared_bytes(direction, problem.head_dim, tiles)
+        fields["problems_per_warp"] = per_team = smallseq_problems_per_warp(problems, tiles)
+        teams, teams_per_block, threads = (problems + per_team - 1) // per_team, tiles.teams, tiles.threads
+    else:
+        teams, teams_per_block, threads = problems, smallseq_teams_per_block(spec), spec.arg("block_threads")
+        shared = backward_shared_bytes(problem, teams_per_block) if direction == "backward" else 0
     kernel.reserve_dynamic_shared_memory(shared)
-    fields["problems_per_warp"] = per_team = smallseq_problems_per_warp(problems, tiles)
-    teams = (problems + per_team - 1) // per_team
-    blocks = (teams + tiles.teams - 1) // tiles.teams
-    kernel.launch((blocks, 1, 1), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
+    # The teams go on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
+    blocks = (teams + teams_per_block - 1) // teams_per_block
+    kernel.launch((blocks, 1, 1), (threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
 
 
 def _backward_on_tensor_cores(problem: Problem) -> bool:
@@ -121,8 +121,8 @@ def backward_shared_bytes(problem: Problem, teams_per_block: int) -> int:
 
 def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None) -> None:
-    """Enqueue dQ, dK, dV: one team per (sequence, KV head), walking the query heads of its group
-    (portable), or a warp for each run of (sequence, head) problems (tensor cores, Hq == Hkv)."""
+    """Enqueue dQ, dK, dV: per (sequence, KV head) problem, walking the query heads of its group
+    (portable), or per (sequence, head) problem (tensor cores, Hq == Hkv)."""
     problems = problem.batch * problem.heads_kv
     if problems == 0:
         return
@@ -131,15 +131,4 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         put_tensor(fields, name, a, layout)
     put_row_statistic(fields, "lse", lse, problem)
-    if _backward_on_tensor_cores(problem):
-        spec = _backward_spec(True, problem.dtype, problem.head_dim, problem.heads_q)
-        _launch_on_warps(spec, SMALLSEQ_BACKWARD_MMA_TILES[problem.head_dim], "backward", problem, problems, fields,
-                         stream)
-        return
-    spec = _backward_spec(False, problem.dtype, problem.head_dim, problem.heads_q)
-    kernel = get_kernel(spec, problem.device)
-    teams = smallseq_teams_per_block(spec)
-    shared = backward_shared_bytes(problem, teams)
-    kernel.reserve_dynamic_shared_memory(shared)
-    kernel.launch(((problems + teams - 1) // teams, 1, 1), (spec.arg("block_threads"), 1, 1), shared, stream,
-                  kernel.params.from_dict(fields))
+    _launch("backward", _backward_on_tensor_cores(problem), problem, problems, fields, stream)
