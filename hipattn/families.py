@@ -183,19 +183,20 @@ SMALLSEQ_FORWARD = _register(
     )
 )
 
-# NVIDIA tensor-core variants (mma.sync, sm_80+): each warp stages its problem in shared memory of
-# its own and walks a run of (sequence, head) problems, so they take dynamic shared memory.
+# NVIDIA tensor-core variants (mma.sync, sm_80+): a team of one or two warps stages its problem in
+# shared memory of its own and walks a run of (sequence, head) problems, so they take dynamic shared
+# memory.
 
 
 @dataclass(frozen=True)
 class SmallSeqMmaTiles:
     """One row of a tensor-core small-seq kernel's table: warps per block; the run of problems each
-    team of warps walks in a large call (smallseq_problems_per_warp caps it for small ones); and the
+    team of warps walks in a large call (smallseq_problems_per_team caps it for small ones); and the
     warps in a team, which split a problem's head_dim columns (the backward takes 1 or 2, the
     forward 1)."""
 
     warps: int
-    problems_per_warp: int
+    problems_per_team: int
     split: int = 1
 
     @property
@@ -212,18 +213,18 @@ class SmallSeqMmaTiles:
 # A forward warp needs 7, 14 and 27 KiB at head_dim 64, 128 and 256, so an SM holds 28, 16 and 8 of
 # them; a backward warp 12 and 21 KiB at head_dim 64 and 128 (16 and 10 per SM), and at 256 two warps
 # share a problem's columns, 45 KiB a pair (8 warps per SM, where one warp per problem fits 5). Runs
-# of 2-4 problems let a block retire less often than one problem per warp would. Every block stays
+# of 2-4 problems let a block retire less often than one problem per team would. Every block stays
 # within the 99 KiB that sm_86/sm_89 allow. (Head_dim 64 is not in issue 3's workloads: its rows
 # follow head_dim 128's.)
 SMALLSEQ_FORWARD_MMA_TILES = {
-    64: SmallSeqMmaTiles(warps=4, problems_per_warp=4),
-    128: SmallSeqMmaTiles(warps=4, problems_per_warp=4),
-    256: SmallSeqMmaTiles(warps=1, problems_per_warp=4),
+    64: SmallSeqMmaTiles(warps=4, problems_per_team=4),
+    128: SmallSeqMmaTiles(warps=4, problems_per_team=4),
+    256: SmallSeqMmaTiles(warps=1, problems_per_team=4),
 }
 SMALLSEQ_BACKWARD_MMA_TILES = {
-    64: SmallSeqMmaTiles(warps=2, problems_per_warp=2),
-    128: SmallSeqMmaTiles(warps=2, problems_per_warp=2),
-    256: SmallSeqMmaTiles(warps=2, problems_per_warp=2, split=2),
+    64: SmallSeqMmaTiles(warps=2, problems_per_team=2),
+    128: SmallSeqMmaTiles(warps=2, problems_per_team=2),
+    256: SmallSeqMmaTiles(warps=2, problems_per_team=2, split=2),
 }
 
 # The backward's P and dZ tiles: [SMALLSEQ_TILE query rows][32 keys + 8 of pad], 16-bit
@@ -257,14 +258,14 @@ def smallseq_mma_shared_bytes(direction: str, head_dim: int, tiles: SmallSeqMmaT
     return tiles.teams * smallseq_mma_team_bytes(direction, head_dim, tiles.split)
 
 
-# A call of fewer than problems_per_warp * SMALLSEQ_TEAMS_WANTED problems gives its teams shorter
+# A call of fewer than problems_per_team * SMALLSEQ_TEAMS_WANTED problems gives its teams shorter
 # runs, so that it still spreads over the GPU.
 SMALLSEQ_TEAMS_WANTED = 16384
 
 
-def smallseq_problems_per_warp(problems: int, tiles: SmallSeqMmaTiles) -> int:
+def smallseq_problems_per_team(problems: int, tiles: SmallSeqMmaTiles) -> int:
     """The run of problems each team of a tensor-core small-seq kernel walks (host facts only)."""
-    return max(1, min(tiles.problems_per_warp, problems // SMALLSEQ_TEAMS_WANTED))
+    return max(1, min(tiles.problems_per_team, problems // SMALLSEQ_TEAMS_WANTED))
 
 
 def smallseq_mma_spec(fam: KernelFamily, dtype: str, head_dim: int, heads: int,
@@ -293,7 +294,7 @@ SMALLSEQ_FORWARD_MMA = _register(
         source="smallseq/forward_mma.hip",
         template="hipattn::smallseq_forward_mma",
         template_params=("dtype", "head_dim", "heads", "tile", "warps"),
-        params=ParamsStruct("SmallSeqForwardMmaParams", SMALLSEQ_FORWARD.params.fields + (("problems_per_warp", "i32"),)),
+        params=ParamsStruct("SmallSeqForwardMmaParams", SMALLSEQ_FORWARD.params.fields + (("problems_per_team", "i32"),)),
         shipped=lambda target: _smallseq_mma_specs(SMALLSEQ_FORWARD_MMA, target),
     )
 )
@@ -329,7 +330,7 @@ SMALLSEQ_BACKWARD_MMA = _register(
         template="hipattn::smallseq_backward_mma",
         template_params=("dtype", "head_dim", "heads", "tile", "warps", "split"),
         params=ParamsStruct("SmallSeqBackwardMmaParams",
-                            SMALLSEQ_BACKWARD.params.fields + (("problems_per_warp", "i32"),)),
+                            SMALLSEQ_BACKWARD.params.fields + (("problems_per_team", "i32"),)),
         shipped=lambda target: _smallseq_mma_specs(SMALLSEQ_BACKWARD_MMA, target),
     )
 )

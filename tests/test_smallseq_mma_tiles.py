@@ -19,7 +19,7 @@ from hipattn.families import (
     smallseq_mma_shared_bytes,
     smallseq_mma_spec,
     smallseq_mma_team_bytes,
-    smallseq_problems_per_warp,
+    smallseq_problems_per_team,
 )
 from hipattn.target import Target
 
@@ -31,7 +31,7 @@ TABLES = {"forward": SMALLSEQ_FORWARD_MMA_TILES, "backward": SMALLSEQ_BACKWARD_M
 def test_every_head_dim_has_a_row_whose_block_fits_every_sm_80_part(direction):
     assert sorted(TABLES[direction]) == sorted(SMALLSEQ_HEAD_DIMS)
     for head_dim, tiles in TABLES[direction].items():
-        assert tiles.problems_per_warp >= 1 and tiles.threads == 32 * tiles.warps
+        assert tiles.problems_per_team >= 1 and tiles.threads == 32 * tiles.warps
         assert tiles.warps % tiles.split == 0 and tiles.teams <= 15, "whole teams, each with its named barrier"
         assert tiles.split == 1 or direction == "backward"
         assert smallseq_mma_shared_bytes(direction, head_dim, tiles) <= SM86_SHARED_BYTES_PER_BLOCK
@@ -46,13 +46,13 @@ def test_team_bytes_formula():
     # Two warps of 128 of head_dim 256's columns each, and the partial S and dP one hands the other.
     exchange = 2 * 32 * 24 * 4
     assert smallseq_mma_team_bytes("backward", 256, split=2) == 2 * (pitch + 4 * SMALLSEQ_TILE * pitch) + 80 + 2 * 17 * 80 + exchange
-    assert smallseq_mma_shared_bytes("backward", 256, SmallSeqMmaTiles(warps=4, problems_per_warp=1, split=2)) == (
+    assert smallseq_mma_shared_bytes("backward", 256, SmallSeqMmaTiles(warps=4, problems_per_team=1, split=2)) == (
         2 * smallseq_mma_team_bytes("backward", 256, split=2))
 
 
 def test_the_forward_has_no_teams_of_two():
     with pytest.raises(ValueError, match="one warp per problem"):
-        smallseq_mma_spec(SMALLSEQ_FORWARD_MMA, "bf16", 256, 16, SmallSeqMmaTiles(warps=2, problems_per_warp=1, split=2))
+        smallseq_mma_spec(SMALLSEQ_FORWARD_MMA, "bf16", 256, 16, SmallSeqMmaTiles(warps=2, problems_per_team=1, split=2))
 
 
 @pytest.mark.parametrize("family,direction,layout,splits", [
@@ -73,15 +73,15 @@ def test_the_launcher_reserves_the_bytes_the_kernel_lays_out(family, direction, 
 
 @pytest.mark.parametrize("problems", [1, 7, SMALLSEQ_TEAMS_WANTED - 1, 2 * SMALLSEQ_TEAMS_WANTED + 5, 80_000 * 32,
                                       10**9])
-@pytest.mark.parametrize("tiles", [SmallSeqMmaTiles(warps=4, problems_per_warp=4),
-                                   SmallSeqMmaTiles(warps=1, problems_per_warp=1),
-                                   SmallSeqMmaTiles(warps=4, problems_per_warp=16, split=2)])
+@pytest.mark.parametrize("tiles", [SmallSeqMmaTiles(warps=4, problems_per_team=4),
+                                   SmallSeqMmaTiles(warps=1, problems_per_team=1),
+                                   SmallSeqMmaTiles(warps=4, problems_per_team=16, split=2)])
 def test_the_runs_of_problems_cover_every_problem_once(problems, tiles):
-    per_team = smallseq_problems_per_warp(problems, tiles)
-    assert 1 <= per_team <= tiles.problems_per_warp
+    per_team = smallseq_problems_per_team(problems, tiles)
+    assert 1 <= per_team <= tiles.problems_per_team
     if problems < SMALLSEQ_TEAMS_WANTED:
         assert per_team == 1, "a small call spreads over as many teams as it has problems"
-    if problems >= tiles.problems_per_warp * SMALLSEQ_TEAMS_WANTED:
-        assert per_team == tiles.problems_per_warp, "a large call runs the table's row"
+    if problems >= tiles.problems_per_team * SMALLSEQ_TEAMS_WANTED:
+        assert per_team == tiles.problems_per_team, "a large call runs the table's row"
     teams = -(-problems // per_team)
     assert (teams - 1) * per_team < problems <= teams * per_team

@@ -170,7 +170,7 @@ class Case:
     varlen_prep: str = "device"  # flash_backward: HIPATTN_VARLEN_PREP, how the work list is prepared
     # tensor-core small-seq: every warp walks a run of this many problems (None: ops.smallseq's rule,
     # which gives these tiny calls runs of one), so that tiles reused from problem to problem are checked
-    problems_per_warp: int | None = None
+    problems_per_team: int | None = None
     families: tuple[str, ...] = field(default=())
 
 
@@ -235,7 +235,7 @@ def build_cases(quick: bool = False) -> list[Case]:
                               allocate_outputs=True, **base))
             if kernel == "tensor-core":
                 cases.append(Case(name=f"{tag} valid causal=True runs of 3", cu_seqlens_q=valid_q,
-                                  cu_seqlens_k=valid_k, causal=True, problems_per_warp=3, **base))
+                                  cu_seqlens_k=valid_k, causal=True, problems_per_team=3, **base))
         # The adversarial sweep on one MHA and one GQA configuration per kernel.
         for dtype, head_dim, hq, hkv in (("bf16", 128, 8, 8), ("bf16", 64, 8, 2)):
             base = dict(kind="smallseq", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv, kernel=kernel,
@@ -435,9 +435,9 @@ def run_smallseq(runner: Runner, case: Case) -> None:
         os.environ[KERNEL_SWITCH] = "portable"
     else:
         os.environ.pop(KERNEL_SWITCH, None)
-    rule = smallseq_ops.smallseq_problems_per_warp
-    if case.problems_per_warp is not None:
-        smallseq_ops.smallseq_problems_per_warp = lambda problems, tiles: case.problems_per_warp
+    rule = smallseq_ops.smallseq_problems_per_team
+    if case.problems_per_team is not None:
+        smallseq_ops.smallseq_problems_per_team = lambda problems, tiles: case.problems_per_team
     try:
         if case.allocate_outputs:
             out, lse = hipattn.forward(q, k, v, **args)
@@ -455,7 +455,7 @@ def run_smallseq(runner: Runner, case: Case) -> None:
         dv = runner.output("dv", k_shape, case.dtype)
         hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
     finally:
-        smallseq_ops.smallseq_problems_per_warp = rule
+        smallseq_ops.smallseq_problems_per_team = rule
         if previous is None:
             os.environ.pop(KERNEL_SWITCH, None)
         else:

@@ -4,7 +4,7 @@ warp, each timed on issue 3's workloads as a ratio to the memory floor.
     python tools/sweep_smallseq.py --out sweep_smallseq.json
     python tools/sweep_smallseq.py --variants forward:128:4x4,forward:128:1x1
 
-A variant is ``DIRECTION:HEAD_DIM:WARPSxPROBLEMS_PER_WARP``, with ``sSPLIT`` appended for teams of
+A variant is ``DIRECTION:HEAD_DIM:WARPSxPROBLEMS_PER_TEAM``, with ``sSPLIT`` appended for teams of
 SPLIT warps per problem (``backward:256:2x2s2``; families.SmallSeqMmaTiles); by default every table
 row is timed beside 1x1 and 4x4. Workloads, data and floors are bench_smallseq.py's;
 every variant's outputs are compared with the table row's on the same data, so a fast but wrong
@@ -34,8 +34,8 @@ def default_variants() -> list[str]:
 
 
 def spell(tiles) -> str:
-    """A row as a variant spells it: WARPSxPROBLEMS_PER_WARP, and sSPLIT for teams of several warps."""
-    return f"{tiles.warps}x{tiles.problems_per_warp}" + (f"s{tiles.split}" if tiles.split != 1 else "")
+    """A row as a variant spells it: WARPSxPROBLEMS_PER_TEAM, and sSPLIT for teams of several warps."""
+    return f"{tiles.warps}x{tiles.problems_per_team}" + (f"s{tiles.split}" if tiles.split != 1 else "")
 
 
 def parse(variant: str):
@@ -43,8 +43,8 @@ def parse(variant: str):
 
     direction, head_dim, row = variant.split(":")
     row, _, split = row.partition("s")
-    warps, per_warp = (int(x) for x in row.split("x"))
-    return direction, int(head_dim), SmallSeqMmaTiles(warps=warps, problems_per_warp=per_warp, split=int(split or 1))
+    warps, per_team = (int(x) for x in row.split("x"))
+    return direction, int(head_dim), SmallSeqMmaTiles(warps=warps, problems_per_team=per_team, split=int(split or 1))
 
 
 def sweep_workload(workload, variants, bandwidth: float) -> list[dict]:
@@ -87,7 +87,7 @@ def sweep_workload(workload, variants, bandwidth: float) -> list[dict]:
         got = out_variant if direction == "forward" else torch.cat(grads)
         differs = float((got.float() - reference[direction].float()).abs().max())
         row = {"direction": direction, "batch": batch, "heads": heads, "head_dim": head_dim, "warps": tiles.warps,
-               "split": tiles.split, "problems_per_warp": families.smallseq_problems_per_warp(batch * heads, tiles),
+               "split": tiles.split, "problems_per_team": families.smallseq_problems_per_team(batch * heads, tiles),
                "ms": ms,
                "floor_ms": floors[direction], "ratio": ms / floors[direction], "differs": differs}
         rows.append(row)

@@ -22,7 +22,7 @@ from ..families import (
     smallseq_mma_shared_bytes,
     smallseq_mma_spec,
     smallseq_portable_spec,
-    smallseq_problems_per_warp,
+    smallseq_problems_per_team,
     smallseq_teams_per_block,
 )
 from ..problem import Problem
@@ -83,7 +83,7 @@ def _launch(direction: str, tensor_cores: bool, problem: Problem, problems: int,
     """Launch the forward or backward kernel over ``problems`` problems.
 
     Portable kernels give each problem a team of head_dim / SMALLSEQ_LANE_ELEMENTS lanes; tensor-core
-    kernels give each run of problems_per_warp problems a team of one or two warps (the table's row).
+    kernels give each run of problems_per_team problems a team of one or two warps (the table's row).
     """
     spec_of = _forward_spec if direction == "forward" else _backward_spec
     spec = spec_of(tensor_cores, problem.dtype, problem.head_dim, problem.heads_q)
@@ -92,7 +92,7 @@ def _launch(direction: str, tensor_cores: bool, problem: Problem, problems: int,
         table = SMALLSEQ_FORWARD_MMA_TILES if direction == "forward" else SMALLSEQ_BACKWARD_MMA_TILES
         tiles = table[problem.head_dim]
         shared = smallseq_mma_shared_bytes(direction, problem.head_dim, tiles)
-        fields["problems_per_warp"] = per_team = smallseq_problems_per_warp(problems, tiles)
+        fields["problems_per_team"] = per_team = smallseq_problems_per_team(problems, tiles)
         teams, teams_per_block, threads = (problems + per_team - 1) // per_team, tiles.teams, tiles.threads
     else:
         teams, teams_per_block, threads = problems, smallseq_teams_per_block(spec), spec.arg("block_threads")

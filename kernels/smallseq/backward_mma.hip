@@ -2,8 +2,8 @@
 // (Hq == Hkv); GQA/MQA take the portable kernel (smallseq/backward.hip), which sums dK/dV over a
 // group in shared memory.
 //
-// Each warp walks a run of problems (smallseq/mma_tiles.h). Per problem it copies Q, dO, K, V and
-// LSE into its tiles with cp.async, then
+// Each team of warps walks a run of problems (smallseq/mma_tiles.h). Per problem it copies Q, dO,
+// K, V and LSE into its tiles with cp.async, then
 //   S = Q Kᵀ, dP = dO Vᵀ                     (mma, query rows x keys)
 //   P = exp(scale*S - LSE), D_i = sum_j P_ij dP_ij, dZ = P * (dP - D)   (on the accumulators)
 //   dQ = scale * dZ K                          (dZ read back as the A operand)
@@ -342,7 +342,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
 
 }  // namespace smallseq
 
-// WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_warp problems;
+// WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_team problems;
 // the host's table (families.SMALLSEQ_BACKWARD_MMA_TILES) sizes the dynamic shared memory.
 template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS, int SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallSeqBackwardMmaParams p) {
@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallS
   const int team = warp / SPLIT;
   const int part = warp % SPLIT;
   const smallseq::Run run =
-      smallseq::warp_run(static_cast<long long>(p.batch) * HEADS, p.problems_per_warp, WARPS / SPLIT, team);
+      smallseq::team_run(static_cast<long long>(p.batch) * HEADS, p.problems_per_team, WARPS / SPLIT, team);
   unsigned char* const base = shared_bytes + team * Team::kBytes;
   unsigned char* const warp_base = base + part * Team::Warp::kBytes;
   const smallseq::BackwardShared sh{warp_base + Team::Warp::kTilesOffset, mma::shared_address(warp_base),

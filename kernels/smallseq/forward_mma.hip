@@ -1,11 +1,11 @@
 // Small-sequence attention forward on NVIDIA tensor cores (sm_80+): same contract as
 // smallseq/forward.hip (the portable kernel, which AMD targets use until an MFMA variant exists).
 //
-// Each warp walks a run of problems (smallseq/mma_tiles.h). Per problem it copies the Q, K and V
-// rows into its tiles with cp.async, computes S = Q Kᵀ with mma.sync m16n8k16 (at most two 16-row
-// query tiles by three 8-key tiles), takes the softmax on the accumulators (row reductions inside
-// each quad of lanes), reuses the probabilities as the A operand of O = P V, and writes O back
-// through the Q tile with 16-byte stores. Warps are independent: no block barrier.
+// Each warp (a team of one) walks a run of problems (smallseq/mma_tiles.h). Per problem it copies
+// the Q, K and V rows into its tiles with cp.async, computes S = Q Kᵀ with mma.sync m16n8k16 (at
+// most two 16-row query tiles by three 8-key tiles), takes the softmax on the accumulators (row
+// reductions inside each quad of lanes), reuses the probabilities as the A operand of O = P V, and
+// writes O back through the Q tile with 16-byte stores. Warps are independent: no block barrier.
 #pragma once
 #include "smallseq/mma_tiles.h"
 
@@ -157,7 +157,7 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
 
 }  // namespace smallseq
 
-// WARPS warps per block, each walking its run of problems_per_warp problems; the host's table
+// WARPS warps per block, each walking its run of problems_per_team problems; the host's table
 // (families.SMALLSEQ_FORWARD_MMA_TILES) sizes the dynamic shared memory.
 template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSeqForwardMmaParams p) {
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSe
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const smallseq::Run run =
-      smallseq::warp_run(static_cast<long long>(p.batch) * HEADS, p.problems_per_warp, WARPS, warp);
+      smallseq::team_run(static_cast<long long>(p.batch) * HEADS, p.problems_per_team, WARPS, warp);
   unsigned char* const base = shared_bytes + warp * Tiles::kBytes;
   smallseq::zero_bytes(base, Tiles::kPitchBytes, lane);  // the zero row; the first __syncwarp publishes it
   const unsigned int zero = mma::shared_address(base);

@@ -1,5 +1,6 @@
 // Shared by the tensor-core small-seq kernels: a warp's shared tiles, the copies of one head's rows
-// in and out of them, and the walk over the warp's run of (sequence, head) problems.
+// in and out of them, and the walk over a team's run of (sequence, head) problems (a team: the one or
+// two warps that share a problem).
 //
 // The kernels move little data per problem and do little math on it, so they are bound by latency:
 // what matters is how many warps an SM holds (each stages its own problem) and how few instructions
@@ -81,7 +82,7 @@ HIPATTN_DEVICE unsigned int row_or_zero(unsigned int tile, unsigned int zero, in
   return row < length ? tile + row * pitch_bytes : zero;
 }
 
-// One (sequence, head) problem of a warp's run, with its sequences' bounds.
+// One (sequence, head) problem of a team's run, with its sequences' bounds.
 struct Problem {
   int batch_index;
   int head;
@@ -89,7 +90,7 @@ struct Problem {
   Sequence k;
 };
 
-// Problems are numbered sequence-major (index = batch_index * HEADS + head): a warp whose next problem
+// Problems are numbered sequence-major (index = batch_index * HEADS + head): a team whose next problem
 // is in the same sequence keeps its bounds instead of reading cu_seqlens again.
 template <int HEADS, int TILE, typename Params>
 HIPATTN_DEVICE Problem locate_problem(const Params& p, long long index, const Problem& previous) {
@@ -105,8 +106,8 @@ HIPATTN_DEVICE Problem locate_problem(const Params& p, long long index, const Pr
 
 HIPATTN_DEVICE Problem no_problem() { return Problem{-1, 0, Sequence{0, 0}, Sequence{0, 0}}; }
 
-// A warp's run: problems first, first + step, ... below end. A block owns WARPS * problems_per_warp
-// consecutive problems and its warps take every WARPS-th of them, so the warps of a block work on
+// A team's run: problems first, first + step, ... below end. A block owns TEAMS * problems_per_team
+// consecutive problems and its teams take every TEAMS-th of them, so the teams of a block work on
 // neighbouring heads of a sequence at the same time and their rows sit side by side in memory.
 struct Run {
   long long first;
@@ -114,11 +115,11 @@ struct Run {
   long long end;
 };
 
-HIPATTN_DEVICE Run warp_run(long long problems, int problems_per_warp, int warps_per_block, int warp) {
-  const long long block_problems = static_cast<long long>(warps_per_block) * problems_per_warp;
+HIPATTN_DEVICE Run team_run(long long problems, int problems_per_team, int teams_per_block, int team) {
+  const long long block_problems = static_cast<long long>(teams_per_block) * problems_per_team;
   const long long block_first = static_cast<long long>(blockIdx.x) * block_problems;
   const long long end = block_first + block_problems;
-  return Run{block_first + warp, warps_per_block, end < problems ? end : problems};
+  return Run{block_first + team, teams_per_block, end < problems ? end : problems};
 }
 
 }  // namespace smallseq

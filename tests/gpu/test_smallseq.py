@@ -113,18 +113,18 @@ def test_gqa_and_mqa_sum_kv_gradients_over_the_group(heads_q, heads_kv, causal, 
     assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
-@pytest.mark.parametrize("per_warp", [2, 3, 16, 64])
+@pytest.mark.parametrize("per_team", [2, 3, 16, 64])
 @pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
-def test_warps_walking_runs_of_problems_match_float64(per_warp, head_dim, monkeypatch, rng):
+def test_warps_walking_runs_of_problems_match_float64(per_team, head_dim, monkeypatch, rng):
     """Each warp of the tensor-core kernels walks a run of problems in its own tiles: runs that start
     and end inside a sequence and cross empty ones must all match."""
-    monkeypatch.setattr(smallseq_ops, "smallseq_problems_per_warp", lambda problems, tiles: per_warp)
+    monkeypatch.setattr(smallseq_ops, "smallseq_problems_per_team", lambda problems, tiles: per_team)
     gen = torch.Generator().manual_seed(fresh_seed())
     lengths_q = [0, 17, 1, 0] + torch.randint(0, SMALLSEQ_TILE + 1, (36,), generator=gen).tolist()
     lengths_k = [5, 17, 0, 0] + torch.randint(0, SMALLSEQ_TILE + 1, (36,), generator=gen).tolist()
     for causal in (False, True):
         errors = _run_and_check(lengths_q, lengths_k, 8, 8, head_dim, "bf16", causal, rng)
-        record_errors(f"runs of {per_warp} d{head_dim} causal={causal}", **errors)
+        record_errors(f"runs of {per_team} d{head_dim} causal={causal}", **errors)
         assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
@@ -143,8 +143,8 @@ def backward_row(monkeypatch):
 def test_backward_teams_of_one_or_two_warps_match_float64(split, head_dim, backward_row, monkeypatch, rng):
     """Two warps of a team split a problem's columns and hand S and dP over: every head_dim, either
     team size, runs of three problems per team, two teams per block."""
-    backward_row(head_dim, SmallSeqMmaTiles(warps=2 * split, problems_per_warp=3, split=split))
-    monkeypatch.setattr(smallseq_ops, "smallseq_problems_per_warp", lambda problems, tiles: 3)
+    backward_row(head_dim, SmallSeqMmaTiles(warps=2 * split, problems_per_team=3, split=split))
+    monkeypatch.setattr(smallseq_ops, "smallseq_problems_per_team", lambda problems, tiles: 3)
     gen = torch.Generator().manual_seed(fresh_seed())
     lengths_q = [17, 0, 1, 17, 9] + torch.randint(0, SMALLSEQ_TILE + 1, (20,), generator=gen).tolist()
     lengths_k = [17, 4, 0, 1, 17] + torch.randint(0, SMALLSEQ_TILE + 1, (20,), generator=gen).tolist()
