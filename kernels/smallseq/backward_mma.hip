@@ -44,7 +44,7 @@ constexpr int kExchangeBytes = 2 * 32 * 2 * 3 * 4 * 4;
 // the same arguments.
 template <typename T, int HEAD_DIM, int TILE, int SPLIT>
 struct BackwardTeamTiles {
-  using Warp = WarpTiles<T, HEAD_DIM / SPLIT, TILE, 4, 0, 0>;
+  using Warp = WarpTiles<T, HEAD_DIM / SPLIT, TILE, 4>;
   static constexpr int kStatsOffset = SPLIT * Warp::kBytes;
   static constexpr int kScoresOffset = kStatsOffset + (TILE * 4 + 15) / 16 * 16;
   static constexpr int kExchangeOffset = kScoresOffset + ScoreTiles<T, TILE>::kBytes;
@@ -68,7 +68,7 @@ struct BackwardShared {
 template <typename T, int COLS, int TILE>
 HIPATTN_DEVICE void stage_backward(const SmallSeqBackwardMmaParams& p, const Problem& x, int column,
                                    unsigned char* tiles, float* lse_rows, bool with_lse, int lane) {
-  using Tiles = WarpTiles<T, COLS, TILE, 4, 0, 0>;
+  using Tiles = WarpTiles<T, COLS, TILE, 4>;
   stage_rows<T, COLS>(tiles, static_cast<const T*>(p.q) + x.batch_index * p.q_batch_stride +
                                  x.q.start * p.q_token_stride + x.head * p.q_head_stride + column,
                       p.q_token_stride, x.q.length, lane);
@@ -103,7 +103,7 @@ template <typename T, int HEAD_DIM, int TILE, int SPLIT>
 HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const Problem& x, const BackwardShared& sh,
                                      int team, int part, int lane) {
   constexpr int COLS = HEAD_DIM / SPLIT;
-  using Tiles = WarpTiles<T, COLS, TILE, 4, 0, 0>;
+  using Tiles = WarpTiles<T, COLS, TILE, 4>;
   constexpr int kPitchBytes = Tiles::kPitchBytes;
   constexpr int kScorePitchBytes = kScorePitch * static_cast<int>(sizeof(T));
   const int len_q = x.q.length;

@@ -13,7 +13,7 @@ namespace hipattn {
 namespace smallseq {
 
 template <typename T, int HEAD_DIM, int TILE>
-using ForwardWarpTiles = WarpTiles<T, HEAD_DIM, TILE, 3, 0, 0>;
+using ForwardWarpTiles = WarpTiles<T, HEAD_DIM, TILE, 3>;
 
 // Issue the copies of problem x's Q, K and V rows into `tiles` (in that order).
 template <typename T, int HEAD_DIM, int HEADS, int TILE>

@@ -15,40 +15,37 @@
 namespace hipattn {
 namespace smallseq {
 
-// One warp's shared memory, in bytes from its base: a zero row; TENSORS tiles of TILE rows (forward:
-// Q, K, V; backward: Q, dO, K, V); STATS fp32 row statistics per query row (the backward's LSE),
-// padded to 16 bytes; then SCRATCH_BYTES for the kernel's own use. Rows are padded by 16 bytes so
-// that ldmatrix's eight row reads hit distinct banks.
-// hipattn/families.py's smallseq_mma_warp_bytes computes kBytes from the same arguments.
-template <typename T, int HEAD_DIM, int TILE, int TENSORS, int STATS, int SCRATCH_BYTES>
+// One warp's shared memory, in bytes from its base: a zero row, then TENSORS tiles of TILE rows
+// (forward: Q, K, V; backward: Q, dO, K, V). Rows are padded by 16 bytes so that ldmatrix's eight
+// row reads hit distinct banks. hipattn/families.py's smallseq_mma_team_bytes computes the same.
+template <typename T, int HEAD_DIM, int TILE, int TENSORS>
 struct WarpTiles {
   static constexpr int kPitch = HEAD_DIM + 8;  // elements
   static constexpr int kPitchBytes = kPitch * static_cast<int>(sizeof(T));
   static constexpr int kTileBytes = TILE * kPitchBytes;
   static constexpr int kTilesOffset = kPitchBytes;  // after the zero row
-  static constexpr int kStatsOffset = kTilesOffset + TENSORS * kTileBytes;
-  static constexpr int kScratchOffset = kStatsOffset + (TILE * STATS * 4 + 15) / 16 * 16;
-  static constexpr int kBytes = kScratchOffset + SCRATCH_BYTES;
-  static_assert(kPitchBytes % 16 == 0 && SCRATCH_BYTES % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
+  static constexpr int kBytes = kTilesOffset + TENSORS * kTileBytes;
+  static_assert(kPitchBytes % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
 };
 
 // Lane geometry of a row copy: each lane moves one 16-byte piece of every kRowsPerPass-th row.
 template <typename T, int HEAD_DIM>
 struct RowCopy {
-  static constexpr int kChunks = HEAD_DIM * static_cast<int>(sizeof(T)) / 16;  // 16-byte pieces of a row
-  static constexpr int kRowsPerPass = 32 / kChunks;
+  static constexpr int kPieceElements = 16 / static_cast<int>(sizeof(T));
+  static constexpr int kPieces = HEAD_DIM / kPieceElements;  // per row
+  static constexpr int kRowsPerPass = 32 / kPieces;
   static constexpr int kPitchBytes = (HEAD_DIM + 8) * static_cast<int>(sizeof(T));
-  static_assert(kChunks <= 32 && 32 % kChunks == 0, "a warp covers whole rows");
+  static_assert(kPieces <= 32 && 32 % kPieces == 0, "a warp covers whole rows");
 };
 
 // Copy `rows` rows of one head (global, token_stride apart) into a shared tile with cp.async.
 template <typename T, int HEAD_DIM>
 HIPATTN_DEVICE void stage_rows(unsigned char* tile, const T* first_row, long long token_stride, int rows, int lane) {
   using Copy = RowCopy<T, HEAD_DIM>;
-  const int row = lane / Copy::kChunks;
-  const int chunk = lane % Copy::kChunks;
-  const T* source = first_row + row * token_stride + chunk * 8;
-  unsigned int target = mma::shared_address(tile) + row * Copy::kPitchBytes + chunk * 16;
+  const int row = lane / Copy::kPieces;
+  const int piece = lane % Copy::kPieces;
+  const T* source = first_row + row * token_stride + piece * Copy::kPieceElements;
+  unsigned int target = mma::shared_address(tile) + row * Copy::kPitchBytes + piece * 16;
   for (int r = row; r < rows; r += Copy::kRowsPerPass) {
     mma::copy_async_16(target, source);
     source += Copy::kRowsPerPass * token_stride;
@@ -60,12 +57,13 @@ HIPATTN_DEVICE void stage_rows(unsigned char* tile, const T* first_row, long lon
 template <typename T, int HEAD_DIM>
 HIPATTN_DEVICE void store_rows(T* first_row, long long token_stride, const unsigned char* tile, int rows, int lane) {
   using Copy = RowCopy<T, HEAD_DIM>;
-  const int row = lane / Copy::kChunks;
-  const int chunk = lane % Copy::kChunks;
-  T* target = first_row + row * token_stride + chunk * 8;
-  const unsigned char* source = tile + row * Copy::kPitchBytes + chunk * 16;
+  using Piece = Vec<T, Copy::kPieceElements>;
+  const int row = lane / Copy::kPieces;
+  const int piece = lane % Copy::kPieces;
+  T* target = first_row + row * token_stride + piece * Copy::kPieceElements;
+  const unsigned char* source = tile + row * Copy::kPitchBytes + piece * 16;
   for (int r = row; r < rows; r += Copy::kRowsPerPass) {
-    *reinterpret_cast<Vec<T, 8>*>(target) = *reinterpret_cast<const Vec<T, 8>*>(source);
+    *reinterpret_cast<Piece*>(target) = *reinterpret_cast<const Piece*>(source);
     target += Copy::kRowsPerPass * token_stride;
     source += Copy::kRowsPerPass * Copy::kPitchBytes;
   }
