@@ -168,7 +168,7 @@ class Case:
     adversarial: bool = False
     deterministic: bool = False  # flash_backward: the dQ kernel (True) or atomics + bwd_convert_dq
     varlen_prep: str = "device"  # flash_backward: HIPATTN_VARLEN_PREP, how the work list is prepared
-    # tensor-core small-seq: every warp walks a run of this many problems (None: ops.smallseq's rule,
+    # tensor-core small-seq: every team of warps walks a run of this many problems (None: ops.smallseq's rule,
     # which gives these tiny calls runs of one), so that tiles reused from problem to problem are checked
     problems_per_team: int | None = None
     families: tuple[str, ...] = field(default=())
