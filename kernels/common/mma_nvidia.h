@@ -42,17 +42,11 @@ HIPATTN_DEVICE void ldmatrix_x4_trans(unsigned int (&r)[4], unsigned int row_add
                : "r"(row_address));
 }
 
-// Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8.
-HIPATTN_DEVICE void ldmatrix_x4(unsigned int (&r)[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
-}
+// The same, from a generic pointer into shared memory.
+HIPATTN_DEVICE void ldmatrix_x4(unsigned int (&r)[4], const void* row) { ldmatrix_x4(r, shared_address(row)); }
 
 HIPATTN_DEVICE void ldmatrix_x4_trans(unsigned int (&r)[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
+  ldmatrix_x4_trans(r, shared_address(row));
 }
 
 // Two 8x8 matrices; lanes 0..15 give the row addresses.
@@ -60,11 +54,7 @@ HIPATTN_DEVICE void ldmatrix_x2(unsigned int (&r)[2], unsigned int row_address) 
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(row_address));
 }
 
-HIPATTN_DEVICE void ldmatrix_x2(unsigned int (&r)[2], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(shared_address(row)));
-}
+HIPATTN_DEVICE void ldmatrix_x2(unsigned int (&r)[2], const void* row) { ldmatrix_x2(r, shared_address(row)); }
 
 HIPATTN_DEVICE void ldmatrix_x2_trans(unsigned int (&r)[2], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
@@ -120,13 +110,11 @@ HIPATTN_DEVICE unsigned int pack2<half_t>(float low, float high) {
 }
 
 // 16 bytes global -> shared without a register round trip; completes at wait_async_copies().
-HIPATTN_DEVICE void copy_async_16(unsigned int shared_address, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address), "l"(global));
+HIPATTN_DEVICE void copy_async_16(unsigned int target, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(target), "l"(global));
 }
 
-HIPATTN_DEVICE void copy_async_16(void* shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared)), "l"(global));
-}
+HIPATTN_DEVICE void copy_async_16(void* shared, const void* global) { copy_async_16(shared_address(shared), global); }
 
 // 4 bytes global -> shared (cp.async takes 4-byte copies through L1 only, .ca): one fp32 row statistic.
 HIPATTN_DEVICE void copy_async_4(void* shared, const void* global) {
