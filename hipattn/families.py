@@ -192,8 +192,7 @@ SMALLSEQ_FORWARD = _register(
 class SmallSeqMmaTiles:
     """One row of a tensor-core small-seq kernel's table: warps per block; the run of problems each
     team of warps walks in a large call (smallseq_problems_per_team caps it for small ones); and the
-    warps in a team, which split a problem's head_dim columns (the backward takes 1 or 2, the
-    forward 1)."""
+    warps in a team (1 or 2), which split a problem's head_dim columns."""
 
     warps: int
     problems_per_team: int
@@ -210,16 +209,18 @@ class SmallSeqMmaTiles:
 
 # These kernels are bound by latency (each warp issues one instruction every 6-7 cycles), so the rows
 # are chosen for warps per SM and measured on the H200 (BENCHMARKS.md, tools/sweep_smallseq.py).
-# A forward warp needs 7, 14 and 27 KiB at head_dim 64, 128 and 256, so an SM holds 28, 16 and 8 of
-# them; a backward warp 12 and 21 KiB at head_dim 64 and 128 (16 and 10 per SM), and at 256 two warps
-# share a problem's columns, 45 KiB a pair (8 warps per SM, where one warp per problem fits 5). Runs
+# A forward warp needs 7 and 14 KiB at head_dim 64 and 128, so an SM holds 28 and 16 of them; at 256
+# two warps share a problem's columns, 14 KiB each (16 per SM, where one warp per problem fits 8). A
+# backward warp needs 12 and 21 KiB at head_dim 64 and 128 (16 and 10 per SM); at 256 a pair that
+# splits the columns 39 KiB (10 warps per SM, where one warp per problem fits 5). Pairs at head_dim
+# 128 fit more warps (24 forward) but ran 1.3x slower, each warp's share of the work being too small. Runs
 # of 2-4 problems let a block retire less often than one problem per team would. Every block stays
 # within the 99 KiB that sm_86/sm_89 allow. (Head_dim 64 is not in issue 3's workloads: its rows
 # follow head_dim 128's.)
 SMALLSEQ_FORWARD_MMA_TILES = {
     64: SmallSeqMmaTiles(warps=4, problems_per_team=4),
     128: SmallSeqMmaTiles(warps=4, problems_per_team=4),
-    256: SmallSeqMmaTiles(warps=1, problems_per_team=4),
+    256: SmallSeqMmaTiles(warps=4, problems_per_team=4, split=2),
 }
 SMALLSEQ_BACKWARD_MMA_TILES = {
     64: SmallSeqMmaTiles(warps=2, problems_per_team=2),
@@ -228,29 +229,26 @@ SMALLSEQ_BACKWARD_MMA_TILES = {
 }
 
 # The backward's P and dZ tiles: [SMALLSEQ_TILE query rows][32 keys + 8 of pad], 16-bit
-# (smallseq::kScorePitch); and the partial S and dP one warp of a pair hands the other: two query
-# tiles of 32 lanes x 24 fp32 (smallseq::kExchangeBytes).
+# (smallseq::kScorePitch). (The partial sums a warp of a pair hands the other travel in one of its
+# tiles that the problem no longer needs, so they take no memory of their own.)
 _SMALLSEQ_SCORE_PITCH = 32 + 8
-_SMALLSEQ_EXCHANGE_BYTES = 2 * 32 * 24 * 4
 
 
 def smallseq_mma_team_bytes(direction: str, head_dim: int, split: int = 1, element_bytes: int = 2) -> int:
-    """Shared memory of one team of a tensor-core small-seq kernel: smallseq::ForwardWarpTiles<...>::kBytes
-    (a team is one warp) or smallseq::BackwardTeamTiles<...>::kBytes.
+    """Shared memory of one team of a tensor-core small-seq kernel: smallseq::ForwardTeamTiles<...>::kBytes
+    or smallseq::BackwardTeamTiles<...>::kBytes.
 
     Per warp, a zero row and SMALLSEQ_TILE-row tiles of head_dim / split columns (forward Q, K, V;
     backward Q, dO, K, V), rows head_dim / split + 8 elements long. The backward's team then holds
-    the LSE rows (padded to 16 bytes), the P and dZ tiles and, for split 2, the exchanged sums.
+    the LSE rows (padded to 16 bytes) and the P and dZ tiles.
     """
     pitch = (head_dim // split + 8) * element_bytes
     if direction == "forward":
-        if split != 1:
-            raise ValueError("the small-seq forward runs one warp per problem")
-        return pitch + 3 * SMALLSEQ_TILE * pitch
+        return split * (pitch + 3 * SMALLSEQ_TILE * pitch)
     warp = pitch + 4 * SMALLSEQ_TILE * pitch
     lse = (SMALLSEQ_TILE * 4 + 15) // 16 * 16
     scores = 2 * SMALLSEQ_TILE * _SMALLSEQ_SCORE_PITCH * element_bytes
-    return split * warp + lse + scores + (_SMALLSEQ_EXCHANGE_BYTES if split == 2 else 0)
+    return split * warp + lse + scores
 
 
 def smallseq_mma_shared_bytes(direction: str, head_dim: int, tiles: SmallSeqMmaTiles) -> int:
@@ -271,13 +269,9 @@ def smallseq_problems_per_team(problems: int, tiles: SmallSeqMmaTiles) -> int:
 def smallseq_mma_spec(fam: KernelFamily, dtype: str, head_dim: int, heads: int,
                       tiles: SmallSeqMmaTiles | None = None) -> KernelSpec:
     """The tensor-core forward or backward instantiation with ``tiles`` (default: its table's row)."""
-    forward = fam.name == "smallseq_forward_mma"
     if tiles is None:
-        tiles = (SMALLSEQ_FORWARD_MMA_TILES if forward else SMALLSEQ_BACKWARD_MMA_TILES)[head_dim]
-    if forward:
-        if tiles.split != 1:
-            raise ValueError(f"{tiles}: the small-seq forward runs one warp per problem")
-        return fam.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE, warps=tiles.warps)
+        table = SMALLSEQ_FORWARD_MMA_TILES if fam.name == "smallseq_forward_mma" else SMALLSEQ_BACKWARD_MMA_TILES
+        tiles = table[head_dim]
     return fam.spec(dtype=dtype, head_dim=head_dim, heads=heads, tile=SMALLSEQ_TILE, warps=tiles.warps,
                     split=tiles.split)
 
@@ -293,7 +287,7 @@ SMALLSEQ_FORWARD_MMA = _register(
         name="smallseq_forward_mma",
         source="smallseq/forward_mma.hip",
         template="hipattn::smallseq_forward_mma",
-        template_params=("dtype", "head_dim", "heads", "tile", "warps"),
+        template_params=("dtype", "head_dim", "heads", "tile", "warps", "split"),
         params=ParamsStruct("SmallSeqForwardMmaParams", SMALLSEQ_FORWARD.params.fields + (("problems_per_team", "i32"),)),
         shipped=lambda target: _smallseq_mma_specs(SMALLSEQ_FORWARD_MMA, target),
     )

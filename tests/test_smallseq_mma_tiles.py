@@ -17,7 +17,6 @@ from hipattn.families import (
     SMALLSEQ_TILE,
     SmallSeqMmaTiles,
     smallseq_mma_shared_bytes,
-    smallseq_mma_spec,
     smallseq_mma_team_bytes,
     smallseq_problems_per_team,
 )
@@ -33,7 +32,7 @@ def test_every_head_dim_has_a_row_whose_block_fits_every_sm_80_part(direction):
     for head_dim, tiles in TABLES[direction].items():
         assert tiles.problems_per_team >= 1 and tiles.threads == 32 * tiles.warps
         assert tiles.warps % tiles.split == 0 and tiles.teams <= 15, "whole teams, each with its named barrier"
-        assert tiles.split == 1 or direction == "backward"
+        assert tiles.split in (1, 2)
         assert smallseq_mma_shared_bytes(direction, head_dim, tiles) <= SM86_SHARED_BYTES_PER_BLOCK
 
 
@@ -43,30 +42,27 @@ def test_team_bytes_formula():
     assert smallseq_mma_team_bytes("forward", 128) == pitch + 3 * SMALLSEQ_TILE * pitch
     # ... backward Q, dO, K, V; then 17 LSE floats (80 bytes) and P and dZ (17 rows of 40 16-bit elements).
     assert smallseq_mma_team_bytes("backward", 128) == pitch + 4 * SMALLSEQ_TILE * pitch + 80 + 2 * 17 * 80
-    # Two warps of 128 of head_dim 256's columns each, and the partial S and dP one hands the other.
-    exchange = 2 * 32 * 24 * 4
-    assert smallseq_mma_team_bytes("backward", 256, split=2) == 2 * (pitch + 4 * SMALLSEQ_TILE * pitch) + 80 + 2 * 17 * 80 + exchange
+    # Two warps of 128 of head_dim 256's columns each; the partial sums one hands the other travel in
+    # one of its tiles, so they add nothing.
+    assert smallseq_mma_team_bytes("forward", 256, split=2) == 2 * (pitch + 3 * SMALLSEQ_TILE * pitch)
+    assert smallseq_mma_team_bytes("backward", 256, split=2) == 2 * (pitch + 4 * SMALLSEQ_TILE * pitch) + 80 + 2 * 17 * 80
     assert smallseq_mma_shared_bytes("backward", 256, SmallSeqMmaTiles(warps=4, problems_per_team=1, split=2)) == (
         2 * smallseq_mma_team_bytes("backward", 256, split=2))
 
 
-def test_the_forward_has_no_teams_of_two():
-    with pytest.raises(ValueError, match="one warp per problem"):
-        smallseq_mma_spec(SMALLSEQ_FORWARD_MMA, "bf16", 256, 16, SmallSeqMmaTiles(warps=2, problems_per_team=1, split=2))
-
-
-@pytest.mark.parametrize("family,direction,layout,splits", [
-    (SMALLSEQ_FORWARD_MMA, "forward", "ForwardWarpTiles<hipattn::bf16_t, {d}, {tile}>", (1,)),
-    (SMALLSEQ_BACKWARD_MMA, "backward", "BackwardTeamTiles<hipattn::bf16_t, {d}, {tile}, {split}>", (1, 2)),
+@pytest.mark.parametrize("family,direction,layout", [
+    (SMALLSEQ_FORWARD_MMA, "forward", "ForwardTeamTiles<hipattn::bf16_t, {d}, {tile}, {split}>"),
+    (SMALLSEQ_BACKWARD_MMA, "backward", "BackwardTeamTiles<hipattn::bf16_t, {d}, {tile}, {split}>"),
 ])
-def test_the_launcher_reserves_the_bytes_the_kernel_lays_out(family, direction, layout, splits):
+def test_the_launcher_reserves_the_bytes_the_kernel_lays_out(family, direction, layout):
     backend = nvrtc_backend()
     checks = []
-    for head_dim in SMALLSEQ_HEAD_DIMS:
-        for split in splits:
-            cpp = "hipattn::smallseq::" + layout.format(d=head_dim, tile=SMALLSEQ_TILE, split=split)
-            checks.append(f'static_assert({cpp}::kBytes == {smallseq_mma_team_bytes(direction, head_dim, split)}, '
-                          f'"{cpp}: bytes differ from families.smallseq_mma_team_bytes");')
+    # Teams of two at head_dim 256, where the tables use them (at 64 and 128 a warp's half-width tile
+    # cannot carry the partial sums: the kernels' static_asserts reject that split).
+    for head_dim, split in [(head_dim, 1) for head_dim in SMALLSEQ_HEAD_DIMS] + [(256, 2)]:
+        cpp = "hipattn::smallseq::" + layout.format(d=head_dim, tile=SMALLSEQ_TILE, split=split)
+        checks.append(f'static_assert({cpp}::kBytes == {smallseq_mma_team_bytes(direction, head_dim, split)}, '
+                      f'"{cpp}: bytes differ from families.smallseq_mma_team_bytes");')
     target = Target.parse("sm_90")
     compile_family(backend, family, target, family.shipped(target)[0], checks)
 

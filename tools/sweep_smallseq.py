@@ -63,10 +63,10 @@ def sweep_workload(workload, variants, bandwidth: float) -> list[dict]:
     seq = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=TILE, max_seqlen_k=TILE)
     out, lse = hipattn.forward(q, k, v, **seq)  # the shipped rows' results: what every variant must match
     reference = {"forward": out.clone(), "backward": torch.cat(hipattn.backward(dout, q, k, v, out, lse, **seq))}
-    out_variant = torch.empty_like(out)
+    out_variant, lse_variant = torch.empty_like(out), torch.empty_like(lse)  # the backward reads the shipped LSE
     grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
     runs = {
-        "forward": lambda: hipattn.forward(q, k, v, out=out_variant, lse=lse, **seq),
+        "forward": lambda: hipattn.forward(q, k, v, out=out_variant, lse=lse_variant, **seq),
         "backward": lambda: hipattn.backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], **seq),
     }
     tables = {"forward": families.SMALLSEQ_FORWARD_MMA_TILES, "backward": families.SMALLSEQ_BACKWARD_MMA_TILES}

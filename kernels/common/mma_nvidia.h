@@ -62,11 +62,14 @@ HIPATTN_DEVICE void ldmatrix_x2_trans(unsigned int (&r)[2], const void* row) {
                : "r"(shared_address(row)));
 }
 
-// Barrier `id` (1..15; 0 is __syncthreads's) over THREADS threads, whole warps: warps that share a
-// problem meet here without holding up the rest of their block.
-template <int THREADS>
-HIPATTN_DEVICE void named_barrier(int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
+// Barrier ID (1..15; 0 is __syncthreads's) over THREADS threads, whole warps: warps that share a
+// problem meet here without holding up the rest of their block. The ID is an immediate: with an ID in
+// a register ptxas reserves all 16 of the block's barriers, and an SM's barriers then held only 4 such
+// blocks (ncu's occupancy limit by barriers), where shared memory allowed 5 or 7.
+template <int ID, int THREADS>
+HIPATTN_DEVICE void named_barrier() {
+  static_assert(ID >= 1 && ID <= 15, "barrier 0 is __syncthreads's; an SM's blocks have 16");
+  asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(THREADS) : "memory");
 }
 
 // d += a * b for one 16x8x16 tile, fp32 accumulation.

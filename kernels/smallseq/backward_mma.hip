@@ -13,9 +13,9 @@
 //
 // SPLIT warps share a problem (a team): each stages and computes HEAD_DIM / SPLIT of its columns.
 // S and dP are sums over all columns, so with SPLIT = 2 the second warp hands its partial sums to
-// the first through shared memory; the first forms P and dZ, which both then read back. At
-// head_dim 256 this halves each warp's tiles, so an SM holds 8 warps instead of 5, and halves the
-// chain of dependent instructions per problem.
+// the first through its V tile (dP was V's last use); the first forms P and dZ, which both then read
+// back. At head_dim 256 this halves each warp's tiles, so an SM holds 10 warps instead of 5, and
+// halves the chain of dependent instructions per problem.
 // The loops over head_dim's 16-column steps that write gradients are unrolled by 4, not fully: at
 // head_dim 256 the fully unrolled kernel waits on instruction fetch (ncu: "no instruction" stalls)
 // and ran 4-7% slower on the H200 (BENCHMARKS.md).
@@ -34,24 +34,21 @@ struct ScoreTiles {
   static constexpr int kBytes = 2 * TILE * kScorePitch * static_cast<int>(sizeof(T));
 };
 
-// The partial S and dP one warp of a team of two hands the other: two query tiles of 32 lanes x 24
-// fp32 accumulators.
-constexpr int kExchangeBytes = 2 * 32 * 2 * 3 * 4 * 4;
-
 // One team's shared memory, in bytes from its base: each warp's zero row and Q, dO, K and V tiles
-// of HEAD_DIM / SPLIT columns; then the LSE rows (padded to 16 bytes), P and dZ, and, for SPLIT = 2,
-// the exchanged partial sums. hipattn/families.py's smallseq_mma_team_bytes computes kBytes from
-// the same arguments.
+// of HEAD_DIM / SPLIT columns; then the LSE rows (padded to 16 bytes), and P and dZ.
+// hipattn/families.py's smallseq_mma_team_bytes computes kBytes from the same arguments.
 template <typename T, int HEAD_DIM, int TILE, int SPLIT>
 struct BackwardTeamTiles {
   using Warp = WarpTiles<T, HEAD_DIM / SPLIT, TILE, 4>;
   static constexpr int kStatsOffset = SPLIT * Warp::kBytes;
   static constexpr int kScoresOffset = kStatsOffset + (TILE * 4 + 15) / 16 * 16;
-  static constexpr int kExchangeOffset = kScoresOffset + ScoreTiles<T, TILE>::kBytes;
-  static constexpr int kBytes = kExchangeOffset + (SPLIT == 2 ? kExchangeBytes : 0);
+  static constexpr int kBytes = kScoresOffset + ScoreTiles<T, TILE>::kBytes;
+  // The second warp's V tile, which carries its partial S and dP to the first.
+  static constexpr int kExchangeOffset = Warp::kBytes + Warp::kTilesOffset + 3 * Warp::kTileBytes;
   static_assert(SPLIT == 1 || SPLIT == 2, "one warp per problem, or two that split its columns");
   static_assert(HEAD_DIM % (16 * SPLIT) == 0, "each warp takes whole 16-column mma steps");
   static_assert(Warp::kPitch >= kScorePitch, "the zero row also stands in for P's and dZ's rows");
+  static_assert(SPLIT == 1 || Warp::kTileBytes >= ScoreExchange<2>::kBytes, "the partial S and dP fit in V's tile");
 };
 
 // A team's pieces of shared memory, for one of its warps.
@@ -60,7 +57,7 @@ struct BackwardShared {
   unsigned int zero;     // this warp's zero row (shared address)
   float* lse_rows;
   unsigned char* scores;    // P, then dZ
-  float* exchange;          // partial S and dP (SPLIT = 2)
+  unsigned char* exchange;  // partial S and dP (SPLIT = 2): the second warp's V tile
 };
 
 // Issue the copies of problem x's Q, dO, K and V rows (COLS columns from `column`, tiles in that
@@ -90,16 +87,8 @@ HIPATTN_DEVICE void stage_backward(const SmallSeqBackwardMmaParams& p, const Pro
   }
 }
 
-// The team barrier between its warps' hand-over points (a no-op for a one-warp team, whose own
-// __syncwarp calls order its shared-memory accesses).
-template <int SPLIT>
-HIPATTN_DEVICE void team_sync(int team) {
-  if (SPLIT == 2) mma::named_barrier<64>(1 + team);
-  else __syncwarp();
-}
-
 // dQ, dK and dV of problem x: this warp's `part` of the team's columns, staged in its tiles.
-template <typename T, int HEAD_DIM, int TILE, int SPLIT>
+template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS>
 HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const Problem& x, const BackwardShared& sh,
                                      int team, int part, int lane) {
   constexpr int COLS = HEAD_DIM / SPLIT;
@@ -177,39 +166,23 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
     }
   }
 
-  // ---- the second warp's partial sums to the first ----
-  float* const exchange = sh.exchange + lane * 24;  // [query tile][32 lanes][S, dP: 3 x 4 each]
+  // ---- the second warp's partial sums to the first, through its V tile ----
   if (SPLIT == 2 && part == 1) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-      if (mt < m_tiles)
-#pragma unroll
-        for (int nt = 0; nt < 3; ++nt) {
-          const float* a = s[mt][nt];
-          const float* b = dp[mt][nt];
-          reinterpret_cast<Vec<float, 4>*>(exchange + mt * 32 * 24)[nt] = Vec<float, 4>{{a[0], a[1], a[2], a[3]}};
-          reinterpret_cast<Vec<float, 4>*>(exchange + mt * 32 * 24)[3 + nt] = Vec<float, 4>{{b[0], b[1], b[2], b[3]}};
-        }
+    __syncwarp();  // every lane has read V
+    hand_over_scores<2>(sh.exchange, 0, s, lane);
+    hand_over_scores<2>(sh.exchange, 1, dp, lane);
   }
-  team_sync<SPLIT>(team);
+  team_sync<SPLIT, TEAMS>(team);
+  if (SPLIT == 2 && part == 0) {
+    add_handed_scores<2>(sh.exchange, 0, s, lane);
+    add_handed_scores<2>(sh.exchange, 1, dp, lane);
+  }
 
   // ---- P = exp(scale S - LSE), dZ = P (dP - D) to shared memory, by the first warp ----
   if (part == 0) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       if (mt >= m_tiles) continue;
-      if (SPLIT == 2) {
-#pragma unroll
-        for (int nt = 0; nt < 3; ++nt) {
-          const Vec<float, 4> other_s = reinterpret_cast<const Vec<float, 4>*>(exchange + mt * 32 * 24)[nt];
-          const Vec<float, 4> other_dp = reinterpret_cast<const Vec<float, 4>*>(exchange + mt * 32 * 24)[3 + nt];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[mt][nt][e] += other_s.elements[e];
-            dp[mt][nt][e] += other_dp.elements[e];
-          }
-        }
-      }
       const int row[2] = {16 * mt + g, 16 * mt + g + 8};
       float lse_log2[2];
 #pragma unroll
@@ -247,7 +220,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
           }
     }
   }
-  team_sync<SPLIT>(team);  // P and dZ of every query tile are in shared memory; V is no longer needed
+  team_sync<SPLIT, TEAMS>(team);  // P and dZ are in shared memory; V's tile (and the partial sums in it) is free
 
   // ---- dQ = scale * dZ K, per 16-query tile, staged in V's tile ----
   // dZ's columns past the keys this problem wrote hold an earlier problem's finite values (or the
@@ -348,7 +321,8 @@ template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS, int SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallSeqBackwardMmaParams p) {
   using Team = smallseq::BackwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
   static_assert(TILE > 16 && TILE <= 24, "the fragments cover up to 32 query rows and 24 keys");
-  static_assert(WARPS % SPLIT == 0 && WARPS / SPLIT <= 15, "whole teams, each with a named barrier of its own");
+  static_assert(WARPS % SPLIT == 0, "whole teams");
+  constexpr int TEAMS = WARPS / SPLIT;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
 
   const int warp = threadIdx.x / 32;
@@ -356,17 +330,17 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallS
   const int team = warp / SPLIT;
   const int part = warp % SPLIT;
   const smallseq::Run run =
-      smallseq::team_run(static_cast<long long>(p.batch) * HEADS, p.problems_per_team, WARPS / SPLIT, team);
+      smallseq::team_run(static_cast<long long>(p.batch) * HEADS, p.problems_per_team, TEAMS, team);
   unsigned char* const base = shared_bytes + team * Team::kBytes;
   unsigned char* const warp_base = base + part * Team::Warp::kBytes;
   const smallseq::BackwardShared sh{warp_base + Team::Warp::kTilesOffset, mma::shared_address(warp_base),
                                     reinterpret_cast<float*>(base + Team::kStatsOffset), base + Team::kScoresOffset,
-                                    reinterpret_cast<float*>(base + Team::kExchangeOffset)};
+                                    base + Team::kExchangeOffset};
   // The zero row, and P and dZ: their columns past a problem's keys must be finite (they meet K's
   // zero row in dQ). The first team barrier publishes the zeros.
   smallseq::zero_bytes(warp_base, Team::Warp::kPitchBytes, lane);
   if (part == 0) smallseq::zero_bytes(base + Team::kScoresOffset, smallseq::ScoreTiles<T, TILE>::kBytes, lane);
-  smallseq::team_sync<SPLIT>(team);
+  smallseq::team_sync<SPLIT, TEAMS>(team);
 
   smallseq::Problem x = smallseq::no_problem();
   for (long long index = run.first; index < run.end; index += run.step) {
@@ -375,7 +349,7 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallS
                                                         part == 0, lane);
     mma::wait_async_copies();
     __syncwarp();
-    smallseq::backward_problem<T, HEAD_DIM, TILE, SPLIT>(p, x, sh, team, part, lane);
+    smallseq::backward_problem<T, HEAD_DIM, TILE, SPLIT, TEAMS>(p, x, sh, team, part, lane);
     __syncwarp();  // every lane is done with the tiles before the next problem's copies land in them
   }
 }

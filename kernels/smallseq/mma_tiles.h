@@ -80,6 +80,70 @@ HIPATTN_DEVICE unsigned int row_or_zero(unsigned int tile, unsigned int zero, in
   return row < length ? tile + row * pitch_bytes : zero;
 }
 
+// Named barrier FIRST + team for team < TEAMS, each barrier's ID an immediate (mma::named_barrier).
+template <int FIRST, int TEAMS, int THREADS>
+struct TeamBarriers {
+  HIPATTN_DEVICE static void sync(int team) {
+    if (team == 0) mma::named_barrier<FIRST, THREADS>();
+    else TeamBarriers<FIRST + 1, TEAMS - 1, THREADS>::sync(team - 1);
+  }
+};
+template <int FIRST, int THREADS>
+struct TeamBarriers<FIRST, 1, THREADS> {
+  HIPATTN_DEVICE static void sync(int) { mma::named_barrier<FIRST, THREADS>(); }
+};
+
+// The barrier between the hand-over points of the SPLIT warps of a team, one of the block's TEAMS:
+// __syncwarp for a team of one (its own lanes order its shared-memory accesses), __syncthreads for a
+// block of one team, else named barrier 1 + team.
+template <int SPLIT, int TEAMS>
+HIPATTN_DEVICE void team_sync(int team) {
+  static_assert(TEAMS >= 1 && TEAMS <= 15, "named barriers 1..15, one per team");
+  if (SPLIT == 1) __syncwarp();
+  else if (TEAMS == 1) __syncthreads();
+  else TeamBarriers<1, TEAMS, 32 * SPLIT>::sync(team);
+}
+
+// The partial score sums (S; the backward also dP) that one warp of a team of two hands the other:
+// accumulators of two 16-row query tiles by three 8-key tiles, TENSORS of them. Each accumulator
+// tile's 32 lane fragments lie side by side, so the 16-byte stores and loads meet no bank conflict.
+// Of the second query tile only rows 16..23 travel: rows 24..31 are past any TILE <= 24.
+template <int TENSORS>
+struct ScoreExchange {
+  static constexpr int kSecondTileOffset = TENSORS * 3 * 32 * 16;
+  static constexpr int kBytes = kSecondTileOffset + TENSORS * 3 * 32 * 8;
+};
+
+template <int TENSORS>
+HIPATTN_DEVICE void hand_over_scores(unsigned char* exchange, int tensor, const float (&sums)[2][3][4], int lane) {
+  using Exchange = ScoreExchange<TENSORS>;
+#pragma unroll
+  for (int nt = 0; nt < 3; ++nt) {
+    const int fragment = (tensor * 3 + nt) * 32 + lane;
+    const float* first = sums[0][nt];
+    reinterpret_cast<Vec<float, 4>*>(exchange)[fragment] = Vec<float, 4>{{first[0], first[1], first[2], first[3]}};
+    reinterpret_cast<Vec<float, 2>*>(exchange + Exchange::kSecondTileOffset)[fragment] =
+        Vec<float, 2>{{sums[1][nt][0], sums[1][nt][1]}};
+  }
+}
+
+// Add the partial sums the other warp handed over to this warp's own.
+template <int TENSORS>
+HIPATTN_DEVICE void add_handed_scores(const unsigned char* exchange, int tensor, float (&sums)[2][3][4], int lane) {
+  using Exchange = ScoreExchange<TENSORS>;
+#pragma unroll
+  for (int nt = 0; nt < 3; ++nt) {
+    const int fragment = (tensor * 3 + nt) * 32 + lane;
+    const Vec<float, 4> first = reinterpret_cast<const Vec<float, 4>*>(exchange)[fragment];
+    const Vec<float, 2> second =
+        reinterpret_cast<const Vec<float, 2>*>(exchange + Exchange::kSecondTileOffset)[fragment];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sums[0][nt][e] += first.elements[e];
+    sums[1][nt][0] += second.elements[0];
+    sums[1][nt][1] += second.elements[1];
+  }
+}
+
 // One (sequence, head) problem of a team's run, with its sequences' bounds.
 struct Problem {
   int batch_index;

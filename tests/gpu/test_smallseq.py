@@ -129,28 +129,38 @@ def test_warps_walking_runs_of_problems_match_float64(per_team, head_dim, monkey
 
 
 @pytest.fixture
-def backward_row(monkeypatch):
-    """Run the tensor-core backward with another table row: set(head_dim, tiles)."""
-    def use(head_dim, tiles):
-        monkeypatch.setitem(families.SMALLSEQ_BACKWARD_MMA_TILES, head_dim, tiles)
+def mma_row(monkeypatch):
+    """Run both tensor-core kernels with another table row: use(head_dim, tiles)."""
+    def clear():
+        smallseq_ops._forward_spec.cache_clear()
         smallseq_ops._backward_spec.cache_clear()
+
+    def use(head_dim, tiles):
+        monkeypatch.setitem(families.SMALLSEQ_FORWARD_MMA_TILES, head_dim, tiles)
+        monkeypatch.setitem(families.SMALLSEQ_BACKWARD_MMA_TILES, head_dim, tiles)
+        clear()
     yield use
-    smallseq_ops._backward_spec.cache_clear()
+    clear()
 
 
-@pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
-def test_backward_teams_of_one_or_two_warps_match_float64(split, head_dim, backward_row, monkeypatch, rng):
-    """Two warps of a team split a problem's columns and hand S and dP over: every head_dim, either
-    team size, runs of three problems per team, two teams per block."""
-    backward_row(head_dim, SmallSeqMmaTiles(warps=2 * split, problems_per_team=3, split=split))
+# Teams of two split head_dim 256's columns (at 64 and 128 a warp's half-width tiles cannot carry the
+# partial sums; the kernels' static_asserts reject it).
+TEAM_ROWS = [(head_dim, 1) for head_dim in SMALLSEQ_HEAD_DIMS] + [(256, 2)]
+
+
+@pytest.mark.parametrize("head_dim,split", TEAM_ROWS)
+def test_teams_of_one_or_two_warps_match_float64(head_dim, split, mma_row, monkeypatch, rng):
+    """Two warps of a team split a problem's columns and hand their partial sums over (S in the
+    forward, S and dP in the backward): either team size, runs of three problems per team, three teams
+    per block (each pair with a named barrier of its own)."""
+    mma_row(head_dim, SmallSeqMmaTiles(warps=3 * split, problems_per_team=3, split=split))
     monkeypatch.setattr(smallseq_ops, "smallseq_problems_per_team", lambda problems, tiles: 3)
     gen = torch.Generator().manual_seed(fresh_seed())
     lengths_q = [17, 0, 1, 17, 9] + torch.randint(0, SMALLSEQ_TILE + 1, (20,), generator=gen).tolist()
     lengths_k = [17, 4, 0, 1, 17] + torch.randint(0, SMALLSEQ_TILE + 1, (20,), generator=gen).tolist()
     for causal in (False, True):
         errors = _run_and_check(lengths_q, lengths_k, 8, 8, head_dim, "bf16", causal, rng)
-        record_errors(f"backward teams of {split} d{head_dim} causal={causal}", **errors)
+        record_errors(f"teams of {split} d{head_dim} causal={causal}", **errors)
         assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
