@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   T* const shared = reinterpret_cast<T*>(shared_bytes);
 
   bool empty;
-  const flash::ForwardBlock b = flash::forward_block<T, kBlockM, BLOCK_N>(p, empty);
+  // Tiles counted from the sequence's end: 192-row tiles leave a partial one at most lengths.
+  const flash::ForwardBlock b = flash::forward_block<T, kBlockM, BLOCK_N, true>(p, empty);
   if (empty) return;  // uniform over the block, before any barrier
   const int len_k = b.seq_k.length;
   T* const q_tile = shared;
@@ -97,9 +98,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   };
 
   {
-    // Q rows past the sequence are zeroed: they only feed rows that are never stored, but zeros keep
+    // Q rows past the block's are zeroed: they only feed rows that are never stored, but zeros keep
     // every lane's arithmetic finite.
-    const int rows = b.seq_q.length - b.m0 < kBlockM ? b.seq_q.length - b.m0 : kBlockM;
+    const int rows = b.row_end - b.m0;
     flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, true>(q_tile, static_cast<const T*>(b.q),
                                                                        p.q_token_stride, rows);
     if (b.n_tiles > 0) stage_k(0);
@@ -255,7 +256,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
           mma::pack2<T>(o[d][2 * r] * inv_sum[r], o[d][2 * r + 1] * inv_sum[r]);
   __syncthreads();
   constexpr int kChunks = HEAD_DIM / 8;
-  const int rows = b.seq_q.length - warpgroup_first < 64 ? b.seq_q.length - warpgroup_first : 64;
+  const int rows = b.row_end - warpgroup_first < 64 ? b.row_end - warpgroup_first : 64;
   T* const o_rows = static_cast<T*>(p.o) + b.batch_index * p.o_batch_stride +
                     static_cast<long long>(b.seq_q.start + warpgroup_first) * p.o_token_stride +
                     b.head * p.o_head_stride;
