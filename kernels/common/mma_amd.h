@@ -28,11 +28,20 @@
 namespace hipattn {
 namespace mfma {
 
+// typedef NAME: N elements of T in registers, as clang's ext_vector_type (hiprtc), or as g++ spells
+// the same vector (in bytes) in the CPU emulation of tests (common/platform.h). Kernels index their
+// elements with [i], which both compilers accept.
+#if defined(HIPATTN_EMULATION)
+#define HIPATTN_VECTOR_TYPEDEF(T, N, NAME) typedef T NAME __attribute__((vector_size((N) * sizeof(T))))
+#else
+#define HIPATTN_VECTOR_TYPEDEF(T, N, NAME) typedef T NAME __attribute__((ext_vector_type(N)))
+#endif
+
 // The instructions' operand and accumulator registers, as the builtins take them. bf16 operands
 // travel as 16-bit integers (the builtin's signature); fp16 ones are bit-cast at the call.
-typedef short Operand __attribute__((ext_vector_type(4)));
-typedef float Accumulator __attribute__((ext_vector_type(4)));
-typedef _Float16 HalfOperand __attribute__((ext_vector_type(4)));
+HIPATTN_VECTOR_TYPEDEF(short, 4, Operand);
+HIPATTN_VECTOR_TYPEDEF(float, 4, Accumulator);
+HIPATTN_VECTOR_TYPEDEF(_Float16, 4, HalfOperand);
 
 // The edge of every MFMA tile: M = N = K = 16.
 constexpr int kTile = 16;
@@ -46,13 +55,21 @@ HIPATTN_DEVICE Accumulator mfma_16x16x16(Operand a, Operand b, Accumulator c);
 
 template <>
 HIPATTN_DEVICE Accumulator mfma_16x16x16<bf16_t>(Operand a, Operand b, Accumulator c) {
+#if defined(HIPATTN_EMULATION)
+  return hipattn_emulation::mfma_16x16x16(a, b, c, hipattn_emulation::bf16_bits_to_float);
+#else
   return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);
+#endif
 }
 
 template <>
 HIPATTN_DEVICE Accumulator mfma_16x16x16<half_t>(Operand a, Operand b, Accumulator c) {
+#if defined(HIPATTN_EMULATION)
+  return hipattn_emulation::mfma_16x16x16(a, b, c, hipattn_emulation::half_bits_to_float);
+#else
   return __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(HalfOperand, a), __builtin_bit_cast(HalfOperand, b),
                                               c, 0, 0, 0);
+#endif
 }
 
 // Four consecutive 16-bit elements from an 8-byte-aligned address (LDS or global).

@@ -6,7 +6,11 @@
 // (PLATFORM_NOTES.md), so hipattn carries its own numeric types (types.h).
 #pragma once
 
-#if defined(__HIPCC_RTC__) || defined(__HIP__)
+#if defined(HIPATTN_EMULATION)
+// The AMD build on a CPU, for tests: g++ force-includes tests/emulation/emulated_device.h (threads
+// as fibers, wave64), which defines the HIP names used here.
+#define HIPATTN_AMD 1
+#elif defined(__HIPCC_RTC__) || defined(__HIP__)
 #define HIPATTN_AMD 1
 #elif defined(__CUDACC_RTC__) || defined(__CUDACC__)
 #define HIPATTN_NVIDIA 1

@@ -59,8 +59,8 @@ struct MfmaForwardTiles {
 
 // 16 and 8 bytes as 32-bit words: staged tiles travel as integer vectors, so that a 16-byte load
 // stays one instruction (a struct of 16-bit elements gets split into 16-bit loads, one register each).
-typedef unsigned int Words4 __attribute__((ext_vector_type(4)));
-typedef unsigned int Words2 __attribute__((ext_vector_type(2)));
+HIPATTN_VECTOR_TYPEDEF(unsigned int, 4, Words4);
+HIPATTN_VECTOR_TYPEDEF(unsigned int, 2, Words2);
 
 // One thread's share of a K tile between its global load and its LDS store: 16-byte pieces, row
 // after row. Rows [rows, BLOCK_N) are zeros: their scores are masked, zeros keep them finite.
@@ -90,8 +90,8 @@ struct KTileStage {
       const int c = static_cast<int>(threadIdx.x) + i * THREADS;
       if (c < kTotal) {
         T* const destination = tile + (c / kChunks) * pitch + (c % kChunks) * 8;
-        *reinterpret_cast<Words2*>(destination) = Words2{piece[i].x, piece[i].y};
-        *reinterpret_cast<Words2*>(destination + 4) = Words2{piece[i].z, piece[i].w};
+        *reinterpret_cast<Words2*>(destination) = Words2{piece[i][0], piece[i][1]};
+        *reinterpret_cast<Words2*>(destination + 4) = Words2{piece[i][2], piece[i][3]};
       }
     }
   }

@@ -1,0 +1,201 @@
+"""An AMD GPU emulated on the CPU, so that the AMD kernels run in tests on machines without one.
+
+``EmulationBackend`` is a hipattn backend whose device is a gfx90a (wave64, MFMA): it compiles a
+kernel's real compile unit with g++ against tests/emulation/emulated_device.h (threads as fibers,
+blocks in turn, MFMA and cross-lane operations through per-wave slots) into a shared library, and
+launches run it on host memory. Arrays are NumPy arrays passed by address, so the whole launch path
+(dispatch, validation, parameter packing, grid sizing) runs as on a GPU, and results can be compared
+with a float64 reference. ``EmulatedDevice`` puts the backend behind the seams the launch path looks
+up, for the duration of a test.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hipattn import attention
+from hipattn.arrays import raw_array
+from hipattn.backends.base import Backend, CompiledKernel
+from hipattn.cache import DiskCache
+from hipattn.errors import CompileError
+from hipattn.ops import capabilities, flash, flash_backward, preprocess, smallseq
+from hipattn.registry import Registry
+from hipattn.target import AMD, Target
+
+RUNTIME_HEADER = Path(__file__).parent / "emulation" / "emulated_device.h"
+EMULATED_ARCH = "gfx90a"
+
+# Appended to a compile unit: the kernel named by NAME, run over a grid by the emulated device.
+_DRIVER = """
+namespace {
+template <typename F> struct KernelArgument;
+template <typename P> struct KernelArgument<void (*)(P)> { typedef P type; };
+typedef KernelArgument<decltype(&NAME)>::type Argument;
+void hipattn_emulated_body(const void* params) {
+  NAME(*static_cast<const Argument*>(params));
+}
+}  // namespace
+extern "C" int hipattn_emulated_launch(unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                                       unsigned int by, unsigned int bz, const void* params) {
+  return hipattn_emulation::launch({gx, gy, gz}, {bx, by, bz}, hipattn_emulated_body, params);
+}
+"""
+
+
+# `extern __shared__ [__align__(N)] TYPE NAME[];`, a kernel's dynamic shared memory.
+_DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:\s]+?)\s+(\w+)\[\];")
+
+
+def _dynamic_shared_as_buffer(text: str) -> str:
+    """Point each kernel's dynamic shared array at the emulated block's buffer (hipattn::shared_bytes)."""
+    return _DYNAMIC_SHARED.sub(r"\1* const \2 = reinterpret_cast<\1*>(::hipattn::shared_bytes);", text)
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+class EmulatedLaunchError(RuntimeError):
+    pass
+
+
+class EmulationBackend(Backend):
+    """A gfx90a made of the CPU: compiles with g++, launches on host memory, in call order."""
+
+    name = "emulation"
+    vendor = AMD
+
+    def __init__(self, build_dir: str):
+        self.build_dir = build_dir
+        self.launches = 0
+
+    def compiler_identity(self) -> str:
+        version = subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=True)
+        runtime = hashlib.sha256(RUNTIME_HEADER.read_bytes()).hexdigest()[:16]
+        return f"{version.stdout.splitlines()[0]} emulation {runtime}"
+
+    def compile_options(self, target: Target) -> tuple[str, ...]:
+        return ("-std=c++17", "-O1", "-fPIC", "-shared", "-DHIPATTN_EMULATION", "-Wno-unknown-pragmas",
+                "-Wno-ignored-attributes")
+
+    def compile(self, source, headers, name_expression, target, options, spec_text) -> CompiledKernel:
+        work = Path(tempfile.mkdtemp(dir=self.build_dir))
+        for name, text in headers.items():
+            path = work / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(_dynamic_shared_as_buffer(text))
+        unit = work / "unit.cpp"
+        unit.write_text(_dynamic_shared_as_buffer(source) + _DRIVER.replace("NAME", name_expression))
+        library = work / "kernel.so"
+        command = [compiler(), *options, "-include", str(RUNTIME_HEADER), f"-I{work}", str(unit), "-o", str(library)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise CompileError(spec_text, target.arch, options, done.stderr[-4000:])
+        return CompiledKernel(binary=library.read_bytes(), lowered_name="hipattn_emulated_launch", log=done.stderr)
+
+    def device_count(self) -> int:
+        return 1
+
+    def device_target(self, device: int) -> Target:
+        return Target.parse(EMULATED_ARCH)
+
+    def device_name(self, device: int) -> str:
+        return f"emulated {EMULATED_ARCH}"
+
+    def get_device(self) -> int:
+        return 0
+
+    def set_device(self, device: int) -> None:
+        pass
+
+    def load_function(self, binary: bytes, lowered_name: str):
+        path = Path(tempfile.mkdtemp(dir=self.build_dir)) / "kernel.so"
+        path.write_bytes(binary)
+        function = getattr(ctypes.CDLL(str(path)), lowered_name)
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p]
+        return function
+
+    def set_max_dynamic_shared_memory(self, function, nbytes: int) -> None:
+        if nbytes > 64 * 1024:
+            raise ValueError(f"{nbytes} bytes of LDS requested; a gfx90a workgroup has 64 KiB")
+
+    def launch(self, function, grid, block, shared_bytes, stream, params) -> None:
+        self.launches += 1
+        if function(*grid, *block, ctypes.addressof(params)):
+            raise EmulatedLaunchError("deadlock: threads of a block wait at a barrier the others never reach")
+
+    # Memory operations run at once: host memory, one stream, calls in order.
+    def memset_async(self, ptr, byte_value, nbytes, stream) -> None:
+        ctypes.memset(ptr, byte_value, nbytes)
+
+    def memcpy_async(self, dst, src, nbytes, stream) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    def stream_synchronize(self, stream) -> None:
+        pass
+
+    def stream_is_capturing(self, stream) -> bool:
+        return False
+
+
+def _unsupported(self, *args, **kwargs):
+    raise AssertionError("the emulated device has no allocator, host functions, streams or events")
+
+
+for _name in sorted(EmulationBackend.__abstractmethods__):
+    setattr(EmulationBackend, _name, _unsupported)
+EmulationBackend.__abstractmethods__ = frozenset()
+
+
+class EmulatedDevice:
+    """The emulation backend and a registry over it, patched into the launch path's seams."""
+
+    def __init__(self, build_dir, cache_dir, monkeypatch: pytest.MonkeyPatch):
+        self.backend = EmulationBackend(str(build_dir))
+        self.registry = Registry(self.backend, DiskCache(str(cache_dir)))
+        for module in (attention, capabilities, flash, flash_backward, preprocess):
+            if hasattr(module, "get_backend"):
+                monkeypatch.setattr(module, "get_backend", lambda name=None: self.backend)
+        for module in (smallseq, flash, flash_backward, preprocess):
+            monkeypatch.setattr(module, "get_kernel", self.registry.get_kernel)
+        capabilities.forget_devices()
+
+    @staticmethod
+    def array(values: np.ndarray):
+        """A raw hipattn array over ``values``' memory (kept alive by the caller)."""
+        dtype = {np.dtype(np.float32): "fp32", np.dtype(np.int32): "int32"}.get(values.dtype)
+        if dtype is None:
+            raise TypeError(f"use to_16bit() for {values.dtype}")
+        return raw_array(values.ctypes.data, values.shape, dtype, 0,
+                         tuple(s // values.itemsize for s in values.strides))
+
+
+def to_16bit(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float values rounded to bf16 or fp16 (nearest even), as uint16 bit patterns."""
+    if dtype == "fp16":
+        return values.astype(np.float16).view(np.uint16)
+    bits = values.astype(np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16)
+
+
+def from_16bit(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "fp16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def array_16bit(bits: np.ndarray, dtype: str):
+    """A raw hipattn array of ``dtype`` over uint16 bit patterns."""
+    return raw_array(bits.ctypes.data, bits.shape, dtype, 0, tuple(s // 2 for s in bits.strides))
