@@ -683,7 +683,32 @@ FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashBackwardWgmmaTiles] = {
 }
 
 # A dK/dV row: its type names the kernel.
-FlashBackwardDkdvRow = FlashBackwardTiles | FlashBackwardWgmmaTiles
+@dataclass(frozen=True)
+class FlashBackwardMfmaTiles:
+    """One row of the MFMA backward's tables (AMD gfx90a, gfx94x): a dK/dV block has one 64-lane wave
+    per 16 of its block_n keys and walks 16-row query tiles (block_m = 16); a dQ block has one wave per
+    16 of its block_m rows and walks 16-key tiles (block_n = 16)."""
+
+    block_m: int
+    block_n: int
+
+    @property
+    def threads(self) -> int:
+        # The kernel that owns the longer side runs one wave per 16 of it.
+        return max(self.block_m, self.block_n) // 16 * 64
+
+
+# Every head_dim, both dtypes. dK/dV: four waves of 16 keys each; a wave keeps its K and V fragments,
+# Kᵀ's for dQ, and dKᵀ and dVᵀ in registers, and LDS holds Qᵀ and dOᵀ of one query tile and each
+# wave's Pᵀ and dSᵀ (flash_backward_dkdv_mfma_shared_bytes: 10 to 25 KiB). dQ: four waves of 16
+# rows, no LDS. hiprtc 5.2's gfx90a code objects use 100-196 of a lane's 512 registers up to
+# head_dim 128 and 372 at 256 (dK/dV; dQ 88-220), with no spills. Not tuned or timed: there is no
+# AMD GPU here (tests/test_amd_emulation.py checks the results on an emulated gfx90a).
+FLASH_BACKWARD_DKDV_MFMA_TILES = FlashBackwardMfmaTiles(block_m=16, block_n=64)
+FLASH_BACKWARD_DQ_MFMA_TILES = FlashBackwardMfmaTiles(block_m=64, block_n=16)
+
+FlashBackwardDkdvRow = FlashBackwardTiles | FlashBackwardWgmmaTiles | FlashBackwardMfmaTiles
+FlashBackwardDqRow = FlashBackwardTiles | FlashBackwardMfmaTiles
 
 
 def flash_backward_mma_tiles(head_dim: int, target: Target | None) -> tuple[FlashBackwardTiles, FlashBackwardTiles]:
@@ -693,10 +718,12 @@ def flash_backward_mma_tiles(head_dim: int, target: Target | None) -> tuple[Flas
     return FLASH_BACKWARD_DKDV_TILES[head_dim], FLASH_BACKWARD_DQ_TILES[head_dim]
 
 
-def flash_backward_tiles(head_dim: int, target: Target | None) -> tuple[FlashBackwardDkdvRow, FlashBackwardTiles]:
-    """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: the wgmma dK/dV kernel on sm_90a where
-    its table has the head_dim, else the mma.sync rows. (The deterministic schedule's dQ kernel is
-    mma.sync everywhere.)"""
+def flash_backward_tiles(head_dim: int, target: Target | None) -> tuple[FlashBackwardDkdvRow, FlashBackwardDqRow]:
+    """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: MFMA's on AMD; the wgmma dK/dV kernel on
+    sm_90a where its table has the head_dim, else the mma.sync rows. (On NVIDIA the deterministic
+    schedule's dQ kernel is mma.sync everywhere.)"""
+    if runs_amd_mfma(target):
+        return FLASH_BACKWARD_DKDV_MFMA_TILES, FLASH_BACKWARD_DQ_MFMA_TILES
     dkdv, dq = flash_backward_mma_tiles(head_dim, target)
     if runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES:
         dkdv = FLASH_BACKWARD_DKDV_WGMMA_TILES[head_dim]
@@ -704,10 +731,23 @@ def flash_backward_tiles(head_dim: int, target: Target | None) -> tuple[FlashBac
 
 
 def flash_backward_dkdv_shared_bytes(head_dim: int, tiles: FlashBackwardDkdvRow, element_bytes: int = 2) -> int:
-    """Dynamic shared memory of one dK/dV block of either kernel."""
+    """Dynamic shared memory of one dK/dV block of any of the kernels."""
     if isinstance(tiles, FlashBackwardWgmmaTiles):
         return flash_backward_dkdv_wgmma_shared_bytes(head_dim, tiles, element_bytes)
+    if isinstance(tiles, FlashBackwardMfmaTiles):
+        return flash_backward_dkdv_mfma_shared_bytes(head_dim, tiles, element_bytes)
     return flash_backward_dkdv_mma_shared_bytes(head_dim, tiles, element_bytes)
+
+
+def flash_backward_dkdv_mfma_shared_bytes(head_dim: int, tiles: FlashBackwardMfmaTiles,
+                                          element_bytes: int = 2) -> int:
+    """Dynamic LDS of one MFMA dK/dV block: flash::MfmaKeyBlockTiles<...>::kBytes.
+
+    Qᵀ and dOᵀ of a 16-row query tile (head_dim rows of 16 + 4 elements each), then each wave's Pᵀ
+    and dSᵀ (16 rows of 16 + 4).
+    """
+    pitch = 16 + _MFMA_ROW_PAD
+    return (2 * head_dim * pitch + tiles.block_n // 16 * 2 * 16 * pitch) * element_bytes
 
 
 def flash_backward_dkdv_wgmma_shared_bytes(head_dim: int, tiles: FlashBackwardWgmmaTiles,
@@ -732,24 +772,32 @@ def flash_backward_dkdv_mma_shared_bytes(head_dim: int, tiles: FlashBackwardTile
     return elements * element_bytes + 2 * 2 * tiles.block_m * 4
 
 
-def flash_backward_dq_shared_bytes(head_dim: int, tiles: FlashBackwardTiles, element_bytes: int = 2) -> int:
-    """Dynamic shared memory of one dQ block: flash::QueryBlockTiles<...>::kBytes.
+def flash_backward_dq_shared_bytes(head_dim: int, tiles: FlashBackwardDqRow, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of one dQ block: flash::QueryBlockTiles<...>::kBytes (mma.sync).
 
     Q and dO (block_m rows each), then two K and two V slots (block_n rows each), rows head_dim + 8 long.
+    The MFMA dQ kernel takes none.
     """
+    if isinstance(tiles, FlashBackwardMfmaTiles):
+        return 0
     return (2 * tiles.block_m + 4 * tiles.block_n) * (head_dim + _FLASH_ROW_PAD) * element_bytes
 
 
 def flash_backward_dkdv_spec(dtype: str, head_dim: int, write_dq: bool, tiles: FlashBackwardDkdvRow) -> KernelSpec:
-    """The dK/dV kernel of ``tiles``' type (wgmma or mma.sync) with those tiles."""
+    """The dK/dV kernel of ``tiles``' type (wgmma, MFMA or mma.sync) with those tiles."""
     if isinstance(tiles, FlashBackwardWgmmaTiles):
         return FLASH_BACKWARD_DKDV_WGMMA.spec(dtype=dtype, head_dim=head_dim, warpgroups=tiles.warpgroups,
                                               write_dq=write_dq)
+    if isinstance(tiles, FlashBackwardMfmaTiles):
+        return FLASH_BACKWARD_DKDV_MFMA.spec(dtype=dtype, head_dim=head_dim, block_n=tiles.block_n, write_dq=write_dq)
     return FLASH_BACKWARD_DKDV_MMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m,
                                         block_n=tiles.block_n, warps=tiles.warps, write_dq=write_dq)
 
 
-def flash_backward_dq_spec(dtype: str, head_dim: int, tiles: FlashBackwardTiles) -> KernelSpec:
+def flash_backward_dq_spec(dtype: str, head_dim: int, tiles: FlashBackwardDqRow) -> KernelSpec:
+    """The deterministic dQ kernel of ``tiles``' type (MFMA or mma.sync) with those tiles."""
+    if isinstance(tiles, FlashBackwardMfmaTiles):
+        return FLASH_BACKWARD_DQ_MFMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m)
     return FLASH_BACKWARD_DQ_MMA.spec(dtype=dtype, head_dim=head_dim, block_m=tiles.block_m, block_n=tiles.block_n,
                                       warps=tiles.warps)
 
@@ -796,41 +844,39 @@ def _flash_backward_dq_specs(target: Target) -> list[KernelSpec]:
             for t in DTYPES for d in FLASH_HEAD_DIMS]
 
 
-FLASH_BACKWARD_DKDV_MMA = _register(
-    KernelFamily(
-        name="flash_backward_dkdv_mma",
-        source="flash/backward_mma.hip",
-        template="hipattn::flash_backward_dkdv_mma",
-        template_params=("dtype", "head_dim", "block_m", "block_n", "warps", "write_dq"),
-        params=FLASH_BACKWARD_PARAMS,
-        shipped=_flash_backward_dkdv_specs,
-        structs=(VARLEN_RECORD,),
-    )
-)
+def _flash_backward_family(name: str, source: str, template_params: tuple[str, ...], shipped) -> KernelFamily:
+    """One of the flash backward's kernel families: all take FLASH_BACKWARD_PARAMS and the work list's
+    record struct, and are named as their templates."""
+    return _register(KernelFamily(name=name, source=source, template=f"hipattn::{name}", template_params=template_params,
+                                  params=FLASH_BACKWARD_PARAMS, shipped=shipped, structs=(VARLEN_RECORD,)))
 
-FLASH_BACKWARD_DKDV_WGMMA = _register(
-    KernelFamily(
-        name="flash_backward_dkdv_wgmma",
-        source="flash/backward_wgmma.hip",
-        template="hipattn::flash_backward_dkdv_wgmma",
-        template_params=("dtype", "head_dim", "warpgroups", "write_dq"),
-        params=FLASH_BACKWARD_PARAMS,
-        shipped=_flash_backward_dkdv_wgmma_specs,
-        structs=(VARLEN_RECORD,),
-    )
-)
 
-FLASH_BACKWARD_DQ_MMA = _register(
-    KernelFamily(
-        name="flash_backward_dq_mma",
-        source="flash/backward_mma.hip",
-        template="hipattn::flash_backward_dq_mma",
-        template_params=("dtype", "head_dim", "block_m", "block_n", "warps"),
-        params=FLASH_BACKWARD_PARAMS,
-        shipped=_flash_backward_dq_specs,
-        structs=(VARLEN_RECORD,),
-    )
-)
+FLASH_BACKWARD_DKDV_MMA = _flash_backward_family(
+    "flash_backward_dkdv_mma", "flash/backward_mma.hip",
+    ("dtype", "head_dim", "block_m", "block_n", "warps", "write_dq"), _flash_backward_dkdv_specs)
+FLASH_BACKWARD_DKDV_WGMMA = _flash_backward_family(
+    "flash_backward_dkdv_wgmma", "flash/backward_wgmma.hip", ("dtype", "head_dim", "warpgroups", "write_dq"),
+    _flash_backward_dkdv_wgmma_specs)
+FLASH_BACKWARD_DQ_MMA = _flash_backward_family(
+    "flash_backward_dq_mma", "flash/backward_mma.hip", ("dtype", "head_dim", "block_m", "block_n", "warps"),
+    _flash_backward_dq_specs)
+
+
+def _flash_backward_mfma_specs(target: Target, dkdv: bool) -> list[KernelSpec]:
+    if not runs_amd_mfma(target):
+        return []
+    if dkdv:
+        return [flash_backward_dkdv_spec(t, d, w, FLASH_BACKWARD_DKDV_MFMA_TILES)
+                for t in DTYPES for d in FLASH_HEAD_DIMS for w in (False, True)]
+    return [flash_backward_dq_spec(t, d, FLASH_BACKWARD_DQ_MFMA_TILES) for t in DTYPES for d in FLASH_HEAD_DIMS]
+
+
+FLASH_BACKWARD_DKDV_MFMA = _flash_backward_family(
+    "flash_backward_dkdv_mfma", "flash/backward_mfma.hip", ("dtype", "head_dim", "block_n", "write_dq"),
+    lambda target: _flash_backward_mfma_specs(target, dkdv=True))
+FLASH_BACKWARD_DQ_MFMA = _flash_backward_family(
+    "flash_backward_dq_mfma", "flash/backward_mfma.hip", ("dtype", "head_dim", "block_m"),
+    lambda target: _flash_backward_mfma_specs(target, dkdv=False))
 
 # ---- the varlen backward's work list, derived on the device (hipattn.varlen_prep) -----------------
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hipattn import attention
+from hipattn import attention, varlen_prep
 from hipattn.arrays import raw_array
 from hipattn.backends.base import Backend, CompiledKernel
 from hipattn.cache import DiskCache
@@ -167,14 +167,14 @@ class EmulatedDevice:
         for module in (attention, capabilities, flash, flash_backward, preprocess):
             if hasattr(module, "get_backend"):
                 monkeypatch.setattr(module, "get_backend", lambda name=None: self.backend)
-        for module in (smallseq, flash, flash_backward, preprocess):
+        for module in (smallseq, flash, flash_backward, preprocess, varlen_prep):
             monkeypatch.setattr(module, "get_kernel", self.registry.get_kernel)
         capabilities.forget_devices()
 
     @staticmethod
     def array(values: np.ndarray):
         """A raw hipattn array over ``values``' memory (kept alive by the caller)."""
-        dtype = {np.dtype(np.float32): "fp32", np.dtype(np.int32): "int32"}.get(values.dtype)
+        dtype = {np.dtype(np.float32): "fp32", np.dtype(np.int32): "int32", np.dtype(np.uint8): "uint8"}.get(values.dtype)
         if dtype is None:
             raise TypeError(f"use to_16bit() for {values.dtype}")
         return raw_array(values.ctypes.data, values.shape, dtype, 0,
@@ -199,3 +199,10 @@ def from_16bit(bits: np.ndarray, dtype: str) -> np.ndarray:
 def array_16bit(bits: np.ndarray, dtype: str):
     """A raw hipattn array of ``dtype`` over uint16 bit patterns."""
     return raw_array(bits.ctypes.data, bits.shape, dtype, 0, tuple(s // 2 for s in bits.strides))
+
+
+def aligned_bytes(nbytes: int, alignment: int = 256) -> np.ndarray:
+    """Zeroed host bytes starting at a multiple of ``alignment`` (hipattn's workspace alignment)."""
+    raw = np.zeros(nbytes + alignment, dtype=np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + nbytes]

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import pytest
-from emulation import EmulatedDevice, array_16bit, compiler, from_16bit, to_16bit
+from emulation import EmulatedDevice, aligned_bytes, array_16bit, compiler, from_16bit, to_16bit
 
 import hipattn
 
@@ -143,7 +143,7 @@ def run_backward(device, bits, out_bits, lse, dout_bits, cu_q, cu_k, max_q, max_
     seq = dict(cu_seqlens_q=device.array(cu_q), cu_seqlens_k=device.array(cu_k), max_seqlen_q=max_q,
                max_seqlen_k=max_k, causal=causal)
     workspace_bytes = hipattn.backward_workspace_bytes(*arrays[1:4], **seq, **options)
-    workspace = np.zeros(max(workspace_bytes, 1), dtype=np.uint8)
+    workspace = aligned_bytes(workspace_bytes)
     if workspace_bytes:
         options["workspace"] = device.array(workspace)
     hipattn.backward(*arrays, device.array(lse), dq=array_16bit(grads["q"], dtype),
@@ -176,6 +176,31 @@ def test_the_portable_small_seq_kernels_match_float64_at_wave64(device, dtype, c
     want = reference_backward(exact["q"], exact["k"], exact["v"], from_16bit(dout_bits, dtype), lengths_q, lengths_k,
                               scale, causal)
     assert device.backend.launches == 2, "one small-seq kernel each way"
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert not np.isnan(g).any(), f"d{name}: an element was never written"
+        assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [("bf16", 64, 2, 1), ("fp16", 96, 2, 2),
+                                                             ("bf16", 128, 3, 1), ("fp16", 256, 1, 1)])
+def test_the_mfma_flash_backward_matches_float64(device, dtype, head_dim, heads_q, heads_kv, causal, deterministic):
+    """Both schedules: the dK/dV kernel adding dQ into dq_accum with atomics (then convert_dq), and the
+    dK/dV kernel without it plus the dQ kernel. Lengths around the 16-row and 64-key tiles, Q longer
+    and shorter than KV, an empty KV (its rows get dQ = 0), and keys no query sees (causal)."""
+    rng = np.random.default_rng()
+    lengths_q = [18, 70, 5, 33, 40]
+    lengths_k = [40, 70, 19, 0, 80]
+    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
+    max_q, max_k = max(lengths_q), max(lengths_k)
+    out, lse = run_forward(device, bits, cu_q, cu_k, max_q, max_k, heads_q, dtype, causal)
+    dout_bits = to_16bit(rng.standard_normal(bits["q"].shape), dtype)
+    got = run_backward(device, bits, to_16bit(out, dtype), lse.astype(np.float32), dout_bits, cu_q, cu_k, max_q,
+                       max_k, dtype, causal, deterministic=deterministic)
+    # The reference starts from the same rounded inputs; the kernel's O and LSE are the forward's.
+    want = reference_backward(exact["q"], exact["k"], exact["v"], from_16bit(dout_bits, dtype), lengths_q, lengths_k,
+                              head_dim ** -0.5, causal)
     for name, g, w in zip("qkv", got, want, strict=True):
         assert not np.isnan(g).any(), f"d{name}: an element was never written"
         assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"

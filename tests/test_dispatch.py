@@ -82,12 +82,17 @@ def test_a_head_dim_no_path_serves_names_both_reasons(arch):
         dispatch.choose_path(varlen(8, 8, head_dim=80), "forward")
 
 
-def test_amd_runs_the_mfma_forward_but_has_no_flash_backward_yet(arch):
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_amd_runs_the_mfma_flash_kernels_and_the_portable_small_seq_ones(arch, direction):
     arch("gfx90a")
-    assert dispatch.choose_path(varlen(512, 512), "forward") == dispatch.FLASH
-    with pytest.raises(NotImplementedError, match="the flash backward needs NVIDIA sm_80"):
+    assert dispatch.choose_path(varlen(512, 512), direction) == dispatch.FLASH
+    assert dispatch.choose_path(varlen(17, 17), direction) == dispatch.SMALLSEQ
+
+
+def test_an_amd_gpu_without_mfma_gets_a_clear_error_for_long_sequences(arch):
+    arch("gfx1100")
+    with pytest.raises(NotImplementedError, match="the flash backward needs NVIDIA sm_80.* or AMD gfx90a/gfx94x"):
         dispatch.choose_path(varlen(512, 512), "backward")
-    assert dispatch.choose_path(varlen(17, 17), "backward") == dispatch.SMALLSEQ  # the portable kernel
 
 
 def test_a_gpu_without_matrix_cores_gets_a_clear_error_for_long_sequences(arch):

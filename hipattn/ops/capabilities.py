@@ -7,7 +7,7 @@ import functools
 from ..backends import get_backend
 from ..families import (
     FlashBackwardDkdvRow,
-    FlashBackwardTiles,
+    FlashBackwardDqRow,
     FlashForwardRow,
     flash_backward_tiles,
     flash_forward_tiles,
@@ -39,7 +39,7 @@ def forward_tiles(device: int, head_dim: int) -> FlashForwardRow:
 
 
 @functools.cache
-def backward_tiles(device: int, head_dim: int) -> tuple[FlashBackwardDkdvRow, FlashBackwardTiles]:
+def backward_tiles(device: int, head_dim: int) -> tuple[FlashBackwardDkdvRow, FlashBackwardDqRow]:
     """The flash backward's (dK/dV, dQ) tiles for ``head_dim`` on ``device`` (families.flash_backward_tiles:
     Hopper's larger rows on sm_90, the wgmma dK/dV kernel's on sm_90a). Cached as above."""
     return flash_backward_tiles(head_dim, get_backend().device_target(device))

@@ -1,5 +1,6 @@
-"""Launch the general attention backward (FlashAttention-2 on NVIDIA tensor cores, sm_80+; on sm_90a the
-dK/dV kernel runs on Hopper's warpgroup tensor cores where its table has the head_dim).
+"""Launch the general attention backward (FlashAttention-2 on NVIDIA tensor cores, sm_80+, where on sm_90a
+the dK/dV kernel runs on Hopper's warpgroup tensor cores where its table has the head_dim; and on AMD
+matrix cores, gfx90a/gfx94x).
 
 hipattn.attention.backward calls it for every call the small-seq path cannot take (hipattn.dispatch),
 with the workspace sections of workspace.backward_workspace.
@@ -35,7 +36,7 @@ from ..backends import get_backend
 from ..families import (
     FLASH_HEAD_DIMS,
     FlashBackwardDkdvRow,
-    FlashBackwardTiles,
+    FlashBackwardDqRow,
     flash_backward_dkdv_shared_bytes,
     flash_backward_dkdv_spec,
     flash_backward_dq_shared_bytes,
@@ -47,7 +48,7 @@ from ..spec import KernelSpec
 from ..varlen_metadata import VARLEN_RECORD_WORDS, SequenceLimits, key_block_bound
 from ..varlen_prep import prep_way, prepare_varlen_records
 from . import preprocess
-from .capabilities import backward_tiles, has_nvidia_mma
+from .capabilities import backward_tiles, has_amd_mfma, has_nvidia_mma
 from .fields import put_absent_tensor, put_row_statistic, put_tensor, sequence_fields
 from .flash import MAX_GRID_X
 
@@ -56,9 +57,9 @@ def ineligibility(problem: Problem) -> str | None:
     """Why the flash backward cannot take ``problem`` on its device, or None when it can."""
     if problem.head_dim not in FLASH_HEAD_DIMS:
         return f"head_dim {problem.head_dim} is not one of {FLASH_HEAD_DIMS}"
-    if not has_nvidia_mma(problem.device):
+    if not (has_nvidia_mma(problem.device) or has_amd_mfma(problem.device)):
         arch = get_backend().device_target(problem.device).arch
-        return f"the flash backward needs NVIDIA sm_80 or newer; device {problem.device} is {arch}"
+        return f"the flash backward needs NVIDIA sm_80+ or AMD gfx90a/gfx94x; device {problem.device} is {arch}"
     return None
 
 
@@ -68,7 +69,7 @@ def _dkdv_spec(dtype: str, head_dim: int, write_dq: bool, tiles: FlashBackwardDk
 
 
 @functools.cache
-def _dq_spec(dtype: str, head_dim: int, tiles: FlashBackwardTiles) -> KernelSpec:
+def _dq_spec(dtype: str, head_dim: int, tiles: FlashBackwardDqRow) -> KernelSpec:
     return flash_backward_dq_spec(dtype, head_dim, tiles)
 
 
@@ -104,7 +105,7 @@ def _check_records(varlen_records: DeviceArray, problem: Problem) -> None:
 def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int, *, softmax_d: DeviceArray,
              dq_accum: DeviceArray | None = None, varlen_records: DeviceArray | None = None,
              deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-             tiles: tuple[FlashBackwardDkdvRow, FlashBackwardTiles] | None = None) -> None:
+             tiles: tuple[FlashBackwardDkdvRow, FlashBackwardDqRow] | None = None) -> None:
     """Enqueue dQ, dK and dV of attention ``out`` = softmax(scale q kᵀ) v, given dout and the forward's lse.
 
     All arguments are DeviceArrays in ``problem``'s layout; dq, dk, dv take q, k, v's shapes and dtype.

@@ -1,5 +1,6 @@
-// What the flash backward's dK/dV kernels (backward_mma.hip: mma.sync; backward_wgmma.hip: Hopper's
-// wgmma) share: which (key tile, sequence, KV head) a block owns, and which query tiles see its keys.
+// What the flash backward's kernels (backward_mma.hip: mma.sync; backward_wgmma.hip: Hopper's wgmma;
+// backward_mfma.hip: AMD's MFMA) share: which (key tile, sequence, KV head) a dK/dV block owns and
+// which query tiles see its keys, and which (query tile, sequence, head) a dQ block owns.
 #pragma once
 #include "common/sequence.h"
 
@@ -49,6 +50,21 @@ HIPATTN_DEVICE KeyBlock key_block_of(unsigned int block, const FlashBackwardPara
   const int blocks = key_length / BLOCK_N + (key_length % BLOCK_N != 0);
   if (n_block < 0 || n_block >= blocks) return {0, -1, 0};
   return {static_cast<int>(n_block), lo, static_cast<int>(block % heads_kv)};
+}
+
+// A dQ block's work: the deterministic dQ kernels' grid.x enumerates (query tile, sequence, query
+// head), the query tile fastest and the last tile first: under causal masking it sees the most keys.
+struct QueryBlock {
+  int m_block;  // query tile within the sequence
+  int batch_index;
+  int head;
+};
+
+HIPATTN_DEVICE QueryBlock query_block_of(unsigned int block, int m_blocks, int heads_q) {
+  const unsigned int problem = block / static_cast<unsigned int>(m_blocks);
+  return {m_blocks - 1 - static_cast<int>(block % static_cast<unsigned int>(m_blocks)),
+          static_cast<int>(problem / static_cast<unsigned int>(heads_q)),
+          static_cast<int>(problem % static_cast<unsigned int>(heads_q))};
 }
 
 // The query tiles of BLOCK_M rows, [first, first + count), whose rows see some of the keys from n0 on:

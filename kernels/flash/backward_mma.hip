@@ -99,21 +99,6 @@ struct QueryBlockTiles {
   static_assert(kBytes <= 227 * 1024, "the tiles must fit 227 KiB of shared memory");
 };
 
-struct QueryBlock {
-  int m_block;  // query tile within the sequence
-  int batch_index;
-  int head;
-};
-
-// grid.x enumerates (query tile, sequence, query head), the query tile fastest and the last tile
-// first: under causal masking it sees the most keys.
-HIPATTN_DEVICE QueryBlock query_block_of(unsigned int block, int m_blocks, int heads_q) {
-  const unsigned int problem = block / static_cast<unsigned int>(m_blocks);
-  return {m_blocks - 1 - static_cast<int>(block % static_cast<unsigned int>(m_blocks)),
-          static_cast<int>(problem / static_cast<unsigned int>(heads_q)),
-          static_cast<int>(problem % static_cast<unsigned int>(heads_q))};
-}
-
 }  // namespace flash
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool WRITE_DQ>
