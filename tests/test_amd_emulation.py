@@ -204,3 +204,48 @@ def test_the_mfma_flash_backward_matches_float64(device, dtype, head_dim, heads_
     for name, g, w in zip("qkv", got, want, strict=True):
         assert not np.isnan(g).any(), f"d{name}: an element was never written"
         assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"
+
+
+def test_the_mfma_flash_kernels_match_float64_in_batch_mode_with_seqused(device):
+    """BSHD with per-sequence lengths (seqused): batch strides instead of cu_seqlens, rows past a
+    sequence's length untouched by the forward and by dQ, causal, GQA, both dQ schedules."""
+    rng = np.random.default_rng()
+    dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = "bf16", 3, 40, 50, 4, 2, 64
+    lengths_q, lengths_k = [40, 23, 1], [50, 19, 33]
+    shapes = {"q": (batch, seqlen_q, heads_q, head_dim), "k": (batch, seqlen_k, heads_kv, head_dim),
+              "v": (batch, seqlen_k, heads_kv, head_dim)}
+    bits = {name: to_16bit(rng.standard_normal(shape), dtype) for name, shape in shapes.items()}
+    exact = {name: from_16bit(b, dtype) for name, b in bits.items()}
+    dout_bits = to_16bit(rng.standard_normal(shapes["q"]), dtype)
+    used_q, used_k = np.array(lengths_q, np.int32), np.array(lengths_k, np.int32)
+    seq = dict(seqused_q=device.array(used_q), seqused_k=device.array(used_k), causal=True)
+    nan = 0x7FC0
+    out = np.full(shapes["q"], nan, np.uint16)
+    lse = np.full((batch, heads_q, seqlen_q), np.nan, np.float32)
+    inputs = [array_16bit(bits[n], dtype) for n in ("q", "k", "v")]
+    hipattn.forward(*inputs, out=array_16bit(out, dtype), lse=device.array(lse), **seq)
+
+    # The reference: each sequence's used rows, as THD.
+    def packed(x, lengths):
+        return np.concatenate([x[b, :n] for b, n in enumerate(lengths)])
+
+    scale = head_dim ** -0.5
+    want_out, _ = reference_forward(packed(exact["q"], lengths_q), packed(exact["k"], lengths_k),
+                                    packed(exact["v"], lengths_k), lengths_q, lengths_k, scale, True)
+    got_out = from_16bit(out, dtype)
+    assert relative_error(packed(got_out, lengths_q), want_out) < TOLERANCE[dtype]
+    assert all(np.isnan(got_out[b, n:]).all() for b, n in enumerate(lengths_q)), "rows past seqused are untouched"
+
+    want = reference_backward(packed(exact["q"], lengths_q), packed(exact["k"], lengths_k),
+                              packed(exact["v"], lengths_k), packed(from_16bit(dout_bits, dtype), lengths_q),
+                              lengths_q, lengths_k, scale, True)
+    for deterministic in (False, True):
+        grads = {name: np.full(shapes[name], nan, np.uint16) for name in shapes}
+        arrays = [array_16bit(dout_bits, dtype), *inputs, array_16bit(out, dtype)]
+        workspace = aligned_bytes(hipattn.backward_workspace_bytes(*inputs, **seq, deterministic=deterministic))
+        hipattn.backward(*arrays, device.array(lse), dq=array_16bit(grads["q"], dtype),
+                         dk=array_16bit(grads["k"], dtype), dv=array_16bit(grads["v"], dtype),
+                         workspace=device.array(workspace), deterministic=deterministic, **seq)
+        for name, lengths, w in zip("qkv", (lengths_q, lengths_k, lengths_k), want, strict=True):
+            got = from_16bit(grads[name], dtype)
+            assert relative_error(packed(got, lengths), w) < TOLERANCE[dtype], f"d{name}, deterministic={deterministic}"
