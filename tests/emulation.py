@@ -2,7 +2,7 @@
 
 ``EmulationBackend`` is a hipattn backend whose device is a gfx90a (wave64, MFMA): it compiles a
 kernel's real compile unit with g++ against tests/emulation/emulated_device.h (threads as fibers,
-blocks in turn, MFMA and cross-lane operations through per-wave slots) into a shared library, and
+blocks in turn, MFMA and cross-lane operations through per-lane slots) into a shared library, and
 launches run it on host memory. Arrays are NumPy arrays passed by address, so the whole launch path
 (dispatch, validation, parameter packing, grid sizing) runs as on a GPU, and results can be compared
 with a float64 reference. ``EmulatedDevice`` puts the backend behind the seams the launch path looks
