@@ -83,6 +83,7 @@ HIPATTN_DEVICE unsigned int row_or_zero(unsigned int tile, unsigned int zero, in
 // Named barrier FIRST + team for team < TEAMS, each barrier's ID an immediate (mma::named_barrier).
 template <int FIRST, int TEAMS, int THREADS>
 struct TeamBarriers {
+  static_assert(FIRST + TEAMS - 1 <= 15, "named barriers 1..15: at most 15 teams of several warps a block");
   HIPATTN_DEVICE static void sync(int team) {
     if (team == 0) mma::named_barrier<FIRST, THREADS>();
     else TeamBarriers<FIRST + 1, TEAMS - 1, THREADS>::sync(team - 1);
@@ -98,9 +99,8 @@ struct TeamBarriers<FIRST, 1, THREADS> {
 // block of one team, else named barrier 1 + team.
 template <int SPLIT, int TEAMS>
 HIPATTN_DEVICE void team_sync(int team) {
-  static_assert(TEAMS >= 1 && TEAMS <= 15, "named barriers 1..15, one per team");
-  if (SPLIT == 1) __syncwarp();
-  else if (TEAMS == 1) __syncthreads();
+  if constexpr (SPLIT == 1) __syncwarp();
+  else if constexpr (TEAMS == 1) __syncthreads();
   else TeamBarriers<1, TEAMS, 32 * SPLIT>::sync(team);
 }
 
