@@ -153,14 +153,13 @@ def run_backward(device, bits, out_bits, lse, dout_bits, cu_q, cu_k, max_q, max_
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("heads_q,heads_kv", [(4, 4), (4, 1)])
-def test_the_portable_small_seq_kernels_match_float64_at_wave64(device, dtype, causal, heads_q, heads_kv):
-    """The small-seq path AMD runs (portable kernels, teams of lanes in 64-lane waves): forward, and
-    backward with dK/dV summed over a GQA group."""
+@pytest.mark.parametrize("head_dim,heads_q,heads_kv", [(64, 4, 4), (64, 4, 1), (128, 8, 2), (256, 8, 8)])
+def test_the_portable_small_seq_kernels_match_float64_at_wave64(device, dtype, causal, head_dim, heads_q, heads_kv):
+    """The small-seq path AMD runs (portable kernels, teams of head_dim / 4 lanes: four, two or one
+    a 64-lane wave): forward, and backward with dK/dV summed over a GQA group."""
     rng = np.random.default_rng()
     lengths_q = [17, 1, 0, 9, 17, 4]
     lengths_k = [17, 5, 3, 0, 12, 17]
-    head_dim = 64
     bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
     out, lse = run_forward(device, bits, cu_q, cu_k, 17, 17, heads_q, dtype, causal)
     scale = head_dim ** -0.5
