@@ -702,7 +702,7 @@ class FlashBackwardMfmaTiles:
 # Kᵀ's for dQ, and dKᵀ and dVᵀ in registers, and LDS holds Qᵀ and dOᵀ of one query tile and each
 # wave's Pᵀ and dSᵀ (flash_backward_dkdv_mfma_shared_bytes: 10 to 25 KiB). dQ: four waves of 16
 # rows, no LDS. hiprtc 5.2's gfx90a code objects use 100-196 of a lane's 512 registers up to
-# head_dim 128 and 372 at 256 (dK/dV; dQ 88-220), with no spills. Not tuned or timed: there is no
+# head_dim 128 and 372 at 256 (dK/dV; dQ 80-216), with no spills. Not tuned or timed: there is no
 # AMD GPU here (tests/test_amd_emulation.py checks the results on an emulated gfx90a).
 FLASH_BACKWARD_DKDV_MFMA_TILES = FlashBackwardMfmaTiles(block_m=16, block_n=64)
 FLASH_BACKWARD_DQ_MFMA_TILES = FlashBackwardMfmaTiles(block_m=64, block_n=16)

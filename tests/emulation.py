@@ -78,11 +78,15 @@ class EmulationBackend(Backend):
     def __init__(self, build_dir: str):
         self.build_dir = build_dir
         self.launches = 0
+        self._identity: str | None = None
 
     def compiler_identity(self) -> str:
-        version = subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=True)
-        runtime = hashlib.sha256(RUNTIME_HEADER.read_bytes()).hexdigest()[:16]
-        return f"{version.stdout.splitlines()[0]} emulation {runtime}"
+        # Asked for every kernel's cache key: run the compiler and hash the runtime once.
+        if self._identity is None:
+            version = subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=True)
+            runtime = hashlib.sha256(RUNTIME_HEADER.read_bytes()).hexdigest()[:16]
+            self._identity = f"{version.stdout.splitlines()[0]} emulation {runtime}"
+        return self._identity
 
     def compile_options(self, target: Target) -> tuple[str, ...]:
         return ("-std=c++17", "-O1", "-fPIC", "-shared", "-DHIPATTN_EMULATION", "-Wno-unknown-pragmas",

@@ -60,6 +60,49 @@ HIPATTN_DEVICE bool key_visible_to(int query, int key, int len_q, int len_k, int
   return query < len_q && key < len_k && (!causal || key <= query + diagonal);
 }
 
+// The forward's LSE (base 2) and Delta of one query row: the lane's, in both kernels' frame.
+struct RowStatistics {
+  float lse_log2;
+  float delta;
+};
+
+// Row `token` of query head `head`; a row outside the sequence (`in` false) reads nothing, and its
+// probabilities are 0 by key_visible_to.
+HIPATTN_DEVICE RowStatistics row_statistics(const FlashBackwardParams& p, int batch_index, int head, long long token,
+                                            bool in) {
+  if (!in) return {0.0f, 0.0f};
+  return {static_cast<const float*>(p.lse)[batch_index * p.lse_batch_stride + head * p.lse_head_stride + token] *
+              kLog2e,
+          static_cast<const float*>(p.softmax_d)[batch_index * p.softmax_d_batch_stride +
+                                                 head * p.softmax_d_head_stride + token]};
+}
+
+// A lane's Sᵀ and dPᵀ (query `query`, keys first_key .. first_key + 3) into Pᵀ = exp(scale Sᵀ - LSE)
+// in place, and dSᵀ = Pᵀ (dPᵀ - Delta), returned. LSE = +inf (a row that saw no key) gives P = 0.
+HIPATTN_DEVICE mfma::Accumulator probabilities_and_dscores(mfma::Accumulator& s, const mfma::Accumulator& dp,
+                                                           int query, int first_key, int len_q, int len_k,
+                                                           int diagonal, bool causal, float scale_log2,
+                                                           RowStatistics row) {
+  mfma::Accumulator ds;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    s[e] = key_visible_to(query, first_key + e, len_q, len_k, diagonal, causal)
+               ? fast_exp2(s[e] * scale_log2 - row.lse_log2)
+               : 0.0f;
+    ds[e] = s[e] * (dp[e] - row.delta);
+  }
+  return ds;
+}
+
+// Four consecutive elements of a gradient row: an accumulator times `scale`, rounded to T.
+template <typename T>
+HIPATTN_DEVICE void store_scaled(T* destination, const mfma::Accumulator& x, float scale) {
+  mfma::Accumulator scaled;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) scaled[e] = x[e] * scale;
+  mfma::store_operand(destination, mfma::to_operand<T>(scaled));
+}
+
 // Four 16-bit elements `stride` apart, as one operand (Kᵀ's fragment: four keys of one column).
 template <typename T>
 HIPATTN_DEVICE mfma::Operand gather_operand(const T* first, long long stride, int count) {
@@ -175,24 +218,12 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
 
     // ---- Pᵀ = exp(scale Sᵀ - LSE), dSᵀ = Pᵀ (dPᵀ - Delta): the lane's query, four keys ----
     const long long row_token = seq_q.start + (query_in ? query : 0);
-    const float lse_log2 = query_in ? static_cast<const float*>(p.lse)[batch_index * p.lse_batch_stride +
-                                                                       head * p.lse_head_stride + row_token] *
-                                          flash::kLog2e
-                                    : 0.0f;
-    const float delta = query_in ? static_cast<const float*>(p.softmax_d)[batch_index * p.softmax_d_batch_stride +
-                                                                          head * p.softmax_d_head_stride + row_token]
-                                 : 0.0f;
-    mfma::Accumulator ds;
+    const mfma::Accumulator ds = flash::probabilities_and_dscores(
+        s, dp, query, wave_key0 + 4 * quarter, len_q, len_k, diagonal, p.causal, scale_log2,
+        flash::row_statistics(p, batch_index, head, row_token, query_in));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int key = wave_key0 + 4 * quarter + e;
-      // LSE = +inf (a row that saw no key) gives P = 0.
-      const float probability = flash::key_visible_to(query, key, len_q, len_k, diagonal, p.causal)
-                                    ? fast_exp2(s[e] * scale_log2 - lse_log2)
-                                    : 0.0f;
-      s[e] = probability;
-      ds[e] = probability * (dp[e] - delta);
-      pt_tile[(4 * quarter + e) * Tiles::kPitch + column] = from_float<T>(probability);
+      pt_tile[(4 * quarter + e) * Tiles::kPitch + column] = from_float<T>(s[e]);
       dst_tile[(4 * quarter + e) * Tiles::kPitch + column] = from_float<T>(ds[e]);
     }
     __syncthreads();  // Qᵀ, dOᵀ, and the wave's Pᵀ and dSᵀ are in LDS
@@ -230,10 +261,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
                       (key_token + column) * p.dv_token_stride + block.head_kv * p.dv_head_stride;
 #pragma unroll
     for (int d = 0; d < kDSteps; ++d) {
-      mfma::Accumulator scaled;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) scaled[e] = dk[d][e] * p.softmax_scale;
-      mfma::store_operand(dk_row + 16 * d + 4 * quarter, mfma::to_operand<T>(scaled));
+      flash::store_scaled(dk_row + 16 * d + 4 * quarter, dk[d], p.softmax_scale);
       mfma::store_operand(dv_row + 16 * d + 4 * quarter, mfma::to_operand<T>(dv[d]));
     }
   }
@@ -286,13 +314,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
     q_fragment[d] = query_in ? mfma::load_operand(q_row + 16 * d + 4 * quarter) : mfma::zero_operand();
     do_fragment[d] = query_in ? mfma::load_operand(do_row + 16 * d + 4 * quarter) : mfma::zero_operand();
   }
-  const float lse_log2 = query_in ? static_cast<const float*>(p.lse)[batch_index * p.lse_batch_stride +
-                                                                     head * p.lse_head_stride + row_token] *
-                                        flash::kLog2e
-                                  : 0.0f;
-  const float delta = query_in ? static_cast<const float*>(p.softmax_d)[batch_index * p.softmax_d_batch_stride +
-                                                                        head * p.softmax_d_head_stride + row_token]
-                               : 0.0f;
+  const flash::RowStatistics row = flash::row_statistics(p, batch_index, head, row_token, query_in);
   const float scale_log2 = p.softmax_scale * flash::kLog2e;
   const T* const k_rows = static_cast<const T*>(p.k) + batch_index * p.k_batch_stride +
                           static_cast<long long>(seq_k.start) * p.k_token_stride + head_kv * p.k_head_stride;
@@ -315,15 +337,8 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
       s = mfma::mfma_16x16x16<T>(k_a, q_fragment[d], s);
       dp = mfma::mfma_16x16x16<T>(v_a, do_fragment[d], dp);
     }
-    mfma::Accumulator ds;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int key = n0 + 4 * quarter + e;
-      const float probability = flash::key_visible_to(query, key, len_q, len_k, diagonal, p.causal)
-                                    ? fast_exp2(s[e] * scale_log2 - lse_log2)
-                                    : 0.0f;
-      ds[e] = probability * (dp[e] - delta);
-    }
+    const mfma::Accumulator ds = flash::probabilities_and_dscores(s, dp, query, n0 + 4 * quarter, len_q, len_k,
+                                                                  diagonal, p.causal, scale_log2, row);
     // dQᵀ += Kᵀ dSᵀ: the dSᵀ accumulator, rounded to T, is the B operand as it stands.
     const mfma::Operand ds_operand = mfma::to_operand<T>(ds);
     const int keys_here = len_k - (n0 + 4 * quarter);
@@ -339,12 +354,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
     T* const dq_row = static_cast<T*>(p.dq) + batch_index * p.dq_batch_stride + row_token * p.dq_token_stride +
                       head * p.dq_head_stride;
 #pragma unroll
-    for (int d = 0; d < kDSteps; ++d) {
-      mfma::Accumulator scaled;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) scaled[e] = dq[d][e] * p.softmax_scale;
-      mfma::store_operand(dq_row + 16 * d + 4 * quarter, mfma::to_operand<T>(scaled));
-    }
+    for (int d = 0; d < kDSteps; ++d) flash::store_scaled(dq_row + 16 * d + 4 * quarter, dq[d], p.softmax_scale);
   }
 }
 
