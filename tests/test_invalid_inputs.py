@@ -595,8 +595,8 @@ def test_valid_small_calls_launch_once_with_one_block_per_group_of_problems(
     # Forward: one problem per (sequence, query head). Backward: one per (sequence, KV head), which
     # walks the query heads of its group.
     problems = batch * (heads_q if direction == "forward" else heads_kv)
-    # Tensor-core kernels give each run of problems_per_team problems a team of warps (a warp, or at
-    # backward head_dim 256 two); the portable ones give each problem a team of head_dim / 4 lanes
+    # Tensor-core kernels give each run of problems_per_team problems a team of warps (one, or at
+    # head_dim 256 two: the table row's split); the portable ones give each problem a team of head_dim / 4 lanes
     # (four elements of a row per lane).
     tensor_cores = not portable and (direction == "forward" or heads_q == heads_kv)
     if tensor_cores:
