@@ -678,6 +678,9 @@ class FlashBackwardWgmmaTiles:
 # warpgroups would split dQ into 32-column halves of a swizzle block, and one warpgroup would add dQ
 # per 64 keys instead of 128; at 96 the rows are not whole swizzle blocks, and at 256 dK and dV alone
 # would take every register. Those keep the mma.sync kernel.
+# Padding (fp32 words) of each staged dQ row of the wgmma dK/dV kernel (WgmmaKeyBlockTiles::kDqPitch).
+_WGMMA_DQ_ROW_PAD = 8
+
 FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashBackwardWgmmaTiles] = {
     128: FlashBackwardWgmmaTiles(warpgroups=2),
 }
@@ -755,10 +758,12 @@ def flash_backward_dkdv_wgmma_shared_bytes(head_dim: int, tiles: FlashBackwardWg
     """Dynamic shared memory of one wgmma dK/dV block: flash::WgmmaKeyBlockTiles<...>::kBytes.
 
     K and V (block_n rows each), two slots each of Q and dO (block_m rows), unpadded (swizzled); dSᵀ
-    (block_n rows of block_m); then fp32 LSE and Delta, two slots of block_m.
+    (block_n rows of block_m); then fp32 LSE and Delta, two slots of block_m; then each warpgroup's
+    fp32 share of dQ (block_m rows of its head_dim / warpgroups columns, padded by 8 words).
     """
     elements = (2 * tiles.block_n + 4 * tiles.block_m) * head_dim + tiles.block_n * tiles.block_m
-    return elements * element_bytes + 2 * 2 * tiles.block_m * 4
+    dq_pitch = head_dim // tiles.warpgroups + _WGMMA_DQ_ROW_PAD
+    return elements * element_bytes + 2 * 2 * tiles.block_m * 4 + tiles.warpgroups * tiles.block_m * dq_pitch * 4
 
 
 def flash_backward_dkdv_mma_shared_bytes(head_dim: int, tiles: FlashBackwardTiles, element_bytes: int = 2) -> int:

@@ -35,9 +35,10 @@ def test_every_row_fits_hopper_and_splits_dq_into_whole_swizzle_blocks(head_dim)
 
 def test_shared_bytes_formula():
     # head_dim 128, two warpgroups: K and V (128 rows each), two Q and two dO slots (64 rows each),
-    # dSᵀ (128 x 64), 2 bytes; then LSE and Delta, two slots of 64 fp32 each.
+    # dSᵀ (128 x 64), 2 bytes; then LSE and Delta, two slots of 64 fp32 each; then each warpgroup's
+    # 64 staged dQ rows of 64 + 8 fp32.
     assert flash_backward_dkdv_shared_bytes(128, FlashBackwardWgmmaTiles(2)) == (
-        (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 2 * 2 * 64 * 4)
+        (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 72 * 4)
 
 
 def test_only_sm_90a_ships_it():

@@ -64,11 +64,26 @@ HIPATTN_DEVICE void wait() {
 // (the async proxy): each writing thread fences after its writes complete, before the barrier.
 HIPATTN_DEVICE void fence_shared_for_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// Two fp32 additions into adjacent global words in one reduction (vector red is sm_90's): a warp's
-// accumulator pairs (columns 2t, 2t + 1) then fill whole 32-byte sectors. `address` is 8-byte aligned.
-HIPATTN_DEVICE void atomic_add2(float* address, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(address), "f"(a), "f"(b) : "memory");
+// Hopper's copy engine adds `bytes` of fp32 from shared memory into global memory, asynchronously
+// to the thread, which hands over an address instead of holding the values in registers until the
+// load/store unit has taken them (as a run of red.global does: BENCHMARKS.md, run 6). Both addresses
+// are 16-byte aligned and `bytes` is a multiple of 16. The shared words are written by the generic
+// proxy: fence_shared_for_async_proxy() in each writing thread first.
+HIPATTN_DEVICE void bulk_reduce_add(float* global, unsigned int shared_address, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(global),
+               "r"(shared_address), "r"(bytes)
+               : "memory");
 }
+// The thread's bulk operations issued since its last commit form one group.
+HIPATTN_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until at most PENDING of the thread's groups are still reading their shared memory (which may then
+// be written again).
+template <int PENDING>
+HIPATTN_DEVICE void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(PENDING) : "memory");
+}
+// Until every group of the thread is complete, its global writes performed.
+HIPATTN_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // Accumulators are written by the tensor cores until wait(): pinning each register through an
 // empty asm after the wait keeps the compiler from moving their reads above it (and, before a

@@ -14,8 +14,9 @@
 //                               is the A fragment's), dO and Q from shared memory read transposed
 //   dQ_partial = dS K           WRITE_DQ: dSᵀ goes to shared memory, where the tensor cores read it
 //                               transposed as dS; every warpgroup takes HEAD_DIM / WARPGROUPS columns of
-//                               dQ over all the block's keys and adds them into the fp32 dq_accum
-//                               with two-word reductions (convert_dq scales them later)
+//                               dQ over all the block's keys, stages them in shared memory, and the
+//                               copy engine adds them into the fp32 dq_accum (bulk reductions, one
+//                               per row; convert_dq scales them later)
 // so no product waits for a register shuffle, and no tile passes through ldmatrix. Shared tiles are in
 // wgmma's 128-byte swizzled layout (common/wgmma_nvidia.h).
 //
@@ -34,6 +35,10 @@ namespace flash {
 //   Q, dO       two slots of BLOCK_M rows each (double buffer)
 //   dSᵀ         BLOCK_N rows of BLOCK_M queries (one 128-byte swizzle row each)
 //   LSE, Delta  fp32, two slots of BLOCK_M each: [slot][LSE | Delta]
+//   dQ          fp32, per warpgroup BLOCK_M rows of its kDqColumns, each row padded by 8 words: a
+//               warp's two-word stores of rows g and g + 8 then meet no bank twice, and a row stays a
+//               contiguous 16-byte-aligned run for the copy engine (staged in deterministic mode too:
+//               a block fits an SM either way)
 // hipattn/families.py's flash_backward_dkdv_wgmma_shared_bytes computes kBytes from the same arguments.
 template <typename T, int HEAD_DIM, int WARPGROUPS>
 struct WgmmaKeyBlockTiles {
@@ -50,7 +55,9 @@ struct WgmmaKeyBlockTiles {
   static constexpr int kDsOffset = kDoOffset + 2 * kQueryElements;
   static constexpr int kElements = kDsOffset + kBlockN * kBlockM;
   static constexpr int kStatsOffsetBytes = kElements * static_cast<int>(sizeof(T));
-  static constexpr int kBytes = kStatsOffsetBytes + 2 * 2 * kBlockM * static_cast<int>(sizeof(float));
+  static constexpr int kDqPitch = kDqColumns + 8;  // floats per staged dQ row
+  static constexpr int kDqOffsetBytes = kStatsOffsetBytes + 2 * 2 * kBlockM * static_cast<int>(sizeof(float));
+  static constexpr int kBytes = kDqOffsetBytes + WARPGROUPS * kBlockM * kDqPitch * static_cast<int>(sizeof(float));
 
   static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "dK and dV are one wgmma's N each (64 or 128)");
@@ -58,6 +65,8 @@ struct WgmmaKeyBlockTiles {
   static_assert(kDqColumns % 64 == 0,
                 "a warpgroup's dQ columns are whole 64-column swizzle blocks of K (head_dim / warpgroups)");
   static_assert(kBytes <= 227 * 1024, "the tiles must fit sm_90's 227 KiB of shared memory");
+  static_assert(kDqOffsetBytes % 16 == 0 && kDqPitch * sizeof(float) % 16 == 0,
+                "staged dQ rows are 16-byte aligned, as the copy engine's bulk reductions need");
 };
 
 }  // namespace flash
@@ -74,6 +83,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   extern __shared__ __align__(1024) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
   float* const stats = reinterpret_cast<float*>(shared_bytes + Tiles::kStatsOffsetBytes);
+  float* const dq_staging = reinterpret_cast<float*>(shared_bytes + Tiles::kDqOffsetBytes);
 
   const flash::KeyBlock block = flash::key_block_of<kBlockN>(blockIdx.x, p);
   if (block.batch_index < 0) return;  // past the work list's last key block; before any barrier
@@ -304,17 +314,33 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       float* const dq_rows = static_cast<float*>(p.dq_accum) + batch_index * p.dq_accum_batch_stride +
                              static_cast<long long>(seq_q.start + m0) * p.dq_accum_token_stride +
                              head * p.dq_accum_head_stride + kDqColumns * warpgroup;
+      // The share leaves through shared memory: each warp stages its 16 rows, and 16 of its lanes hand
+      // one row each to the copy engine, which adds it into dq_accum. Reductions straight from the
+      // registers (red.global) held them until the load/store unit took them, and the next writes to
+      // those registers waited (12% of the kernel's stall samples, ncu; BENCHMARKS.md, run 6). One
+      // lane issuing all 16 rows measured slower than 16 lanes. dq_accum is the workspace's contiguous
+      // section, so its rows are 16-byte aligned.
+      const int own_row = 16 * warp + lane;  // the row lanes 0-15 hand over
+      float* const warp_rows = dq_staging + (64 * warpgroup + 16 * warp) * Tiles::kDqPitch;
+      if (lane < 16) wgmma::bulk_wait_read<0>();  // the copy engine has read this row of the last tile
+      __syncwarp();
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = 16 * warp + g + 8 * r;
-        if (m0 + row < len_q) {  // rows past the sequence belong to the next one (THD) or to padding
-          // One reduction per column pair, not per word: a warp's instruction then fills whole 32-byte
-          // sectors, and the L2 sees half as many atomic operations (1.24x the whole backward on the
-          // H200, BENCHMARKS.md). dq_accum is the workspace's contiguous section, so pairs are 8-byte aligned.
-          float* const destination = dq_rows + row * p.dq_accum_token_stride + 2 * t;
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int n = 0; n < kDqColumns / 8; ++n) wgmma::atomic_add2(destination + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
+        for (int n = 0; n < kDqColumns / 8; ++n) {
+          float2 pair;
+          pair.x = dq[n][2 * r];
+          pair.y = dq[n][2 * r + 1];
+          *reinterpret_cast<float2*>(warp_rows + (g + 8 * r) * Tiles::kDqPitch + 8 * n + 2 * t) = pair;
         }
+      wgmma::fence_shared_for_async_proxy();
+      __syncwarp();
+      if (lane < 16) {
+        if (m0 + own_row < len_q)  // rows past the sequence belong to the next one (THD) or to padding
+          wgmma::bulk_reduce_add(dq_rows + own_row * p.dq_accum_token_stride,
+                                 mma::shared_address(warp_rows + lane * Tiles::kDqPitch),
+                                 kDqColumns * static_cast<int>(sizeof(float)));
+        wgmma::bulk_commit();
       }
     } else {
       wgmma::wait<0>();
@@ -325,7 +351,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     wgmma::pin(ds_packed);
   }
   // Every thread's copies have landed (the last commit was empty), and the barrier: every warpgroup
-  // is done reading K and V, which now stage dK and dV for wide stores.
+  // is done reading K and V, which now stage dK and dV for wide stores. dQ's last additions are
+  // complete before the block's shared memory is released.
+  if (WRITE_DQ && lane < 16) wgmma::bulk_wait_all();
   mma::wait_async_copies();
   __syncthreads();
 

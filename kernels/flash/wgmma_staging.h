@@ -8,19 +8,29 @@ namespace flash {
 
 // Copy rows [0, rows) of a swizzled tile of TILE_ROWS rows with cp.async; rows past `rows` are
 // zero-filled when ZERO_TAIL (V, Q: their products must stay finite) and left alone otherwise (K: their
-// scores are masked by selection). Consecutive threads copy consecutive 16-byte chunks of a row.
+// scores are masked by selection). Consecutive threads copy consecutive 16-byte chunks of a row, and a
+// pass of the block's threads covers kPassRows rows, a multiple of the swizzle's 8: so a thread copies
+// the same chunk of every kPassRows-th row, at the same swizzled column, and its addresses move by
+// constants from pass to pass. Worked out per chunk instead, the index arithmetic was a fifth of the
+// dK/dV kernel's instructions (1480 against 1205 per warp and query tile, ncu; BENCHMARKS.md, run 6).
 template <typename T, int HEAD_DIM, int TILE_ROWS, int THREADS, bool ZERO_TAIL>
 HIPATTN_DEVICE void stage_swizzled_tile(T* tile, const T* first_row, long long token_stride, int rows) {
   constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
+  constexpr int kPassRows = THREADS / kChunks;
+  static_assert(THREADS % kChunks == 0 && kPassRows % 8 == 0,
+                "a pass of the threads covers whole rows, a multiple of the swizzle's 8");
+  const int row0 = static_cast<int>(threadIdx.x) / kChunks;
+  const int col = static_cast<int>(threadIdx.x) % kChunks * 8;
+  T* const destination = tile + wgmma::swizzled_offset<TILE_ROWS>(row0, col);
+  const T* const source = first_row + row0 * token_stride + col;
 #pragma unroll
-  for (int c = threadIdx.x; c < TILE_ROWS * kChunks; c += THREADS) {
-    const int row = c / kChunks;
-    const int col = (c % kChunks) * 8;
-    T* const destination = tile + wgmma::swizzled_offset<TILE_ROWS>(row, col);
+  for (int pass = 0; pass * kPassRows < TILE_ROWS; ++pass) {
+    const int row = row0 + pass * kPassRows;
+    if (TILE_ROWS % kPassRows != 0 && row >= TILE_ROWS) break;  // the last pass covers part of the rows
     if (row < rows) {
-      mma::copy_async_16(destination, first_row + row * token_stride + col);
+      mma::copy_async_16(destination + pass * kPassRows * 64, source + pass * kPassRows * token_stride);
     } else if (ZERO_TAIL) {
-      *reinterpret_cast<Vec<T, 8>*>(destination) = Vec<T, 8>{};
+      *reinterpret_cast<Vec<T, 8>*>(destination + pass * kPassRows * 64) = Vec<T, 8>{};
     }
   }
 }
