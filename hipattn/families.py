@@ -673,14 +673,15 @@ class FlashBackwardWgmmaTiles:
         return WGMMA_WARPGROUP_THREADS * self.warpgroups
 
 
+# Padding (fp32 words) of each staged dQ row of the wgmma dK/dV kernel (WgmmaKeyBlockTiles::kDqPitch):
+# a warp's two-word stores of rows g and g + 8 then meet no bank twice.
+_WGMMA_DQ_ROW_PAD = 8
+
 # head_dim 128 only: two warpgroups hold dK and dV (64 fp32 registers each per thread) beside Sᵀ and
 # dPᵀ (32 each), and each takes 64 of dQ's columns, a whole swizzle block of K. At head_dim 64 two
 # warpgroups would split dQ into 32-column halves of a swizzle block, and one warpgroup would add dQ
 # per 64 keys instead of 128; at 96 the rows are not whole swizzle blocks, and at 256 dK and dV alone
 # would take every register. Those keep the mma.sync kernel.
-# Padding (fp32 words) of each staged dQ row of the wgmma dK/dV kernel (WgmmaKeyBlockTiles::kDqPitch).
-_WGMMA_DQ_ROW_PAD = 8
-
 FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashBackwardWgmmaTiles] = {
     128: FlashBackwardWgmmaTiles(warpgroups=2),
 }
