@@ -6,11 +6,9 @@
 // (PLATFORM_NOTES.md), so hipattn carries its own numeric types (types.h).
 #pragma once
 
-#if defined(HIPATTN_EMULATION)
-// The AMD build on a CPU, for tests: g++ force-includes tests/emulation/emulated_device.h (threads
-// as fibers, wave64), which defines the HIP names used here.
-#define HIPATTN_AMD 1
-#elif defined(__HIPCC_RTC__) || defined(__HIP__)
+// HIPATTN_EMULATION is the AMD build on a CPU, for tests: g++ force-includes
+// tests/emulation/emulated_device.h (threads as fibers, wave64), which defines the HIP names used here.
+#if defined(__HIPCC_RTC__) || defined(__HIP__) || defined(HIPATTN_EMULATION)
 #define HIPATTN_AMD 1
 #elif defined(__CUDACC_RTC__) || defined(__CUDACC__)
 #define HIPATTN_NVIDIA 1
