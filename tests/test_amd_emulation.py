@@ -1,4 +1,4 @@
-"""The AMD kernels, run on an emulated gfx90a (tests/emulation.py: the CPU as a wave64 GPU with MFMA),
+"""The AMD kernels, run on an emulated gfx90a (tests/support/emulation.py: the CPU as a wave64 GPU with MFMA),
 against a float64 reference: the MFMA flash forward, and the portable small-seq forward and backward
 that AMD runs. No AMD GPU exists here; this is where those kernels' arithmetic is checked (the
 portable small-seq kernels also run on the H200, at wave32, in tests/gpu). Outputs are poisoned with
@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import pytest
-from emulation import EmulatedDevice, aligned_bytes, array_16bit, compiler, from_16bit, to_16bit
+from support.emulation import EmulatedDevice, aligned_bytes, array_16bit, compiler, from_16bit, to_16bit
 
 import hipattn
 

@@ -7,8 +7,8 @@ import re
 import struct
 
 import pytest
-from compilers import hiprtc_backend, nvrtc_backend
-from local_rocm import use_local_rocm
+from support.compilers import hiprtc_backend, nvrtc_backend
+from support.local_rocm import use_local_rocm
 
 from hipattn.errors import CompileError, DriverError
 from hipattn.sources import include_closure

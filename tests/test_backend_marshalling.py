@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-from local_rocm import use_local_rocm
+from support.local_rocm import use_local_rocm
 
 from hipattn.backends.base import LoadedFunction
 from hipattn.errors import DriverError

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from local_rocm import use_local_rocm
+from support.local_rocm import use_local_rocm
 
 from hipattn import backends
 from hipattn.errors import BackendUnavailableError

@@ -10,7 +10,7 @@ import stat
 import struct
 
 import pytest
-from fake_backend import FAKE_FAMILY, FakeBackend, put_same_key
+from support.fake_backend import FAKE_FAMILY, FakeBackend, put_same_key
 
 from hipattn import cache as cache_module
 from hipattn import families

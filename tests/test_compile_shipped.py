@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from local_rocm import use_local_rocm
+from support.local_rocm import use_local_rocm
 
 from hipattn.cache import DiskCache
 from hipattn.families import shipped_specs

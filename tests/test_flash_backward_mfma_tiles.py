@@ -5,8 +5,8 @@ no GPU needed). Its results are checked in tests/test_amd_emulation.py."""
 from __future__ import annotations
 
 import pytest
-from compilers import compile_with_layout_checks, hiprtc_backend
-from local_rocm import use_local_rocm
+from support.compilers import compile_with_layout_checks, hiprtc_backend
+from support.local_rocm import use_local_rocm
 
 from hipattn.families import (
     AMD_LDS_BYTES,

@@ -5,7 +5,7 @@ by NVRTC, no GPU needed)."""
 from __future__ import annotations
 
 import pytest
-from compilers import compile_with_layout_checks, nvrtc_backend
+from support.compilers import compile_with_layout_checks, nvrtc_backend
 
 from hipattn.families import (
     DTYPES,

@@ -4,8 +4,8 @@ passes agree with the layout the kernel computes (checked by hiprtc, no GPU need
 from __future__ import annotations
 
 import pytest
-from compilers import compile_with_layout_checks, hiprtc_backend
-from local_rocm import use_local_rocm
+from support.compilers import compile_with_layout_checks, hiprtc_backend
+from support.local_rocm import use_local_rocm
 
 from hipattn.families import (
     AMD_LDS_BYTES,

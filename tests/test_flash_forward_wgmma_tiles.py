@@ -5,7 +5,7 @@ holds the wgmma instructions refuses every other target (all checked by NVRTC, n
 from __future__ import annotations
 
 import pytest
-from compilers import compile_family, compile_with_layout_checks, nvrtc_backend
+from support.compilers import compile_family, compile_with_layout_checks, nvrtc_backend
 
 from hipattn.errors import CompileError
 from hipattn.families import (

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from fake_backend import FakeBackend
+from support.fake_backend import FakeBackend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -8,7 +8,7 @@ import pathlib
 import sys
 
 import pytest
-from compilers import nvrtc_backend
+from support.compilers import nvrtc_backend
 
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "tools" / "kernel_fingerprint.py"
 _spec = importlib.util.spec_from_file_location("hipattn_tools_kernel_fingerprint", _PATH)

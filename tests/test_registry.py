@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fake_backend import FAKE_FAMILY, FakeBackend
+from support.fake_backend import FAKE_FAMILY, FakeBackend
 
 from hipattn import families
 from hipattn.cache import DiskCache

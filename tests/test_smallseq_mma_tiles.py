@@ -5,7 +5,7 @@ no GPU needed), and the runs of problems the teams of warps walk cover every pro
 from __future__ import annotations
 
 import pytest
-from compilers import compile_family, nvrtc_backend
+from support.compilers import compile_family, nvrtc_backend
 
 from hipattn.families import (
     SMALLSEQ_BACKWARD_MMA,

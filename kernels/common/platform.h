@@ -7,7 +7,7 @@
 #pragma once
 
 // HIPATTN_EMULATION is the AMD build on a CPU, for tests: g++ force-includes
-// tests/emulation/emulated_device.h (threads as fibers, wave64), which defines the HIP names used here.
+// tests/support/emulation/emulated_device.h (threads as fibers, wave64), which defines the HIP names used here.
 #if defined(__HIPCC_RTC__) || defined(__HIP__) || defined(HIPATTN_EMULATION)
 #define HIPATTN_AMD 1
 #elif defined(__CUDACC_RTC__) || defined(__CUDACC__)

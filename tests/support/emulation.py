@@ -1,7 +1,7 @@
 """An AMD GPU emulated on the CPU, so that the AMD kernels run in tests on machines without one.
 
 ``EmulationBackend`` is a hipattn backend whose device is a gfx90a (wave64, MFMA): it compiles a
-kernel's real compile unit with g++ against tests/emulation/emulated_device.h (threads as fibers,
+kernel's real compile unit with g++ against tests/support/emulation/emulated_device.h (threads as fibers,
 blocks in turn, MFMA and cross-lane operations through per-lane slots) into a shared library, and
 launches run it on host memory. Arrays are NumPy arrays passed by address, so the whole launch path
 (dispatch, validation, parameter packing, grid sizing) runs as on a GPU, and results can be compared

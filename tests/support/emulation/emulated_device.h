@@ -1,5 +1,5 @@
 // A CPU stand-in for an AMD GPU (wave64, MFMA 16x16x16), for running the AMD kernels in tests on a
-// machine without one: tests/emulation.py compiles a kernel's compile unit with g++, this header
+// machine without one: tests/support/emulation.py compiles a kernel's compile unit with g++, this header
 // force-included and HIPATTN_EMULATION defined (kernels/common/platform.h then takes its AMD
 // branches).
 //
@@ -35,7 +35,7 @@
 #define __gfx90a__ 1
 
 // The block's dynamic shared memory: kernels declare `extern __shared__ ... shared_bytes[]` inside
-// namespace hipattn, which tests/emulation.py turns into a plain extern declaration of this array.
+// namespace hipattn, which tests/support/emulation.py turns into a plain extern declaration of this array.
 namespace hipattn {
 constexpr unsigned int kEmulatedSharedBytes = 256 * 1024;
 alignas(1024) inline unsigned char shared_bytes[kEmulatedSharedBytes];

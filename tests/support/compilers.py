@@ -4,7 +4,7 @@ compile kernels without a GPU (NVRTC for NVIDIA targets, hiprtc for AMD ones).""
 from __future__ import annotations
 
 import pytest
-from local_rocm import use_local_rocm
+from support.local_rocm import use_local_rocm
 
 from hipattn.backends.cuda import CudaBackend  # both modules import their vendor packages lazily
 from hipattn.backends.hip import HipBackend
