@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from . import arrays, checks, dispatch
+from . import arrays, checks, dispatch, runtime
 from . import problem as problem_mod
-from .backends import get_backend
 from .ops import flash, flash_backward, smallseq
 from .streams import on_device, resolve_stream, wait_for_producers
 from .workspace import WORKSPACE_ALIGNMENT, WorkspacePlan, backward_workspace
@@ -121,7 +120,7 @@ def forward(
                             max_seqlen_k, causal, softmax_scale, stream)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     path = dispatch.choose_path(problem, "forward")
-    backend = get_backend()
+    backend = runtime.active().backend
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
         _order_after_inputs(backend, launch_stream, call)
@@ -199,7 +198,7 @@ def backward(
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     path = dispatch.choose_path(problem, "backward")
     inputs = ((qa, "q"), (ka, "k"), (va, "v"), (douta, "dout"), (outa, "out"), (lsea, "lse"))
-    backend = get_backend()
+    backend = runtime.active().backend
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va, douta), stream, device=problem.device)
         _order_after_inputs(backend, launch_stream, call, douta, outa, lsea)

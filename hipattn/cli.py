@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, families
-from .cache import DiskCache, default_cache_dir
+from . import __version__, catalog
 from .errors import CompileError, HipattnError
-from .spec import KernelSpec
-from .target import Target
+from .jit.cache import DiskCache, default_cache_dir
+from .jit.spec import KernelSpec
+from .jit.target import Target
 
 # The exit codes: 0 everything worked, 1 something failed (named on stderr), 2 bad arguments.
 EXIT_FAILED = 1
@@ -46,13 +46,13 @@ class WarmResult:
 def _warm_one(spec_text: str, arch: str, cache_dir: str) -> WarmResult:
     """Worker: compile one spec into the cache. Runs in a spawned process; returns or raises picklable things."""
     from .backends import compiler_backend
-    from .registry import fetch_or_compile
+    from .jit.registry import fetch_or_compile
 
     start = time.perf_counter()
     target = Target.parse(arch)
     try:
         compiled, fresh = fetch_or_compile(
-            KernelSpec.from_canonical(spec_text), target, compiler_backend(target), DiskCache(cache_dir)
+            catalog.spec_from_canonical(spec_text), target, compiler_backend(target), DiskCache(cache_dir)
         )
     except CompileError:
         raise
@@ -74,10 +74,10 @@ def _warm(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     if args.family:
-        unknown = [name for name in args.family if name not in families.FAMILIES]
+        unknown = [name for name in args.family if name not in catalog.FAMILIES]
         if unknown:
             print(
-                f"hipattn warm: unknown kernel family {unknown}; known: {sorted(families.FAMILIES)}",
+                f"hipattn warm: unknown kernel family {unknown}; known: {sorted(catalog.FAMILIES)}",
                 file=sys.stderr,
             )
             return EXIT_USAGE
@@ -111,7 +111,7 @@ def _warm(args: argparse.Namespace) -> int:
     work: list[tuple[KernelSpec, Target]] = []
     failed = 0
     for target in targets:
-        specs = [s for s in families.shipped_specs(target) if not args.family or s.family in args.family]
+        specs = [s for s in catalog.shipped_specs(target) if not args.family or s.family.name in args.family]
         try:
             from .backends import compiler_backend
 
@@ -213,10 +213,10 @@ def _human_age(seconds: float) -> str:
 
 def _list(args: argparse.Namespace) -> int:
     cache = DiskCache(args.cache_dir)
-    entries = sorted(cache.entries(), key=lambda e: (e.arch, e.family, str(e.spec)))
+    entries = sorted(cache.entries(), key=lambda e: (e.arch, e.family, e.spec))
     if entries:
         rows = [
-            (str(e.spec), e.arch, e.compiler, _human_size(e.size), _human_age(e.age_seconds)) for e in entries
+            (_spec_name(e.spec), e.arch, e.compiler, _human_size(e.size), _human_age(e.age_seconds)) for e in entries
         ]
         header = ("SPEC", "ARCH", "COMPILER", "SIZE", "AGE")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -224,6 +224,15 @@ def _list(args: argparse.Namespace) -> int:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     print(f"{len(entries)} entries, {_human_size(cache.total_size())} in {cache.directory}")
     return 0
+
+
+def _spec_name(spec_text: str) -> str:
+    """``family[arg=value, ...]`` of a cached spec's canonical text; the text itself for a family this
+    hipattn no longer has."""
+    try:
+        return str(catalog.spec_from_canonical(spec_text))
+    except ValueError:
+        return spec_text
 
 
 def _clear(args: argparse.Namespace) -> int:

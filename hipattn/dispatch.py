@@ -12,17 +12,13 @@ from __future__ import annotations
 import logging
 import os
 
-from .ops import flash, flash_backward, smallseq
+from .ops import flash, smallseq
 from .problem import Problem
 
 logger = logging.getLogger("hipattn")
 
 SMALLSEQ = "smallseq"
 FLASH = "flash"
-
-# Why the flash path cannot take a problem, per direction.
-_FLASH_INELIGIBILITY = {"forward": flash.ineligibility, "backward": flash_backward.ineligibility}
-
 
 def smallseq_enabled() -> bool:
     return os.environ.get("HIPATTN_SMALLSEQ", "1") != "0"  # read per call: a change applies at once
@@ -34,7 +30,7 @@ def choose_path(problem: Problem, direction: str) -> str:
     if why_not_smallseq is None:
         path, reason = SMALLSEQ, "every sequence fits the small-seq tile"
     else:
-        why_not_flash = _FLASH_INELIGIBILITY[direction](problem)
+        why_not_flash = flash.ineligibility(problem, direction)
         if why_not_flash is not None:
             raise NotImplementedError(
                 f"hipattn has no {direction} kernel for this call: not the small-seq path ({why_not_smallseq}), "

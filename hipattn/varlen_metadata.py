@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .params import ParamsStruct
+from .jit.params import ParamsStruct
 
 INT32_MAX = 2**31 - 1
 

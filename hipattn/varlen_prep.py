@@ -35,18 +35,16 @@ alike:
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections import Counter
 
 import numpy as np
 
+from . import runtime
 from .backends.base import Backend
-from .families import VARLEN_RECORDS_BLOCK_THREADS, varlen_records_spec
+from .catalog.varlen import VARLEN_RECORDS_BLOCK_THREADS, records_spec
 from .pinned import PinnedBlock, PinnedPool, device_pool, launch_python_host_func, size_class
-from .registry import get_kernel
-from .spec import KernelSpec
 from .varlen_metadata import (
     VARLEN_RECORD_BYTES,
     VARLEN_RECORD_DTYPE,
@@ -162,11 +160,6 @@ def _abandon(pool: PinnedPool, stream: int, *blocks: PinnedBlock) -> None:
         logger.warning("hipattn: could not enqueue the keepalive of %d pinned blocks; they are leaked", len(blocks))
 
 
-@functools.cache
-def _records_spec() -> KernelSpec:
-    return varlen_records_spec()
-
-
 def prepare_varlen_metadata_on_device(
     backend: Backend,
     stream: int,
@@ -187,7 +180,7 @@ def prepare_varlen_metadata_on_device(
     bound = _check_arguments(batch, block_n, limits)
     if batch == 0:
         return
-    kernel = get_kernel(_records_spec(), backend.get_device() if device is None else device)
+    kernel = runtime.active().kernel(records_spec(), backend.get_device() if device is None else device)
     params = kernel.params.from_dict({
         "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_q": seqused_q, "seqused_k": seqused_k,
         "records": records_ptr, "batch": batch, "max_seqlen_q": limits.max_seqlen_q,

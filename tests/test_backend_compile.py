@@ -11,8 +11,8 @@ from support.compilers import hiprtc_backend, nvrtc_backend
 from support.local_rocm import use_local_rocm
 
 from hipattn.errors import CompileError, DriverError
-from hipattn.sources import include_closure
-from hipattn.target import Target
+from hipattn.jit.sources import include_closure
+from hipattn.jit.target import Target
 
 use_local_rocm()
 

@@ -14,8 +14,8 @@ from support.local_rocm import use_local_rocm
 
 from hipattn.backends.base import LoadedFunction
 from hipattn.errors import DriverError
-from hipattn.params import ParamsStruct
-from hipattn.target import Target
+from hipattn.jit.params import ParamsStruct
+from hipattn.jit.target import Target
 
 use_local_rocm()
 
@@ -176,7 +176,7 @@ def test_cuda_streams_events_and_target(cuda):
     assert fake.called("cuEventCreate")[-1] == (driver.CUevent_flags.CU_EVENT_DISABLE_TIMING,)
     backend.event_create(timing=True)
     assert fake.called("cuEventCreate")[-1] == (driver.CUevent_flags.CU_EVENT_DEFAULT,)
-    # Compute capability 9.0 is named sm_90a: its kernels may use wgmma (families.runs_nvidia_wgmma).
+    # Compute capability 9.0 is named sm_90a: its kernels may use wgmma (catalog.targets.runs_nvidia_wgmma).
     assert backend.device_target(0) == Target.parse("sm_90a")
 
 

@@ -10,7 +10,7 @@ from support.local_rocm import use_local_rocm
 
 from hipattn import backends
 from hipattn.errors import BackendUnavailableError
-from hipattn.target import Target
+from hipattn.jit.target import Target
 
 use_local_rocm()
 

@@ -110,7 +110,7 @@ def test_the_public_call_runs_the_check_on_its_launch_stream_only_when_switched_
     """hipattn.forward with a cu_seqlens that breaks max_seqlen: rejected under HIPATTN_CHECK=1,
     launched (and silently clamped by the kernel) without it."""
     import hipattn
-    from hipattn import attention
+    from hipattn import runtime
     from hipattn.ops import smallseq
 
     class GuardedHostBackend(HostMemoryBackend):
@@ -122,7 +122,7 @@ def test_the_public_call_runs_the_check_on_its_launch_stream_only_when_switched_
 
     backend = GuardedHostBackend()
     launched = []
-    monkeypatch.setattr(attention, "get_backend", lambda: backend)
+    monkeypatch.setattr(runtime, "_active", runtime.Runtime(backend))
     monkeypatch.setattr(smallseq, "forward", lambda *args, **kwargs: launched.append(args[-1]))
     keep_q, cu_q = _int32([0, 5, 30])  # the second sequence has 25 tokens
     keep_k, cu_k = _int32([0, 4, 8])

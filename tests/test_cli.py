@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hipattn import families
-from hipattn.cache import DiskCache
-from hipattn.target import Target
+from hipattn import catalog
+from hipattn.jit.cache import DiskCache
+from hipattn.jit.target import Target
 
 REPO = Path(__file__).resolve().parent.parent
 # Debian's ROCm 5.2 hiprtc, linked into a ROCM_PATH-shaped folder (PLATFORM_NOTES.md).
@@ -66,8 +66,8 @@ def test_warm_list_clear(tmp_path, arch):
     require_compiler(arch)
     target = Target.parse(arch)
     by_family: dict[str, list] = {}
-    for spec in families.shipped_specs(target):
-        by_family.setdefault(spec.family, []).append(spec)
+    for spec in catalog.shipped_specs(target):
+        by_family.setdefault(spec.family.name, []).append(spec)
     if not by_family:
         pytest.skip(f"no kernel family ships instantiations for {arch} yet")
     # The smallest family keeps this quick; tests of the kernels compile all of them.
@@ -78,7 +78,7 @@ def test_warm_list_clear(tmp_path, arch):
     assert warm.returncode == 0, warm.stdout + warm.stderr
     assert f"{len(specs)} compiled, 0 already cached, 0 failed" in warm.stdout
     cached = {(entry.spec, entry.arch) for entry in DiskCache(cache_dir).entries()}
-    assert cached == {(spec, arch) for spec in specs}
+    assert cached == {(spec.canonical(), arch) for spec in specs}
 
     again = hipattn("warm", "--arch", arch, "--family", family, cache_dir=cache_dir)
     assert again.returncode == 0, again.stderr

@@ -14,9 +14,9 @@ import sys
 import pytest
 from support.local_rocm import use_local_rocm
 
-from hipattn.cache import DiskCache
-from hipattn.families import shipped_specs
-from hipattn.target import Target
+from hipattn.catalog import shipped_specs
+from hipattn.jit.cache import DiskCache
+from hipattn.jit.target import Target
 
 use_local_rocm()
 
@@ -46,6 +46,6 @@ def test_every_shipped_instantiation_compiles(arch, tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     cached = {(entry.spec, entry.arch) for entry in DiskCache(tmp_path / "cache").entries()}
-    expected = {(spec, arch) for spec in shipped_specs(Target.parse(arch))}
-    assert expected <= cached, f"not compiled: {sorted(str(s) for s, _ in expected - cached)}"
+    expected = {(spec.canonical(), arch) for spec in shipped_specs(Target.parse(arch))}
+    assert expected <= cached, f"not compiled: {sorted(s for s, _ in expected - cached)}"
     assert expected, "no shipped specs: the family table is empty"

@@ -8,10 +8,9 @@ import logging
 
 import pytest
 
-from hipattn import dispatch, problem
+from hipattn import dispatch, problem, runtime
 from hipattn.arrays import raw_array
-from hipattn.ops import capabilities
-from hipattn.target import Target
+from hipattn.jit.target import Target
 
 
 class _Device:
@@ -27,15 +26,10 @@ class _Device:
 @pytest.fixture
 def arch(monkeypatch):
     def use(name: str) -> None:
-        device = _Device(name)
-        monkeypatch.setattr(capabilities, "get_backend", lambda: device)
-        monkeypatch.setattr("hipattn.ops.flash.get_backend", lambda: device)
-        monkeypatch.setattr("hipattn.ops.flash_backward.get_backend", lambda: device)
-        capabilities.forget_devices()
+        monkeypatch.setattr(runtime, "_active", runtime.Runtime(_Device(name)))
 
     monkeypatch.delenv("HIPATTN_SMALLSEQ", raising=False)
-    yield use
-    capabilities.forget_devices()
+    return use
 
 
 def varlen(max_seqlen_q: int, max_seqlen_k: int, head_dim: int = 128) -> problem.Problem:

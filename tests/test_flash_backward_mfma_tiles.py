@@ -8,37 +8,34 @@ import pytest
 from support.compilers import compile_with_layout_checks, hiprtc_backend
 from support.local_rocm import use_local_rocm
 
-from hipattn.families import (
-    AMD_LDS_BYTES,
-    DTYPES,
+from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
+from hipattn.catalog.flash_backward import (
     FLASH_BACKWARD_DKDV_MFMA,
     FLASH_BACKWARD_DKDV_MFMA_TILES,
     FLASH_BACKWARD_DQ_MFMA,
     FLASH_BACKWARD_DQ_MFMA_TILES,
-    FLASH_HEAD_DIMS,
-    flash_backward_dkdv_mfma_shared_bytes,
-    flash_backward_dq_shared_bytes,
-    flash_backward_tiles,
+    tiles_for,
 )
-from hipattn.target import Target
+from hipattn.catalog.targets import AMD_LDS_BYTES
+from hipattn.jit.target import Target
 
 use_local_rocm()
 
 
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
 def test_every_head_dim_runs_the_mfma_rows_on_amd_and_fits_the_hardware(head_dim):
-    dkdv, dq = flash_backward_tiles(head_dim, Target.parse("gfx942"))
+    dkdv, dq = tiles_for(head_dim, Target.parse("gfx942"))
     assert (dkdv, dq) == (FLASH_BACKWARD_DKDV_MFMA_TILES, FLASH_BACKWARD_DQ_MFMA_TILES)
     assert dkdv.block_m == 16 and dkdv.threads == dkdv.block_n // 16 * 64, "a wave per 16 keys, 16-row query tiles"
     assert dq.block_n == 16 and dq.threads == dq.block_m // 16 * 64, "a wave per 16 rows, 16-key steps"
     assert max(dkdv.threads, dq.threads) <= 1024
-    assert flash_backward_dkdv_mfma_shared_bytes(head_dim, dkdv) <= AMD_LDS_BYTES
-    assert flash_backward_dq_shared_bytes(head_dim, dq) == 0
+    assert dkdv.shared_bytes(head_dim) <= AMD_LDS_BYTES
+    assert dq.shared_bytes(head_dim) == 0
 
 
 def test_shared_bytes_formula():
     # Qᵀ and dOᵀ: 128 rows of 16 + 4 elements each; four waves' Pᵀ and dSᵀ: 16 rows of 16 + 4 each.
-    assert flash_backward_dkdv_mfma_shared_bytes(128, FLASH_BACKWARD_DKDV_MFMA_TILES) == (2 * 128 * 20 + 4 * 2 * 16 * 20) * 2
+    assert FLASH_BACKWARD_DKDV_MFMA_TILES.shared_bytes(128) == (2 * 128 * 20 + 4 * 2 * 16 * 20) * 2
 
 
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx942"])
@@ -65,5 +62,4 @@ def test_kernel_layout_matches_the_launcher_bytes():
     table = dict.fromkeys(FLASH_HEAD_DIMS, FLASH_BACKWARD_DKDV_MFMA_TILES)
     compile_with_layout_checks(
         backend, FLASH_BACKWARD_DKDV_MFMA, target, table,
-        lambda head_dim, tiles: f"hipattn::flash::MfmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}>",
-        flash_backward_dkdv_mfma_shared_bytes)
+        lambda head_dim, tiles: f"hipattn::flash::MfmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}>")

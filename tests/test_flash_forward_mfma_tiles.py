@@ -7,16 +7,10 @@ import pytest
 from support.compilers import compile_with_layout_checks, hiprtc_backend
 from support.local_rocm import use_local_rocm
 
-from hipattn.families import (
-    AMD_LDS_BYTES,
-    DTYPES,
-    FLASH_FORWARD_MFMA,
-    FLASH_FORWARD_MFMA_TILES,
-    FLASH_HEAD_DIMS,
-    flash_forward_mfma_shared_bytes,
-    runs_amd_mfma,
-)
-from hipattn.target import Target
+from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
+from hipattn.catalog.flash_forward import FLASH_FORWARD_MFMA, FLASH_FORWARD_MFMA_TILES
+from hipattn.catalog.targets import AMD_LDS_BYTES, runs_amd_mfma
+from hipattn.jit.target import Target
 
 use_local_rocm()
 
@@ -28,14 +22,14 @@ def test_every_head_dim_has_a_row_that_fits_the_hardware(head_dim):
     assert tiles.block_m % 16 == 0 and tiles.block_n % 16 == 0
     assert tiles.threads == tiles.block_m // 16 * 64
     assert tiles.threads <= 1024, "a workgroup holds at most 16 waves"
-    assert flash_forward_mfma_shared_bytes(head_dim, tiles) <= AMD_LDS_BYTES
+    assert tiles.shared_bytes(head_dim) <= AMD_LDS_BYTES
 
 
 def test_shared_bytes_formula():
     # K: 64 rows of 128 + 4 elements; Vᵀ: 128 rows of 64 + 4 elements; 2 bytes each.
     tiles = FLASH_FORWARD_MFMA_TILES[128]
     assert (tiles.block_m, tiles.block_n) == (128, 64)
-    assert flash_forward_mfma_shared_bytes(128, tiles) == (64 * 132 + 128 * 68) * 2
+    assert tiles.shared_bytes(128) == (64 * 132 + 128 * 68) * 2
 
 
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx90a:xnack-", "gfx940", "gfx941", "gfx942", "gfx942:sramecc+:xnack-"])
@@ -65,5 +59,4 @@ def test_kernel_layout_matches_the_launcher_bytes():
     compile_with_layout_checks(
         backend, FLASH_FORWARD_MFMA, target, FLASH_FORWARD_MFMA_TILES,
         lambda head_dim, tiles: f"hipattn::flash::MfmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_m}, "
-                                f"{tiles.block_n}>",
-        flash_forward_mfma_shared_bytes)
+                                f"{tiles.block_n}>")

@@ -7,21 +7,18 @@ from __future__ import annotations
 import pytest
 from support.compilers import compile_family, compile_with_layout_checks, nvrtc_backend
 
-from hipattn.errors import CompileError
-from hipattn.families import (
-    DTYPES,
+from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
+from hipattn.catalog.flash_forward import (
     FLASH_FORWARD_MFMA_TILES,
-    FLASH_FORWARD_TILES,
+    FLASH_FORWARD_MMA_TILES,
     FLASH_FORWARD_WGMMA,
     FLASH_FORWARD_WGMMA_TILES,
-    FLASH_HEAD_DIMS,
-    HOPPER_SHARED_BYTES,
     FlashForwardWgmmaTiles,
-    flash_forward_tiles,
-    flash_forward_wgmma_shared_bytes,
-    runs_nvidia_wgmma,
+    tiles_for,
 )
-from hipattn.target import Target
+from hipattn.catalog.targets import HOPPER_SHARED_BYTES, runs_nvidia_wgmma
+from hipattn.errors import CompileError
+from hipattn.jit.target import Target
 
 
 @pytest.mark.parametrize("head_dim", sorted(FLASH_FORWARD_WGMMA_TILES))
@@ -31,13 +28,13 @@ def test_every_row_fits_hopper_and_names_wgmma_shapes(head_dim):
     assert head_dim in (64, 128, 256), "O is one m64nN wgmma with N = head_dim, in whole 64-column blocks"
     assert tiles.threads == 128 * tiles.warpgroups and tiles.block_m == 64 * tiles.warpgroups
     assert tiles.stages in (2, 3), "K of the next tile is read while this one's P V runs: two slots at least"
-    assert flash_forward_wgmma_shared_bytes(head_dim, tiles) <= HOPPER_SHARED_BYTES
+    assert tiles.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
 
 
 def test_shared_bytes_formula():
     # head_dim 128, 128-key tiles, two warpgroups, two stages: Q (128 rows), two K and two V slots (128 rows
     # each), 2 bytes.
-    assert flash_forward_wgmma_shared_bytes(128, FlashForwardWgmmaTiles(128, 2, 2)) == (128 + 4 * 128) * 128 * 2
+    assert FlashForwardWgmmaTiles(128, 2, 2).shared_bytes(128) == (128 + 4 * 128) * 128 * 2
 
 
 def test_only_sm_90a_ships_it_for_every_head_dim_but_96():
@@ -52,12 +49,12 @@ def test_only_sm_90a_ships_it_for_every_head_dim_but_96():
 
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
 def test_each_target_gets_its_kernels_row(head_dim):
-    wgmma_row = FLASH_FORWARD_WGMMA_TILES.get(head_dim, FLASH_FORWARD_TILES[head_dim])
-    assert flash_forward_tiles(head_dim, Target.parse("sm_90a")) == wgmma_row
+    wgmma_row = FLASH_FORWARD_WGMMA_TILES.get(head_dim, FLASH_FORWARD_MMA_TILES[head_dim])
+    assert tiles_for(head_dim, Target.parse("sm_90a")) == wgmma_row
     for arch in ("sm_80", "sm_89", "sm_90", "sm_120"):
-        assert flash_forward_tiles(head_dim, Target.parse(arch)) == FLASH_FORWARD_TILES[head_dim]
+        assert tiles_for(head_dim, Target.parse(arch)) == FLASH_FORWARD_MMA_TILES[head_dim]
     for arch in ("gfx90a", "gfx942:xnack-"):
-        assert flash_forward_tiles(head_dim, Target.parse(arch)) == FLASH_FORWARD_MFMA_TILES[head_dim]
+        assert tiles_for(head_dim, Target.parse(arch)) == FLASH_FORWARD_MFMA_TILES[head_dim]
 
 
 @pytest.mark.nvrtc
@@ -68,8 +65,7 @@ def test_kernel_layout_matches_the_launcher_bytes():
     compile_with_layout_checks(
         backend, FLASH_FORWARD_WGMMA, target, FLASH_FORWARD_WGMMA_TILES,
         lambda head_dim, tiles: f"hipattn::flash::WgmmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}, "
-                                f"{tiles.warpgroups}, {tiles.stages}>",
-        flash_forward_wgmma_shared_bytes)
+                                f"{tiles.warpgroups}, {tiles.stages}>")
 
 
 @pytest.mark.nvrtc

@@ -7,50 +7,45 @@ from __future__ import annotations
 
 import pytest
 
-from hipattn.families import (
+from hipattn.catalog.common import FLASH_HEAD_DIMS
+from hipattn.catalog.flash_backward import (
     FLASH_BACKWARD_DKDV_TILES,
     FLASH_BACKWARD_DKDV_TILES_HOPPER,
     FLASH_BACKWARD_DQ_TILES,
     FLASH_BACKWARD_DQ_TILES_HOPPER,
-    FLASH_FORWARD_TILES,
-    FLASH_HEAD_DIMS,
-    HOPPER_SHARED_BYTES,
-    flash_backward_dkdv_shared_bytes,
-    flash_backward_dq_shared_bytes,
-    flash_backward_mma_tiles,
-    flash_backward_tiles,
-    flash_forward_shared_bytes,
+    mma_tiles_for,
+    tiles_for,
 )
-from hipattn.target import Target
-
-# The opt-in shared-memory limit of sm_86 and sm_89, the smallest of the sm_80+ parts one table serves.
-SMALLEST_OPT_IN_BYTES = 99 * 1024
+from hipattn.catalog.flash_forward import FLASH_FORWARD_MMA_TILES
+from hipattn.catalog.targets import HOPPER_SHARED_BYTES, SM86_SHARED_BYTES
+from hipattn.jit.target import Target
 
 
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
 def test_every_part_rows_fit_the_smallest_part(head_dim):
-    assert flash_forward_shared_bytes(head_dim, FLASH_FORWARD_TILES[head_dim]) <= SMALLEST_OPT_IN_BYTES
-    assert flash_backward_dkdv_shared_bytes(head_dim, FLASH_BACKWARD_DKDV_TILES[head_dim]) <= SMALLEST_OPT_IN_BYTES
-    assert flash_backward_dq_shared_bytes(head_dim, FLASH_BACKWARD_DQ_TILES[head_dim]) <= SMALLEST_OPT_IN_BYTES
+    # sm_86 and sm_89 opt in to the least shared memory of the sm_80+ parts one table serves.
+    assert FLASH_FORWARD_MMA_TILES[head_dim].shared_bytes(head_dim) <= SM86_SHARED_BYTES
+    assert FLASH_BACKWARD_DKDV_TILES[head_dim].shared_bytes(head_dim) <= SM86_SHARED_BYTES
+    assert FLASH_BACKWARD_DQ_TILES[head_dim].shared_bytes(head_dim) <= SM86_SHARED_BYTES
 
 
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
 def test_hopper_rows_fit_hopper_and_serve_only_it(head_dim):
     dkdv, dq = FLASH_BACKWARD_DKDV_TILES_HOPPER[head_dim], FLASH_BACKWARD_DQ_TILES_HOPPER[head_dim]
-    assert flash_backward_dkdv_shared_bytes(head_dim, dkdv) <= HOPPER_SHARED_BYTES
-    assert flash_backward_dq_shared_bytes(head_dim, dq) <= HOPPER_SHARED_BYTES
+    assert dkdv.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
+    assert dq.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
     for arch in ("sm_90", "sm_90a"):
-        assert flash_backward_mma_tiles(head_dim, Target.parse(arch)) == (dkdv, dq)
-    assert flash_backward_tiles(head_dim, Target.parse("sm_90")) == (dkdv, dq)
+        assert mma_tiles_for(head_dim, Target.parse(arch)) == (dkdv, dq)
+    assert tiles_for(head_dim, Target.parse("sm_90")) == (dkdv, dq)
     for arch in ("sm_80", "sm_86", "sm_89", "sm_120"):
-        assert flash_backward_tiles(head_dim, Target.parse(arch)) == (FLASH_BACKWARD_DKDV_TILES[head_dim],
+        assert tiles_for(head_dim, Target.parse(arch)) == (FLASH_BACKWARD_DKDV_TILES[head_dim],
                                                                       FLASH_BACKWARD_DQ_TILES[head_dim])
 
 
 @pytest.mark.parametrize("hopper", [False, True])
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
 def test_backward_rows_follow_the_kernels_warp_layout(head_dim, hopper):
-    dkdv, dq = flash_backward_tiles(head_dim, Target.parse("sm_90" if hopper else "sm_80"))
+    dkdv, dq = tiles_for(head_dim, Target.parse("sm_90" if hopper else "sm_80"))
     key_slices = dkdv.block_n // 16
     assert dkdv.warps % key_slices == 0, "every 16-key slice has the same number of warps"
     column_groups = dkdv.warps // key_slices

@@ -3,8 +3,8 @@ and enqueue nothing.
 
 Inputs are raw arrays: fake device pointers (16-byte aligned unless a case says otherwise, each array
 in its own address range) on device 0 or 1, so no GPU is needed. The backend is a recording fake
-reached through the seams the launch path looks up (attention.get_backend, capabilities.get_backend and
-smallseq.get_kernel); raw arrays point at nothing, so "the outputs are untouched" is shown by "nothing
+installed as the active runtime (hipattn.runtime), which counts how often the launch path asks for the
+backend or a device's target; raw arrays point at nothing, so "the outputs are untouched" is shown by "nothing
 was enqueued": no launch, memset, copy, allocation or host function.
 """
 
@@ -17,16 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from support.fake_backend import FakeBackend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.fake_backend import FakeBackend
 
 import hipattn
-from hipattn import attention, families
+from hipattn import runtime
 from hipattn.arrays import DeviceArray, element_size, raw_array
-from hipattn.cache import DiskCache
-from hipattn.ops import capabilities, smallseq
-from hipattn.registry import Registry
+from hipattn.catalog import smallseq as smallseq_catalog
+from hipattn.jit.cache import DiskCache
+from hipattn.jit.registry import Registry
+from hipattn.ops import smallseq
 
 # ---- the fake device ------------------------------------------------------------------------------
 
@@ -55,22 +56,42 @@ class RecordingBackend(FakeBackend):
         self.enqueued.append(("launch_host_func", stream))
 
 
+class CountingRuntime(runtime.Runtime):
+    """A runtime over the recording backend that counts how often the launch path asks for the backend
+    or a device's target (both mean: past validation)."""
+
+    __slots__ = ("requests",)
+
+    def __init__(self, backend, registry):
+        super().__init__(backend, registry=registry)
+        self.requests = 0
+
+    @property
+    def backend(self):
+        self.requests += 1
+        return self._backend
+
+    def target(self, device):
+        self.requests += 1
+        return super().target(device)
+
+
 class FakeDevice:
-    """The recording backend, a registry over it, and how often the launch path asked for the backend."""
+    """The recording backend, a registry over it, and the runtime that counts the launch path's requests."""
 
     def __init__(self, cache_dir):
         self.backend = RecordingBackend()
         self.registry = Registry(self.backend, DiskCache(cache_dir))
-        self.backend_requests = 0
+        self.runtime = CountingRuntime(self.backend, self.registry)
 
-    def get_backend(self, name=None):
-        self.backend_requests += 1
-        return self.backend
+    @property
+    def backend_requests(self) -> int:
+        return self.runtime.requests
 
     def reset(self) -> None:
         self.backend.launches.clear()
         self.backend.enqueued.clear()
-        self.backend_requests = 0
+        self.runtime.requests = 0
 
     def work(self) -> list[tuple]:
         """Everything that reached the device: kernel launches, then memory operations."""
@@ -81,16 +102,11 @@ class FakeDevice:
 def device(tmp_path_factory):
     patch = pytest.MonkeyPatch()
     fake = FakeDevice(tmp_path_factory.mktemp("kernel-cache"))
-    patch.setattr(attention, "get_backend", fake.get_backend)
-    patch.setattr(capabilities, "get_backend", fake.get_backend)
-    patch.setattr(smallseq, "get_kernel", fake.registry.get_kernel)
+    patch.setattr(runtime, "_active", fake.runtime)
     patch.delenv("HIPATTN_SMALLSEQ", raising=False)
     patch.delenv(smallseq.KERNEL_SWITCH, raising=False)
-    # Remembered per device, and it asks the backend: forget what any other test's backend said.
-    capabilities.forget_devices()
     yield fake
     patch.undo()
-    capabilities.forget_devices()
 
 
 @pytest.fixture
@@ -485,7 +501,7 @@ def varlen_calls(draw):
         "lengths_k": None,
         "heads_kv": draw(st.integers(1, 4)),
         "group": draw(st.integers(1, 4)),
-        "head_dim": draw(st.sampled_from(families.SMALLSEQ_HEAD_DIMS)),
+        "head_dim": draw(st.sampled_from(smallseq_catalog.SMALLSEQ_HEAD_DIMS)),
         "dtype": draw(st.sampled_from(("fp16", "bf16"))),
         "causal": draw(st.booleans()),
     }
@@ -600,9 +616,10 @@ def test_valid_small_calls_launch_once_with_one_block_per_group_of_problems(
     # (four elements of a row per lane).
     tensor_cores = not portable and (direction == "forward" or heads_q == heads_kv)
     if tensor_cores:
-        table = families.SMALLSEQ_FORWARD_MMA_TILES if direction == "forward" else families.SMALLSEQ_BACKWARD_MMA_TILES
+        table = (smallseq_catalog.SMALLSEQ_FORWARD_MMA_TILES if direction == "forward"
+                 else smallseq_catalog.SMALLSEQ_BACKWARD_MMA_TILES)
         tiles = table[head_dim]
-        assert params.problems_per_team == families.smallseq_problems_per_team(problems, tiles)
+        assert params.problems_per_team == tiles.run_length(problems)
         problems = -(-problems // params.problems_per_team)  # teams, each of which walks its run
         lanes = WARP_LANES * tiles.split
     else:
@@ -614,7 +631,7 @@ def test_valid_small_calls_launch_once_with_one_block_per_group_of_problems(
     assert (params.batch, params.heads_kv, params.causal) == (batch, heads_kv, int(causal))
     function = device.backend.launches[0][0]
     (kernel,) = [kernel for kernel in device.registry.loaded() if kernel.function is function]
-    assert kernel.spec.family == f"smallseq_{direction}" + ("_mma" if tensor_cores else "")
+    assert kernel.spec.family.name == f"smallseq_{direction}" + ("_mma" if tensor_cores else "")
 
 
 def test_numpy_scalars_are_valid_causal_and_softmax_scale(fake):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hipattn.families import FAMILIES
+from hipattn.catalog import FAMILIES
 
 REPO = Path(__file__).resolve().parent.parent
 # Build products, caches and VCS data: nothing a wheel is built from.
@@ -102,11 +102,12 @@ def test_wheel_declares_the_console_script(wheel, wheel_files):
 _INSTALLED_CHECK = """
 import json
 import hipattn
-from hipattn import families, sources
+from hipattn.catalog import FAMILIES
+from hipattn.jit import sources
 
 kernels = sources.kernels_dir()
 # Every family's compile unit resolves its whole include closure from the installed files.
-headers = sorted({name for f in families.FAMILIES.values() for name in sources.compile_unit(f)[1]})
+headers = sorted({name for f in FAMILIES.values() for name in sources.compile_unit(f)[1]})
 print(json.dumps({"package": hipattn.__file__, "kernels_dir": str(kernels), "headers": headers}))
 """
 

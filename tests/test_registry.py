@@ -7,18 +7,12 @@ import threading
 import pytest
 from support.fake_backend import FAKE_FAMILY, FakeBackend
 
-from hipattn import families
-from hipattn.cache import DiskCache
 from hipattn.errors import CompileError, HipattnError
-from hipattn.registry import LoadedKernel, Registry, compile_spec
-from hipattn.target import Target
+from hipattn.jit.cache import DiskCache
+from hipattn.jit.registry import LoadedKernel, Registry, compile_spec
+from hipattn.jit.target import Target
 
 SPEC = FAKE_FAMILY.spec(dtype="bf16", head_dim=64)
-
-
-@pytest.fixture(autouse=True)
-def fake_family(monkeypatch):
-    monkeypatch.setitem(families.FAMILIES, FAKE_FAMILY.name, FAKE_FAMILY)
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from hipattn.families import FAMILIES, SMALLSEQ_TILE
+from hipattn.catalog import FAMILIES
+from hipattn.catalog.smallseq import SMALLSEQ_TILE
 
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "tools" / "sanitize.py"
 _spec = importlib.util.spec_from_file_location("hipattn_tools_sanitize", _PATH)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from support.compilers import compile_family, nvrtc_backend
 
-from hipattn.families import (
+from hipattn.catalog.smallseq import (
     SMALLSEQ_BACKWARD_MMA,
     SMALLSEQ_BACKWARD_MMA_TILES,
     SMALLSEQ_FORWARD_MMA,
@@ -15,15 +15,14 @@ from hipattn.families import (
     SMALLSEQ_HEAD_DIMS,
     SMALLSEQ_TEAMS_WANTED,
     SMALLSEQ_TILE,
-    SmallSeqMmaTiles,
-    smallseq_mma_shared_bytes,
-    smallseq_mma_team_bytes,
-    smallseq_problems_per_team,
+    SmallSeqBackwardMmaTiles,
+    SmallSeqForwardMmaTiles,
 )
-from hipattn.target import Target
+from hipattn.catalog.targets import SM86_SHARED_BYTES
+from hipattn.jit.target import Target
 
-SM86_SHARED_BYTES_PER_BLOCK = 99 * 1024
 TABLES = {"forward": SMALLSEQ_FORWARD_MMA_TILES, "backward": SMALLSEQ_BACKWARD_MMA_TILES}
+ROWS = {"forward": SmallSeqForwardMmaTiles, "backward": SmallSeqBackwardMmaTiles}
 
 
 @pytest.mark.parametrize("direction", TABLES)
@@ -33,21 +32,22 @@ def test_every_head_dim_has_a_row_whose_block_fits_every_sm_80_part(direction):
         assert tiles.problems_per_team >= 1 and tiles.threads == 32 * tiles.warps
         assert tiles.warps % tiles.split == 0 and tiles.teams <= 15, "whole teams, each with its named barrier"
         assert tiles.split in (1, 2)
-        assert smallseq_mma_shared_bytes(direction, head_dim, tiles) <= SM86_SHARED_BYTES_PER_BLOCK
+        assert tiles.shared_bytes(head_dim) <= SM86_SHARED_BYTES
 
 
 def test_team_bytes_formula():
     pitch = (128 + 8) * 2
+    one, pair = {"warps": 1, "problems_per_team": 1}, {"warps": 2, "problems_per_team": 1, "split": 2}
     # A zero row and the tiles: forward Q, K, V ...
-    assert smallseq_mma_team_bytes("forward", 128) == pitch + 3 * SMALLSEQ_TILE * pitch
+    assert SmallSeqForwardMmaTiles(**one).team_bytes(128) == pitch + 3 * SMALLSEQ_TILE * pitch
     # ... backward Q, dO, K, V; then 17 LSE floats (80 bytes) and P and dZ (17 rows of 40 16-bit elements).
-    assert smallseq_mma_team_bytes("backward", 128) == pitch + 4 * SMALLSEQ_TILE * pitch + 80 + 2 * 17 * 80
+    assert SmallSeqBackwardMmaTiles(**one).team_bytes(128) == pitch + 4 * SMALLSEQ_TILE * pitch + 80 + 2 * 17 * 80
     # Two warps of 128 of head_dim 256's columns each; the partial sums one hands the other travel in
     # one of its tiles, so they add nothing.
-    assert smallseq_mma_team_bytes("forward", 256, split=2) == 2 * (pitch + 3 * SMALLSEQ_TILE * pitch)
-    assert smallseq_mma_team_bytes("backward", 256, split=2) == 2 * (pitch + 4 * SMALLSEQ_TILE * pitch) + 80 + 2 * 17 * 80
-    assert smallseq_mma_shared_bytes("backward", 256, SmallSeqMmaTiles(warps=4, problems_per_team=1, split=2)) == (
-        2 * smallseq_mma_team_bytes("backward", 256, split=2))
+    assert SmallSeqForwardMmaTiles(**pair).team_bytes(256) == 2 * (pitch + 3 * SMALLSEQ_TILE * pitch)
+    assert SmallSeqBackwardMmaTiles(**pair).team_bytes(256) == 2 * (pitch + 4 * SMALLSEQ_TILE * pitch) + 80 + 2 * 17 * 80
+    assert SmallSeqBackwardMmaTiles(warps=4, problems_per_team=1, split=2).shared_bytes(256) == (
+        2 * SmallSeqBackwardMmaTiles(**pair).team_bytes(256))
 
 
 @pytest.mark.parametrize("family,direction,layout", [
@@ -61,19 +61,20 @@ def test_the_launcher_reserves_the_bytes_the_kernel_lays_out(family, direction, 
     # cannot carry the partial sums: the kernels' static_asserts reject that split).
     for head_dim, split in [(head_dim, 1) for head_dim in SMALLSEQ_HEAD_DIMS] + [(256, 2)]:
         cpp = "hipattn::smallseq::" + layout.format(d=head_dim, tile=SMALLSEQ_TILE, split=split)
-        checks.append(f'static_assert({cpp}::kBytes == {smallseq_mma_team_bytes(direction, head_dim, split)}, '
-                      f'"{cpp}: bytes differ from families.smallseq_mma_team_bytes");')
+        row = ROWS[direction](warps=split, problems_per_team=1, split=split)
+        checks.append(f'static_assert({cpp}::kBytes == {row.team_bytes(head_dim)}, '
+                      f'"{cpp}: bytes differ from its tile row\'s team_bytes");')
     target = Target.parse("sm_90")
     compile_family(backend, family, target, family.shipped(target)[0], checks)
 
 
 @pytest.mark.parametrize("problems", [1, 7, SMALLSEQ_TEAMS_WANTED - 1, 2 * SMALLSEQ_TEAMS_WANTED + 5, 80_000 * 32,
                                       10**9])
-@pytest.mark.parametrize("tiles", [SmallSeqMmaTiles(warps=4, problems_per_team=4),
-                                   SmallSeqMmaTiles(warps=1, problems_per_team=1),
-                                   SmallSeqMmaTiles(warps=4, problems_per_team=16, split=2)])
+@pytest.mark.parametrize("tiles", [SmallSeqForwardMmaTiles(warps=4, problems_per_team=4),
+                                   SmallSeqBackwardMmaTiles(warps=1, problems_per_team=1),
+                                   SmallSeqForwardMmaTiles(warps=4, problems_per_team=16, split=2)])
 def test_the_runs_of_problems_cover_every_problem_once(problems, tiles):
-    per_team = smallseq_problems_per_team(problems, tiles)
+    per_team = tiles.run_length(problems)
     assert 1 <= per_team <= tiles.problems_per_team
     if problems < SMALLSEQ_TEAMS_WANTED:
         assert per_team == 1, "a small call spreads over as many teams as it has problems"

@@ -22,7 +22,9 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from hipattn import families, pinned, sources, varlen_prep
+from hipattn import catalog, pinned, varlen_prep
+from hipattn.catalog.flash_backward import FLASH_BACKWARD_DKDV_TILES, FLASH_BACKWARD_PARAMS
+from hipattn.jit import sources
 from hipattn.pinned import PinnedPool, device_pool, pending_host_funcs
 from hipattn.problem import THD, Problem
 from hipattn.varlen_metadata import (
@@ -230,7 +232,7 @@ def test_the_launcher_sizes_the_grid_from_the_bound():
 
     problem = Problem(layout=THD, dtype="bf16", batch=100, heads_q=8, heads_kv=2, head_dim=128, max_seqlen_q=4096,
                       max_seqlen_k=4096, total_q=20000, total_k=20000, causal=True, softmax_scale=0.1, device=0)
-    block_n = families.FLASH_BACKWARD_DKDV_TILES[128].block_n
+    block_n = FLASH_BACKWARD_DKDV_TILES[128].block_n
     bound = key_block_bound(SequenceLimits.of(problem), 100, block_n)
     assert flash_backward.dkdv_grid_blocks(problem, True, block_n) == bound * 2
     assert flash_backward.dkdv_grid_blocks(problem, False, block_n) == 4096 // block_n * 100 * 2 > bound * 2
@@ -251,10 +253,10 @@ def test_record_layout_is_five_int32_in_declaration_order():
 def test_every_kernel_that_reads_or_writes_records_declares_them_from_the_one_list():
     declaration = VARLEN_RECORD.cpp_declaration() + VARLEN_RECORD.cpp_size_assertion()
     for name in ("flash_backward_dkdv_mma", "flash_backward_dq_mma", "varlen_records"):
-        family = families.family(name)
+        family = catalog.family(name)
         assert declaration in sources.compile_unit(family)[0], name
         assert VARLEN_RECORD.cpp_declaration() in varlen_record_cpp()
-    assert ("varlen_records", "const_ptr") in families.FLASH_BACKWARD_PARAMS.fields
+    assert ("varlen_records", "const_ptr") in FLASH_BACKWARD_PARAMS.fields
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="needs a host C++ compiler")

@@ -1,8 +1,8 @@
 """General attention on the GPU: hipattn's flash path against torch's, in TFLOP/s, forward and backward.
 
-    python tools/bench_flash.py --out bench_flash.json                       # the issue's table
-    python tools/bench_flash.py --peers hipattn,hipattn@128x64x1x2 --no-backward   # a forward tile sweep
-    python tools/bench_flash.py --peers hipattn@w128x1x1,hipattn@w64x2x2 --no-backward  # wgmma tiles (sm_90a)
+    python -m tools.bench_flash --out bench_flash.json                       # the issue's table
+    python -m tools.bench_flash --peers hipattn,hipattn@128x64x1x2 --no-backward   # a forward tile sweep
+    python -m tools.bench_flash --peers hipattn@w128x1x1,hipattn@w64x2x2 --no-backward  # wgmma tiles (sm_90a)
 
 Workloads (issues 4 and 5): bf16, head_dim 128, 16 heads, 16k tokens per batch. Batch mode: BSHD with
 B = 16384 / S for S in 512 .. 16384. Varlen: the same 16k tokens split into sequences of lengths
@@ -29,7 +29,7 @@ import os
 import random
 import sys
 
-from benchlib import median_ms, run_child  # tools/ is on sys.path when a tool runs as a script
+from tools.benchlib import median_ms, run_child
 
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
@@ -60,28 +60,27 @@ def forward_flops(lengths: list[int], causal: bool) -> float:
 def _tiles(peer: str):
     """The tile override of a peer named ``hipattn@BMxBNxSTAGESxMTILES`` (mma.sync) or
     ``hipattn@wBNxWARPGROUPSxSTAGES`` (wgmma)."""
-    from hipattn.families import FlashForwardTiles, FlashForwardWgmmaTiles
+    from hipattn.catalog.flash_forward import FlashForwardMmaTiles, FlashForwardWgmmaTiles
 
     name = peer.split("@", 1)[1]
     if name.startswith("w"):
         block_n, warpgroups, stages = map(int, name[1:].split("x"))
         return FlashForwardWgmmaTiles(block_n=block_n, warpgroups=warpgroups, stages=stages)
     block_m, block_n, stages, m_tiles = map(int, name.split("x"))
-    return FlashForwardTiles(block_m=block_m, block_n=block_n, stages=stages, m_tiles=m_tiles)
+    return FlashForwardMmaTiles(block_m=block_m, block_n=block_n, stages=stages, m_tiles=m_tiles)
 
 
 def _tile_variant_forward(q, k, v, out, lse, causal: bool, tiles):
     """A closure that enqueues hipattn's flash forward kernel with ``tiles`` (what attention.forward
     does, with the tile override that only ops.flash.forward takes)."""
-    from hipattn import arrays
+    from hipattn import arrays, runtime
     from hipattn import problem as problem_mod
-    from hipattn.backends import get_backend
     from hipattn.ops import flash
     from hipattn.streams import on_device, resolve_stream
 
     qa, ka, va = (arrays.as_device_array(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     out_a, lse_a = arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse")
-    backend = get_backend()
+    backend = runtime.active().backend
 
     def run():
         problem = problem_mod.describe(qa, ka, va, causal=causal)
@@ -186,7 +185,7 @@ def applies(peer: str, workload: str) -> bool:
 
 def _run_child(peer: str, workload: str, causal: bool, backward: bool) -> dict:
     failure = {"peer": peer, "workload": workload, "heads": HEADS, "head_dim": HEAD_DIM, "causal": causal}
-    return run_child(__file__, [peer, workload, str(int(causal)), str(int(backward))], failure)
+    return run_child(__spec__.name, [peer, workload, str(int(causal)), str(int(backward))], failure)
 
 
 def _table(rows: list[dict], peers: list[str], workloads: list[str], key: str) -> str:
@@ -233,7 +232,7 @@ def main() -> None:
     report = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(),
-        "command": "python tools/bench_flash.py " + " ".join(sys.argv[1:]),
+        "command": "python -m tools.bench_flash " + " ".join(sys.argv[1:]),
         "torch": torch.__version__,
         "flops": "forward: 4 * H * D per visible (query, key) pair; forward + backward: 3.5 x that",
         "varlen_lengths": varlen_lengths(),

@@ -1,6 +1,6 @@
 """Host (Python) time of one hipattn.forward / hipattn.backward call with torch tensors.
 
-    python tools/bench_host_overhead.py [--calls 5000] [--out host_overhead.json]
+    python -m tools.bench_host_overhead [--calls 5000] [--out host_overhead.json]
 
 A small varlen problem (8 sequences of 9 tokens, 16 heads, head_dim 128, bf16) with caller-provided
 outputs, so nothing is allocated: what is timed is validation, device guard, stream resolution,
@@ -14,17 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import hipattn  # noqa: E402
-from hipattn import arrays, dispatch, streams  # noqa: E402
-from hipattn import problem as problem_mod  # noqa: E402
-from hipattn.backends import get_backend  # noqa: E402
-from hipattn.ops import smallseq  # noqa: E402
+import hipattn
+from hipattn import arrays, dispatch, runtime, streams
+from hipattn import problem as problem_mod
+from hipattn.ops import smallseq
 
 DRAIN_EVERY = 500
 
@@ -80,7 +75,7 @@ def main() -> None:
     cua, outa, lsea = (arrays.as_device_array(x, n) for x, n in ((cu, "cu"), (out, "out"), (lse, "lse")))
     problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cua, cu_seqlens_k=cua, max_seqlen_q=seqlen,
                                    max_seqlen_k=seqlen)
-    backend = get_backend()
+    backend = runtime.active().backend
     inputs = ((qa, "q"), (ka, "k"), (va, "v"))
     spans = problem_mod.memory_spans(inputs)
     stream = torch.cuda.current_stream().cuda_stream
@@ -97,7 +92,7 @@ def main() -> None:
         "check_output (one output)": lambda: problem_mod.check_output(outa, "out", qa.shape, qa.dtype, problem,
                                                                       spans),
         "choose_path": lambda: dispatch.choose_path(problem, "forward"),
-        "get_backend": get_backend,
+        "runtime.active().backend": lambda: runtime.active().backend,
         "on_device + resolve_stream": guard_and_stream,
         "smallseq.forward (spec, params, launch)": lambda: smallseq.forward(
             problem, qa, ka, va, outa, lsea, stream, cu_seqlens_q=cua, cu_seqlens_k=cua),

@@ -1,6 +1,6 @@
 """Compile and launch costs of the runtime-compiled pipeline, on the machine it runs on.
 
-    python tools/bench_launch.py --out bench_launch.json
+    python -m tools.bench_launch --out bench_launch.json
 
 Measures, for a few representative specs: cold compile time (empty cache), load time from the disk
 cache into a fresh registry (read + verify + module load), and the host (Python) time of one launch
@@ -19,20 +19,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import hipattn  # noqa: E402
-from hipattn import arrays, families  # noqa: E402
-from hipattn.backends import get_backend  # noqa: E402
-from hipattn.cache import DiskCache  # noqa: E402
-from hipattn.ops import preprocess  # noqa: E402
-from hipattn.registry import Registry  # noqa: E402
-from hipattn.streams import on_device  # noqa: E402
+import hipattn
+from hipattn import arrays, runtime
+from hipattn.catalog import preprocess as preprocess_catalog
+from hipattn.catalog.smallseq import SMALLSEQ_BACKWARD_TILES, SMALLSEQ_FORWARD_TILES
+from hipattn.jit.cache import DiskCache
+from hipattn.jit.registry import Registry
+from hipattn.ops import preprocess
+from hipattn.streams import on_device
 
 SPECS = [
-    families.BWD_DOT_DO_O.spec(dtype="bf16", head_dim=128),
-    families.SMALLSEQ_FORWARD.spec(dtype="bf16", head_dim=128, heads=16, tile=families.SMALLSEQ_TILE),
-    families.SMALLSEQ_BACKWARD.spec(dtype="bf16", head_dim=128, heads=16, tile=families.SMALLSEQ_TILE),
+    preprocess_catalog.dot_do_o_spec("bf16", 128),
+    SMALLSEQ_FORWARD_TILES.spec("bf16", 128, heads=16),
+    SMALLSEQ_BACKWARD_TILES.spec("bf16", 128, heads=16),
 ]
 
 
@@ -53,7 +52,7 @@ def main() -> None:
 
     import torch
 
-    backend = get_backend()
+    backend = runtime.active().backend
     device = 0
     rows = []
     with tempfile.TemporaryDirectory() as directory:
@@ -96,7 +95,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(),
         "compiler": backend.compiler_identity(),
-        "command": "python tools/bench_launch.py " + " ".join(sys.argv[1:]),
+        "command": "python -m tools.bench_launch " + " ".join(sys.argv[1:]),
         "specs": rows,
         "preprocess_launch_host_us": kernel_us,
         "forward_call_host_us": api_us,

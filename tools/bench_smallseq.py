@@ -1,6 +1,6 @@
 """Small-seq attention on the GPU: hipattn against its peers, as ratios to the memory floor.
 
-    python tools/bench_smallseq.py --out bench_smallseq.json
+    python -m tools.bench_smallseq --out bench_smallseq.json
 
 Workloads (issue 3): THD, bf16, query and key lengths drawn independently and uniformly from
 1..17. For each: the floor is the bytes that must move (Q, K, V read, O and LSE written, real tokens
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from benchlib import median_ms, run_child  # tools/ is on sys.path when a tool runs as a script
+from tools.benchlib import median_ms, run_child
 
 WORKLOADS = [(16384, 16, 128), (16384, 32, 128), (8192, 16, 256), (4096, 32, 256)]
 TILE = 17
@@ -112,7 +112,7 @@ def measure(peer: str, batch: int, heads: int, head_dim: int) -> dict:
 def _run_child(peer: str, workload: tuple[int, int, int]) -> dict:
     batch, heads, head_dim = workload
     failure = {"peer": peer, "batch": batch, "heads": heads, "head_dim": head_dim}
-    return run_child(__file__, [peer, *map(str, workload)], failure)
+    return run_child(__spec__.name, [peer, *map(str, workload)], failure)
 
 
 def main() -> None:
@@ -148,7 +148,7 @@ def main() -> None:
     report = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(),
-        "command": "python tools/bench_smallseq.py " + " ".join(sys.argv[1:]),
+        "command": "python -m tools.bench_smallseq " + " ".join(sys.argv[1:]),
         "copy_bandwidth_bytes_per_s": bandwidth,
         "torch": torch.__version__,
         "rows": rows,

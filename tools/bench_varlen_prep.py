@@ -1,6 +1,6 @@
 """How the varlen backward's work list is prepared, timed on many small back-to-back calls (issue 5).
 
-    python tools/bench_varlen_prep.py --out bench_varlen_prep.json
+    python -m tools.bench_varlen_prep --out bench_varlen_prep.json
 
 Three ways, on the same calls: ``device`` (a one-block kernel derives the records on the stream),
 ``host`` (the seed's design: cu_seqlens copied to pinned memory, a host function packs the records,
@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from benchlib import median_ms  # tools/ is on sys.path when a tool runs as a script
+from tools.benchlib import median_ms
 
 CALLS, SEQUENCES, HEADS, HEAD_DIM, LENGTHS = 300, 32, 8, 64, (16, 512)
 WAYS = ("device", "host", "sync")
@@ -69,7 +69,7 @@ def main() -> None:
         rows.append({"way": way, "wall_us_per_call_back_to_back": per_call_us, "device_ms_one_call": alone_ms})
         print(json.dumps(rows[-1]), flush=True)
     report = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-              "command": "python tools/bench_varlen_prep.py " + " ".join(sys.argv[1:]),
+              "command": "python -m tools.bench_varlen_prep " + " ".join(sys.argv[1:]),
               "calls": CALLS, "sequences": SEQUENCES, "heads": HEADS, "head_dim": HEAD_DIM, "lengths": LENGTHS,
               "rows": rows}
     with open(args.out, "w") as f:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+# The checkout the tools belong to: a child started there imports its hipattn and tools packages.
+REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def median_ms(fn, warmup: int = 3, repeat: int = 20, calls: int = 1) -> float:
@@ -33,14 +37,15 @@ def median_ms(fn, warmup: int = 3, repeat: int = 20, calls: int = 1) -> float:
     return times[len(times) // 2]
 
 
-def run_child(script: str, arguments: list[str], failure: dict, timeout: int = 600) -> dict:
-    """Run ``script --child ARGUMENTS`` in its own process and return the JSON line it prints.
+def run_child(module: str, arguments: list[str], failure: dict, timeout: int = 600) -> dict:
+    """Run ``python -m module --child ARGUMENTS`` (a tool, from the repository root) in its own process
+    and return the JSON line it prints.
 
     A peer that fails (some break the process with an illegal address) returns ``failure`` plus
     the last line of its output under "error", and cannot take the other measurements down.
     """
-    done = subprocess.run([sys.executable, script, "--child", *arguments], capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run([sys.executable, "-m", module, "--child", *arguments], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPOSITORY)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)

@@ -2,7 +2,7 @@
 
 Run from the repository root on a machine with an NVIDIA GPU:
 
-    python tools/gpu_check_backend.py [--device 0] [--launches 10000]
+    python -m tools.gpu_check_backend [--device 0] [--launches 10000]
 
 Prints one PASS/FAIL line per check and a launch-overhead line (median microseconds of Python time per
 ``backend.launch``); exits non-zero if any check failed.
@@ -16,15 +16,12 @@ import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from hipattn.backends.cuda import CudaBackend  # noqa: E402
-from hipattn.errors import CompileError, DriverError  # noqa: E402
-from hipattn.params import ParamsStruct  # noqa: E402
-from hipattn.sources import include_closure  # noqa: E402
-from hipattn.target import Target  # noqa: E402
+from hipattn.backends.cuda import CudaBackend
+from hipattn.errors import CompileError, DriverError
+from hipattn.jit.params import ParamsStruct
+from hipattn.jit.sources import include_closure
+from hipattn.jit.target import Target
 
 FILL = ParamsStruct("FillParams", (("out", "ptr"), ("n", "i32"), ("value", "f32")))
 

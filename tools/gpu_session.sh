@@ -30,14 +30,14 @@ case "${1:-correctness}" in
   correctness)
     step 300 pytest env HIPATTN_ERROR_REPORT="$out/errors.json" HIPATTN_LEAK_REPORT="$out/leaks.json" \
       python3 -m pytest -q -rs tests/gpu
-    step 60 backend python3 tools/gpu_check_backend.py
+    step 60 backend python -m tools.gpu_check_backend
     ;;
   speed)
-    step 330 smallseq python3 tools/bench_smallseq.py --out "$out/bench_smallseq.json"
-    step 240 flash python3 tools/bench_flash.py --out "$out/bench_flash.json" --workloads 1024,4096,16384,varlen
-    step 60 backward_tiles python3 tools/sweep_flash_backward.py --out "$out/sweep_flash_backward.json"
-    step 60 varlen_prep python3 tools/bench_varlen_prep.py --out "$out/bench_varlen_prep.json"
-    step 60 host python3 tools/bench_host_overhead.py --out "$out/bench_host.json"
+    step 330 smallseq python -m tools.bench_smallseq --out "$out/bench_smallseq.json"
+    step 240 flash python -m tools.bench_flash --out "$out/bench_flash.json" --workloads 1024,4096,16384,varlen
+    step 60 backward_tiles python -m tools.sweep_flash_backward --out "$out/sweep_flash_backward.json"
+    step 60 varlen_prep python -m tools.bench_varlen_prep --out "$out/bench_varlen_prep.json"
+    step 60 host python -m tools.bench_host_overhead --out "$out/bench_host.json"
     ;;
   safety)
     step 330 sanitize env SANITIZE_LOG_DIR="$out/sanitize" bash tools/sanitize.sh --quick

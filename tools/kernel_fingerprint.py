@@ -1,8 +1,8 @@
 """Fingerprints of hipattn's NVIDIA kernels as NVRTC compiles them: kernel refactors checked without a GPU.
 
-    python tools/kernel_fingerprint.py --arch sm_90a                      # one line per shipped kernel
-    python tools/kernel_fingerprint.py --arch sm_90a --against c22a6ac    # this tree against a revision
-    python tools/kernel_fingerprint.py --arch sm_90a --families flash_forward_wgmma --against HEAD
+    python -m tools.kernel_fingerprint --arch sm_90a                      # one line per shipped kernel
+    python -m tools.kernel_fingerprint --arch sm_90a --against c22a6ac    # this tree against a revision
+    python -m tools.kernel_fingerprint --arch sm_90a --families flash_forward_wgmma --against HEAD
 
 Every shipped spec of the named families (default: every family shipped for the arch) is compiled to
 PTX for the arch's virtual architecture (sm_90a: compute_90a) and hashed, without what changes from one
@@ -10,8 +10,9 @@ compile to the next: comment lines, and the per-compilation ID NVRTC writes into
 internal-linkage symbols. Equal hashes mean ptxas gets the same input, so a kernel change that keeps
 every hash (comments, renamed locals, helpers moved between headers, macros folded) runs what the GPU
 last ran, and one that changes a hash must run on the GPU again. With --against, the revision is
-checked out into a temporary git worktree and fingerprinted by this script the same way; the exit
-status is 1 when any kernel differs or exists on one side only.
+checked out into a temporary git worktree and fingerprinted by this script the same way (in a child
+process that imports that tree's hipattn, whichever layout it has); the exit status is 1 when any
+kernel differs or exists on one side only.
 
 NVRTC comes from cuda-bindings (hipattn's `nvidia` extra); no GPU or driver is needed. Both sides are
 compiled by the same NVRTC, whose version is part of the output.
@@ -69,31 +70,44 @@ def _ptx(nvrtc, source: str, headers: dict[str, str], name_expression: str, arch
         nvrtc.nvrtcDestroyProgram(program)
 
 
-def fingerprints(arch: str, family_names: list[str] | None) -> dict[str, str]:
-    """{spec's canonical text: hash of its normalized PTX} for the shipped specs of ``family_names``
-    (None: every family shipped for ``arch``), from the hipattn on sys.path."""
-    from cuda.bindings import nvrtc
+def _shipped_units(arch: str, family_names: list[str] | None):
+    """(canonical spec, compile unit, headers, name expression) of every shipped spec of
+    ``family_names`` (None: every family) for ``arch``, from the hipattn that is importable: this
+    tree's layout (hipattn.catalog, hipattn.jit) or that of revisions before it (hipattn.families)."""
+    try:
+        from hipattn.catalog import FAMILIES
+        from hipattn.jit.sources import compile_unit
+        from hipattn.jit.target import Target
 
-    from hipattn.families import FAMILIES
-    from hipattn.sources import compile_unit
-    from hipattn.spec import name_expression
-    from hipattn.target import Target
+        def expression(family, spec):
+            return spec.name_expression()
+    except ImportError:
+        from hipattn.families import FAMILIES
+
+        from hipattn.jit.sources import compile_unit
+        from hipattn.jit.spec import name_expression as expression
+        from hipattn.jit.target import Target
 
     target = Target.parse(arch)
-    names = family_names if family_names is not None else sorted(FAMILIES)
-    result = {}
-    for name in names:
+    for name in family_names if family_names is not None else sorted(FAMILIES):
         if name not in FAMILIES:
             continue  # the other side may not have it; the comparison reports its specs
         family = FAMILIES[name]
-        specs = family.shipped(target)
+        specs = list(family.shipped(target))
         if not specs:
             continue
         source, headers = compile_unit(family)
         for spec in specs:
-            ptx = _ptx(nvrtc, source, headers, name_expression(family, spec), arch)
-            result[spec.canonical()] = hashlib.sha256(normalized_ptx(ptx)).hexdigest()[:16]
-    return result
+            yield spec.canonical(), source, headers, expression(family, spec)
+
+
+def fingerprints(arch: str, family_names: list[str] | None) -> dict[str, str]:
+    """{spec's canonical text: hash of its normalized PTX} for the shipped specs of ``family_names``
+    (None: every family shipped for ``arch``), from the hipattn that is importable."""
+    from cuda.bindings import nvrtc
+
+    return {canonical: hashlib.sha256(normalized_ptx(_ptx(nvrtc, source, headers, expression, arch))).hexdigest()[:16]
+            for canonical, source, headers, expression in _shipped_units(arch, family_names)}
 
 
 def nvrtc_version() -> str:
@@ -110,10 +124,13 @@ def _fingerprints_of_revision(revision: str, arch: str, family_names: list[str] 
         tree = os.path.join(scratch, "tree")
         subprocess.run(["git", "-C", repository, "worktree", "add", "--detach", "--quiet", tree, revision], check=True)
         try:
-            command = [sys.executable, os.path.abspath(__file__), "--tree", tree, "--arch", arch, "--json"]
+            command = [sys.executable, os.path.abspath(__file__), "--arch", arch, "--json"]
             if family_names is not None:
                 command += ["--families", ",".join(family_names)]
-            done = subprocess.run(command, check=True, capture_output=True, text=True)
+            # The revision's hipattn ahead of any installed one (a path on PYTHONPATH wins over an
+            # editable install's finder).
+            environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])))
+            done = subprocess.run(command, check=True, capture_output=True, text=True, env=environment)
             return json.loads(done.stdout)
         finally:
             subprocess.run(["git", "-C", repository, "worktree", "remove", "--force", tree], check=False)
@@ -124,10 +141,8 @@ def main() -> int:
     parser.add_argument("--arch", default="sm_90a", help="an NVIDIA arch: sm_80, sm_90, sm_90a, ...")
     parser.add_argument("--families", default=None, help="comma-separated kernel families (default: all shipped)")
     parser.add_argument("--against", default=None, help="a git revision to compare this tree with")
-    parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # the checkout whose hipattn to import
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sys.path.insert(0, args.tree or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     family_names = args.families.split(",") if args.families else None
     ours = fingerprints(args.arch, family_names)
     if args.json:

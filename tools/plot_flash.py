@@ -1,7 +1,7 @@
 """Plot a bench_flash.py report: TFLOP/s per workload, forward and forward + backward, hipattn against
 each peer, causal and not.
 
-    python tools/plot_flash.py benchmarks/2026-11-30_h200_flash_run3.json benchmarks/2026-11-30_h200_flash_run3.png
+    python -m tools.plot_flash benchmarks/2026-11-30_h200_flash_run3.json benchmarks/2026-11-30_h200_flash_run3.png
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plot a bench_smallseq.py report: time / floor per workload, hipattn against each peer.
 
-    python tools/plot_smallseq.py benchmarks/2026-11-30_h200_smallseq.json benchmarks/2026-11-30_h200_smallseq.png
+    python -m tools.plot_smallseq benchmarks/2026-11-30_h200_smallseq.json benchmarks/2026-11-30_h200_smallseq.png
 """
 
 from __future__ import annotations

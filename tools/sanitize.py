@@ -1,7 +1,7 @@
 """Every kernel family hipattn ships, on small inputs, for compute-sanitizer (issue 6).
 
-    python tools/sanitize.py                                        # warm the cache; guard checks
-    compute-sanitizer --tool memcheck python tools/sanitize.py      # and racecheck, initcheck, synccheck
+    python -m tools.sanitize                                        # warm the cache; guard checks
+    compute-sanitizer --tool memcheck python -m tools.sanitize      # and racecheck, initcheck, synccheck
     tools/sanitize.sh                                               # all four tools, one summary line each
 
 Each case runs one call with tiny batches: the small-seq forward and backward (tensor-core and
@@ -33,19 +33,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-
-from hipattn.families import (  # noqa: E402 - the repository root goes on the path first
-    FLASH_FORWARD_TILES,
-    SMALLSEQ_BACKWARD_MMA_TILES,
-    SMALLSEQ_TILE,
-    FlashBackwardWgmmaTiles,
-    FlashForwardWgmmaTiles,
-    flash_backward_mma_tiles,
-    flash_backward_tiles,
-    flash_forward_tiles,
-)
-from hipattn.target import Target  # noqa: E402
+from hipattn.catalog import flash_backward as flash_backward_catalog
+from hipattn.catalog import flash_forward as flash_forward_catalog
+from hipattn.catalog.smallseq import SMALLSEQ_BACKWARD_MMA_TILES, SMALLSEQ_TILE, SmallSeqMmaTiles
+from hipattn.jit.target import Target
 
 # The machine compute-sanitizer runs on: an H200.
 SANITIZER_TARGET = Target.parse("sm_90a")
@@ -176,17 +167,16 @@ class Case:
 
 def flash_forward_family(head_dim: int, kernel: str) -> str:
     """The flash forward a case launches on the sanitizer's machine (SANITIZER_TARGET)."""
-    if kernel != "mma.sync" and isinstance(flash_forward_tiles(head_dim, SANITIZER_TARGET), FlashForwardWgmmaTiles):
-        return "flash_forward_wgmma"
-    return "flash_forward_mma"
+    if kernel == "mma.sync":
+        return flash_forward_catalog.FLASH_FORWARD_MMA.name
+    return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET).family.name
 
 
 def flash_dkdv_family(head_dim: int, kernel: str) -> str:
     """The backward's dK/dV kernel a case launches on the sanitizer's machine."""
-    if kernel != "mma.sync" and isinstance(flash_backward_tiles(head_dim, SANITIZER_TARGET)[0],
-                                           FlashBackwardWgmmaTiles):
-        return "flash_backward_dkdv_wgmma"
-    return "flash_backward_dkdv_mma"
+    if kernel == "mma.sync":
+        return flash_backward_catalog.FLASH_BACKWARD_DKDV_MMA.name
+    return flash_backward_catalog.tiles_for(head_dim, SANITIZER_TARGET)[0].family.name
 
 
 def families_of(case: Case) -> tuple[str, ...]:
@@ -406,7 +396,6 @@ def _row_mask(torch, shape, rows_per_batch: list[set[int]], token_axis: int, bat
 
 def run_smallseq(runner: Runner, case: Case) -> None:
     import hipattn
-    from hipattn.ops import smallseq as smallseq_ops
 
     torch = runner.torch
     thd = case.layout == "thd"
@@ -435,9 +424,9 @@ def run_smallseq(runner: Runner, case: Case) -> None:
         os.environ[KERNEL_SWITCH] = "portable"
     else:
         os.environ.pop(KERNEL_SWITCH, None)
-    rule = smallseq_ops.smallseq_problems_per_team
+    rule = SmallSeqMmaTiles.run_length
     if case.problems_per_team is not None:
-        smallseq_ops.smallseq_problems_per_team = lambda problems, tiles: case.problems_per_team
+        SmallSeqMmaTiles.run_length = lambda tiles, problems: case.problems_per_team
     try:
         if case.allocate_outputs:
             out, lse = hipattn.forward(q, k, v, **args)
@@ -455,7 +444,7 @@ def run_smallseq(runner: Runner, case: Case) -> None:
         dv = runner.output("dv", k_shape, case.dtype)
         hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
     finally:
-        smallseq_ops.smallseq_problems_per_team = rule
+        SmallSeqMmaTiles.run_length = rule
         if previous is None:
             os.environ.pop(KERNEL_SWITCH, None)
         else:
@@ -470,9 +459,8 @@ def run_smallseq(runner: Runner, case: Case) -> None:
 
 
 def run_flash_forward(runner: Runner, case: Case) -> None:
-    from hipattn import arrays
+    from hipattn import arrays, runtime
     from hipattn import problem as problem_mod
-    from hipattn.backends import get_backend
     from hipattn.ops import flash
     from hipattn.streams import on_device, resolve_stream
 
@@ -487,11 +475,12 @@ def run_flash_forward(runner: Runner, case: Case) -> None:
     cu_qa, cu_ka = arrays.as_device_array(cu_q, "cu_seqlens_q"), arrays.as_device_array(cu_k, "cu_seqlens_k")
     problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka, max_seqlen_q=case.max_seqlen_q,
                                    max_seqlen_k=case.max_seqlen_k, causal=case.causal)
-    with on_device(get_backend(), problem.device):
+    with on_device(runtime.active().backend, problem.device):
         stream = resolve_stream((qa, ka, va), None, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
                       stream, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka,
-                      tiles=FLASH_FORWARD_TILES[case.head_dim] if case.kernel == "mma.sync" else None)
+                      tiles=flash_forward_catalog.FLASH_FORWARD_MMA_TILES[case.head_dim] if case.kernel == "mma.sync"
+                      else None)
     # The flash kernels pass max_seqlen as their tile (no tile limit of their own).
     rows_q = rows_a_kernel_may_write(case.cu_seqlens_q, None, BATCH, case.max_seqlen_q, case.total_q, case.max_seqlen_q)
     runner.check_outputs({
@@ -503,9 +492,8 @@ def run_flash_forward(runner: Runner, case: Case) -> None:
 def run_flash_backward(runner: Runner, case: Case) -> None:
     """The flash forward for O and LSE, then hipattn.ops.flash_backward.backward with every workspace
     section its own guarded buffer (an overrun of one shows in its guard)."""
-    from hipattn import arrays
+    from hipattn import arrays, runtime
     from hipattn import problem as problem_mod
-    from hipattn.backends import get_backend
     from hipattn.ops import flash, flash_backward
     from hipattn.streams import on_device, resolve_stream
     from hipattn.workspace import backward_workspace
@@ -538,11 +526,11 @@ def run_flash_backward(runner: Runner, case: Case) -> None:
     previous = os.environ.get(PREP_SWITCH)
     os.environ[PREP_SWITCH] = case.varlen_prep
     try:
-        with on_device(get_backend(), problem.device):
+        with on_device(runtime.active().backend, problem.device):
             stream = resolve_stream((qa, ka, va), None, device=problem.device)
             out_a, lse_a = array(out, "out"), array(lse, "lse")
             flash.forward(problem, qa, ka, va, out_a, lse_a, stream, **sequences)
-            mma_rows = flash_backward_mma_tiles(case.head_dim, SANITIZER_TARGET)
+            mma_rows = flash_backward_catalog.mma_tiles_for(case.head_dim, SANITIZER_TARGET)
             flash_backward.backward(problem, qa, ka, va, out_a, array(dout, "dout"), lse_a, array(dq, "dq"),
                                     array(dk, "dk"), array(dv, "dv"), stream, deterministic=case.deterministic,
                                     tiles=mma_rows if case.kernel == "mma.sync" else None, **workspace, **sequences)
@@ -565,8 +553,7 @@ def run_flash_backward(runner: Runner, case: Case) -> None:
 
 
 def run_preprocess(runner: Runner, case: Case) -> None:
-    from hipattn import arrays
-    from hipattn.backends import get_backend
+    from hipattn import arrays, runtime
     from hipattn.ops import preprocess
     from hipattn.streams import on_device
 
@@ -578,7 +565,7 @@ def run_preprocess(runner: Runner, case: Case) -> None:
         shape = (2, case.total_q, case.heads_q, case.head_dim)
         d_shape = (2, case.heads_q, case.total_q)
     stream = torch.cuda.current_stream().cuda_stream
-    with on_device(get_backend(), 0):
+    with on_device(runtime.active().backend, 0):
         if case.kind == "dot_do_o":
             o, do = runner.input(shape, case.dtype), runner.input(shape, case.dtype)
             d = runner.output("d", d_shape, "fp32")

@@ -54,7 +54,7 @@ STATUS=0
 
 if [ "${SANITIZE_SKIP_PLAIN:-0}" != 1 ]; then
     start=$(date +%s)
-    "$PYTHON" tools/sanitize.py "$@" >"$LOG_DIR/plain.log" 2>&1
+    "$PYTHON" -m tools.sanitize "$@" >"$LOG_DIR/plain.log" 2>&1
     rc=$?
     line=$(grep '^sanitize:' "$LOG_DIR/plain.log" | tail -1)
     SUMMARY+=("plain      rc=$rc  $(( $(date +%s) - start ))s  ${line:-no summary line (see $LOG_DIR/plain.log)}")
@@ -77,7 +77,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
     esac
     log="$LOG_DIR/$tool.log"
     start=$(date +%s)
-    env "${envs[@]}" compute-sanitizer "${options[@]}" "$PYTHON" tools/sanitize.py "${script_options[@]}" "$@" >"$log" 2>&1
+    env "${envs[@]}" compute-sanitizer "${options[@]}" "$PYTHON" -m tools.sanitize "${script_options[@]}" "$@" >"$log" 2>&1
     rc=$?
     # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H hazards
     # displayed (N errors, W warnings)".

@@ -1,12 +1,12 @@
 """Tile sweep of the flash backward on the GPU: each (dK/dV tiles, dQ tiles) variant timed on both dQ
 schedules, its gradients checked against torch SDPA's flash backend on the same data.
 
-    python tools/sweep_flash_backward.py --out sweep_flash_backward.json
-    python tools/sweep_flash_backward.py --variants 128:32x64x8/64x32x4,128:32x128x8/64x64x4
+    python -m tools.sweep_flash_backward --out sweep_flash_backward.json
+    python -m tools.sweep_flash_backward --variants 128:32x64x8/64x32x4,128:32x128x8/64x64x4
 
 A variant is ``HEAD_DIM:BMxBNxWARPS/BMxBNxWARPS``, the dK/dV kernel's tiles then the dQ kernel's
-(families.FlashBackwardTiles); a dK/dV part ``wWARPGROUPS`` (``128:w2/128x64x8``) runs the wgmma dK/dV
-kernel (sm_90a; families.FlashBackwardWgmmaTiles). By default each head_dim's every-part table row is
+(catalog.flash_backward.FlashDkdvMmaTiles and FlashDqMmaTiles); a dK/dV part ``wWARPGROUPS``
+(``128:w2/128x64x8``) runs the wgmma dK/dV kernel (sm_90a; FlashDkdvWgmmaTiles). By default each head_dim's every-part table row is
 timed against Hopper's mma.sync rows and, where sm_90a has one, its wgmma row. Workload: bf16, batch
 mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
 Every variant's kernels are compiled first, in parallel processes, into the disk cache.
@@ -25,20 +25,21 @@ import json
 import os
 import sys
 
-from benchlib import median_ms  # tools/ is on sys.path when a tool runs as a script
+from tools.benchlib import median_ms
 
 TOKENS, HEADS = 16384, 16
 # Sweeps add --variants of their own; by default each head_dim's table rows are compared.
 def default_variants() -> list[str]:
     """Per head_dim, the every-part table's rows, Hopper's mma.sync rows, and sm_90a's where they differ
-    (families.flash_backward_tiles)."""
-    from hipattn.families import FLASH_HEAD_DIMS, flash_backward_tiles
-    from hipattn.target import Target
+    (catalog.flash_backward.tiles_for)."""
+    from hipattn.catalog.common import FLASH_HEAD_DIMS
+    from hipattn.catalog.flash_backward import tiles_for
+    from hipattn.jit.target import Target
 
     variants = []
     for head_dim in FLASH_HEAD_DIMS:
         for arch in ("sm_80", "sm_90", "sm_90a"):
-            dkdv, dq = flash_backward_tiles(head_dim, Target.parse(arch))
+            dkdv, dq = tiles_for(head_dim, Target.parse(arch))
             variant = f"{head_dim}:{spell(dkdv)}/{spell(dq)}"
             if variant not in variants:
                 variants.append(variant)
@@ -47,39 +48,38 @@ def default_variants() -> list[str]:
 
 def spell(tiles) -> str:
     """A row as a variant spells it: BMxBNxWARPS (mma.sync), or wWARPGROUPS (the wgmma dK/dV kernel)."""
-    from hipattn.families import FlashBackwardWgmmaTiles
+    from hipattn.catalog.flash_backward import FLASH_BACKWARD_DKDV_WGMMA
 
-    if isinstance(tiles, FlashBackwardWgmmaTiles):
+    if tiles.family is FLASH_BACKWARD_DKDV_WGMMA:
         return f"w{tiles.warpgroups}"
     return f"{tiles.block_m}x{tiles.block_n}x{tiles.warps}"
 
 
 def parse_variant(text: str):
-    from hipattn.families import FlashBackwardTiles, FlashBackwardWgmmaTiles
+    from hipattn.catalog.flash_backward import FlashDkdvMmaTiles, FlashDkdvWgmmaTiles, FlashDqMmaTiles
 
     head_dim, tiles = text.split(":")
     dkdv_text, dq_text = tiles.split("/")
     if dkdv_text.startswith("w"):
-        dkdv = FlashBackwardWgmmaTiles(int(dkdv_text[1:]))
+        dkdv = FlashDkdvWgmmaTiles(int(dkdv_text[1:]))
     else:
-        dkdv = FlashBackwardTiles(*map(int, dkdv_text.split("x")))
-    return int(head_dim), dkdv, FlashBackwardTiles(*map(int, dq_text.split("x")))
+        dkdv = FlashDkdvMmaTiles(*map(int, dkdv_text.split("x")))
+    return int(head_dim), dkdv, FlashDqMmaTiles(*map(int, dq_text.split("x")))
 
 
 def compile_variants(variants) -> None:
     """Every variant's three kernels into the disk cache for device 0's target, in parallel processes
     (hipattn warm's pool)."""
-    from hipattn.backends import get_backend
-    from hipattn.cache import default_cache_dir
+    from hipattn import runtime
     from hipattn.cli import WarmResult, run_compile_pool
-    from hipattn.families import flash_backward_dkdv_spec, flash_backward_dq_spec
+    from hipattn.jit.cache import default_cache_dir
 
-    target = get_backend().device_target(0)  # what the registry will look the kernels up for
+    target = runtime.active().target(0)  # what the registry will look the kernels up for
     specs = set()
     for head_dim, dkdv, dq in variants:
         for write_dq in (False, True):
-            specs.add(flash_backward_dkdv_spec("bf16", head_dim, write_dq, dkdv))
-        specs.add(flash_backward_dq_spec("bf16", head_dim, dq))
+            specs.add(dkdv.spec("bf16", head_dim, write_dq=write_dq))
+        specs.add(dq.spec("bf16", head_dim))
     failures = []
 
     def report(spec, target, outcome) -> None:
@@ -103,9 +103,8 @@ def _case(head_dim: int, seqlen: int, causal: bool, variants) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import hipattn
-    from hipattn import arrays
+    from hipattn import arrays, runtime
     from hipattn import problem as problem_mod
-    from hipattn.backends import get_backend
     from hipattn.ops import flash_backward, preprocess
     from hipattn.streams import on_device, resolve_stream
 
@@ -129,7 +128,7 @@ def _case(head_dim: int, seqlen: int, causal: bool, variants) -> list[dict]:
     pairs = batch * (seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen)
     flops = 4.0 * HEADS * head_dim * pairs
     rows = []
-    backend = get_backend()
+    backend = runtime.active().backend
     with on_device(backend, problem.device):
         stream = resolve_stream((a["q"],), None, device=problem.device)
         rows.append({"head_dim": head_dim, "seqlen": seqlen, "causal": causal,

@@ -1,11 +1,11 @@
 """Sweep of the tensor-core small-seq kernels' table rows on the GPU: warps per block and problems per
-warp, each timed on issue 3's workloads as a ratio to the memory floor.
+warp, each timed on bench_smallseq's workloads as a ratio to the memory floor.
 
-    python tools/sweep_smallseq.py --out sweep_smallseq.json
-    python tools/sweep_smallseq.py --variants forward:128:4x4,forward:128:1x1
+    python -m tools.sweep_smallseq --out sweep_smallseq.json
+    python -m tools.sweep_smallseq --variants forward:128:4x4,forward:128:1x1
 
 A variant is ``DIRECTION:HEAD_DIM:WARPSxPROBLEMS_PER_TEAM``, with ``sSPLIT`` appended for teams of
-SPLIT warps per problem (``backward:256:2x2s2``; families.SmallSeqMmaTiles); by default every table
+SPLIT warps per problem (``backward:256:2x2s2``; catalog.smallseq.SmallSeqMmaTiles); by default every table
 row is timed beside 1x1 and 4x4. Workloads, data and floors are bench_smallseq.py's;
 every variant's outputs are compared with the table row's on the same data, so a fast but wrong
 variant shows as a large "differs" figure.
@@ -17,12 +17,12 @@ import argparse
 import datetime
 import json
 
-from bench_smallseq import TILE, WORKLOADS, _data, copy_bandwidth, floor_bytes
-from benchlib import median_ms
+from tools.bench_smallseq import TILE, WORKLOADS, _data, copy_bandwidth, floor_bytes
+from tools.benchlib import median_ms
 
 
 def default_variants() -> list[str]:
-    from hipattn.families import SMALLSEQ_BACKWARD_MMA_TILES, SMALLSEQ_FORWARD_MMA_TILES
+    from hipattn.catalog.smallseq import SMALLSEQ_BACKWARD_MMA_TILES, SMALLSEQ_FORWARD_MMA_TILES
 
     variants = []
     for direction, table in (("forward", SMALLSEQ_FORWARD_MMA_TILES), ("backward", SMALLSEQ_BACKWARD_MMA_TILES)):
@@ -39,12 +39,13 @@ def spell(tiles) -> str:
 
 
 def parse(variant: str):
-    from hipattn.families import SmallSeqMmaTiles
+    from hipattn.catalog.smallseq import SmallSeqBackwardMmaTiles, SmallSeqForwardMmaTiles
 
     direction, head_dim, row = variant.split(":")
     row, _, split = row.partition("s")
     warps, per_team = (int(x) for x in row.split("x"))
-    return direction, int(head_dim), SmallSeqMmaTiles(warps=warps, problems_per_team=per_team, split=int(split or 1))
+    row_type = SmallSeqForwardMmaTiles if direction == "forward" else SmallSeqBackwardMmaTiles
+    return direction, int(head_dim), row_type(warps=warps, problems_per_team=per_team, split=int(split or 1))
 
 
 def sweep_workload(workload, variants, bandwidth: float) -> list[dict]:
@@ -52,8 +53,7 @@ def sweep_workload(workload, variants, bandwidth: float) -> list[dict]:
     import torch
 
     import hipattn
-    from hipattn import families
-    from hipattn.ops import smallseq
+    from hipattn.catalog import smallseq
 
     batch, heads, head_dim = workload
     q, k, v, cu_q, cu_k, total_q, total_k = _data(batch, heads, head_dim, seed=batch * 1000 + heads + head_dim)
@@ -69,25 +69,21 @@ def sweep_workload(workload, variants, bandwidth: float) -> list[dict]:
         "forward": lambda: hipattn.forward(q, k, v, out=out_variant, lse=lse_variant, **seq),
         "backward": lambda: hipattn.backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], **seq),
     }
-    tables = {"forward": families.SMALLSEQ_FORWARD_MMA_TILES, "backward": families.SMALLSEQ_BACKWARD_MMA_TILES}
+    tables = {"forward": smallseq.SMALLSEQ_FORWARD_MMA_TILES, "backward": smallseq.SMALLSEQ_BACKWARD_MMA_TILES}
     rows = []
     for direction, variant_head_dim, tiles in variants:
         if variant_head_dim != head_dim:
             continue
         shipped = tables[direction][head_dim]
-        tables[direction][head_dim] = tiles
-        smallseq._forward_spec.cache_clear()
-        smallseq._backward_spec.cache_clear()
+        tables[direction][head_dim] = tiles  # the row the launcher looks up for this head_dim, for now
         try:
             ms = median_ms(runs[direction])
         finally:
             tables[direction][head_dim] = shipped
-            smallseq._forward_spec.cache_clear()
-            smallseq._backward_spec.cache_clear()
         got = out_variant if direction == "forward" else torch.cat(grads)
         differs = float((got.float() - reference[direction].float()).abs().max())
         row = {"direction": direction, "batch": batch, "heads": heads, "head_dim": head_dim, "warps": tiles.warps,
-               "split": tiles.split, "problems_per_team": families.smallseq_problems_per_team(batch * heads, tiles),
+               "split": tiles.split, "problems_per_team": tiles.run_length(batch * heads),
                "ms": ms,
                "floor_ms": floors[direction], "ratio": ms / floors[direction], "differs": differs}
         rows.append(row)

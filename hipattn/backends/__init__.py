@@ -11,7 +11,7 @@ import os
 import threading
 
 from ..errors import BackendUnavailableError
-from ..target import AMD, NVIDIA, Target
+from ..jit.target import AMD, NVIDIA, Target
 from .base import Backend, CompiledKernel
 
 __all__ = ["Backend", "CompiledKernel", "compiler_backend", "get_backend"]

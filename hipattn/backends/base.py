@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import CompileError
-from ..target import Target
+from ..jit.target import Target
 
 
 @dataclass(frozen=True)

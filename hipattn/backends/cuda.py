@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from ..errors import BackendUnavailableError, DriverError
-from ..target import NVIDIA, Target
+from ..jit.target import NVIDIA, Target
 from .base import Backend, CompiledKernel, KernelArgumentSlot, LoadedFunction, binding_outputs, compile_error
 
 logger = logging.getLogger("hipattn")

@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from ..errors import BackendUnavailableError, DriverError
-from ..target import AMD, Target
+from ..jit.target import AMD, Target
 from .base import Backend, CompiledKernel, KernelArgumentSlot, LoadedFunction, binding_outputs, compile_error
 
 logger = logging.getLogger("hipattn")

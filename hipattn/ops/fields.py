@@ -1,8 +1,8 @@
 """Kernel-argument fields the attention launchers share: tensors, LSE, and the sequence description.
 
-The names match the parameter structs in families.py (``_strided`` and ``_SEQUENCE_FIELDS``); a
-launcher fills one dict with these and hands it to ``ParamsStruct.from_dict``, which refuses a
-missing field.
+The names match the parameter structs of the catalog (``catalog.fields``: ``strided`` and
+``SEQUENCE_FIELDS``); a launcher fills one dict with these and hands it to ``ParamsStruct.from_dict``,
+which refuses a missing field.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     }
 
 
-# A tensor's four field names (families._strided), spelled once rather than formatted per launch.
+# A tensor's four field names (catalog.fields.strided), spelled once rather than formatted per launch.
 _TENSOR_FIELD_NAMES = {
     name: (name, f"{name}_batch_stride", f"{name}_token_stride", f"{name}_head_stride")
     for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum")
@@ -37,14 +37,20 @@ _TENSOR_FIELD_NAMES = {
 
 
 def put_tensor(fields: dict, name: str, a: DeviceArray, layout: str) -> None:
-    """Add ``a``'s pointer and (batch, token, head) strides (problem.strides_bthd) to ``fields``."""
-    ptr_name, batch_name, token_name, head_name = _TENSOR_FIELD_NAMES[name]
+    """Add ``a``'s pointer and (batch, token, head) strides to ``fields``; THD data is one batch of
+    total tokens, with batch stride 0."""
     strides = a.strides
-    fields[ptr_name] = a.ptr
-    if layout == THD:  # one batch of total tokens: batch stride 0
-        fields[batch_name], fields[token_name], fields[head_name] = 0, strides[0], strides[1]
+    if layout == THD:
+        put_strided(fields, name, a, (0, strides[0], strides[1]))
     else:
-        fields[batch_name], fields[token_name], fields[head_name] = strides[0], strides[1], strides[2]
+        put_strided(fields, name, a, (strides[0], strides[1], strides[2]))
+
+
+def put_strided(fields: dict, name: str, a: DeviceArray, strides: tuple[int, int, int]) -> None:
+    """Add ``a``'s pointer and the given (batch, token, head) element strides to ``fields``."""
+    ptr_name, batch_name, token_name, head_name = _TENSOR_FIELD_NAMES[name]
+    fields[ptr_name] = a.ptr
+    fields[batch_name], fields[token_name], fields[head_name] = strides
 
 
 def put_absent_tensor(fields: dict, name: str) -> None:
@@ -54,7 +60,7 @@ def put_absent_tensor(fields: dict, name: str) -> None:
 
 
 def put_row_statistic(fields: dict, name: str, a: DeviceArray, problem: Problem) -> None:
-    """Add an fp32 array laid out as the LSE (families._row_statistic: "lse", or the backward's
+    """Add an fp32 array laid out as the LSE (catalog.fields.row_statistic: "lse", or the backward's
     "softmax_d" = rowsum(dO * O)): its pointer and (batch, head) strides."""
     fields[name] = a.ptr
     fields[f"{name}_batch_stride"], fields[f"{name}_head_stride"] = lse_strides(a, problem)

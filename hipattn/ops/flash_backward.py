@@ -31,46 +31,26 @@ from __future__ import annotations
 
 import functools
 
+from .. import runtime
 from ..arrays import DeviceArray
-from ..backends import get_backend
-from ..families import (
-    FLASH_HEAD_DIMS,
-    FlashBackwardDkdvRow,
-    FlashBackwardDqRow,
-    flash_backward_dkdv_shared_bytes,
-    flash_backward_dkdv_spec,
-    flash_backward_dq_shared_bytes,
-    flash_backward_dq_spec,
-)
+from ..catalog import flash_backward
+from ..catalog.flash_backward import FlashDkdvTiles, FlashDqTiles
+from ..catalog.targets import check_grid
+from ..catalog.tiles import KernelTiles
+from ..jit.spec import KernelSpec
 from ..problem import THD, Problem
-from ..registry import get_kernel
-from ..spec import KernelSpec
 from ..varlen_metadata import VARLEN_RECORD_WORDS, SequenceLimits, key_block_bound
 from ..varlen_prep import prep_way, prepare_varlen_records
 from . import preprocess
-from .capabilities import backward_tiles, has_amd_mfma, has_nvidia_mma
 from .fields import put_absent_tensor, put_row_statistic, put_tensor, sequence_fields
-from .flash import MAX_GRID_X
+from .flash import ineligibility
 
 
-def ineligibility(problem: Problem) -> str | None:
-    """Why the flash backward cannot take ``problem`` on its device, or None when it can."""
-    if problem.head_dim not in FLASH_HEAD_DIMS:
-        return f"head_dim {problem.head_dim} is not one of {FLASH_HEAD_DIMS}"
-    if not (has_nvidia_mma(problem.device) or has_amd_mfma(problem.device)):
-        arch = get_backend().device_target(problem.device).arch
-        return f"the flash backward needs NVIDIA sm_80+ or AMD gfx90a/gfx94x; device {problem.device} is {arch}"
-    return None
-
-
+# A row's spec and shared memory per (dtype, head_dim[, write_dq]), worked out once: a launch pays a
+# dict hit.
 @functools.cache
-def _dkdv_spec(dtype: str, head_dim: int, write_dq: bool, tiles: FlashBackwardDkdvRow) -> KernelSpec:
-    return flash_backward_dkdv_spec(dtype, head_dim, write_dq, tiles)
-
-
-@functools.cache
-def _dq_spec(dtype: str, head_dim: int, tiles: FlashBackwardDqRow) -> KernelSpec:
-    return flash_backward_dq_spec(dtype, head_dim, tiles)
+def _launch_of(tiles: KernelTiles, dtype: str, head_dim: int, **more) -> tuple[KernelSpec, int]:
+    return tiles.spec(dtype, head_dim, **more), tiles.shared_bytes(head_dim)
 
 
 def dkdv_grid_blocks(problem: Problem, work_list: bool, block_n: int) -> int:
@@ -87,11 +67,6 @@ def dq_grid_blocks(problem: Problem, block_m: int) -> int:
     return -(-problem.max_seqlen_q // block_m) * problem.batch * problem.heads_q
 
 
-def _check_grid(blocks: int, what: str) -> None:
-    if blocks > MAX_GRID_X:
-        raise ValueError(f"{blocks} {what} exceed the grid limit of {MAX_GRID_X} blocks")
-
-
 def _check_records(varlen_records: DeviceArray, problem: Problem) -> None:
     if problem.layout != THD:
         raise ValueError("flash backward: varlen_records is the THD (cu_seqlens) work list; this call is BSHD")
@@ -105,7 +80,7 @@ def _check_records(varlen_records: DeviceArray, problem: Problem) -> None:
 def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int, *, softmax_d: DeviceArray,
              dq_accum: DeviceArray | None = None, varlen_records: DeviceArray | None = None,
              deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-             tiles: tuple[FlashBackwardDkdvRow, FlashBackwardDqRow] | None = None) -> None:
+             tiles: tuple[FlashDkdvTiles, FlashDqTiles] | None = None) -> None:
     """Enqueue dQ, dK and dV of attention ``out`` = softmax(scale q kᵀ) v, given dout and the forward's lse.
 
     All arguments are DeviceArrays in ``problem``'s layout; dq, dk, dv take q, k, v's shapes and dtype.
@@ -115,9 +90,9 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     dK/dV kernel's work list, prepared here on ``stream`` (workspace.backward_workspace's section).
     ``tiles`` overrides the (dK/dV, dQ) table rows for head_dim, and with the dK/dV row's type its
     kernel (tools/sweep_flash_backward.py sweeps them this way, and times mma.sync against wgmma on one
-    device); the default is the device's rows (families.flash_backward_tiles).
+    device); the default is the rows the device's target runs (catalog.flash_backward.tiles_for).
     """
-    reason = ineligibility(problem)
+    reason = ineligibility(problem, "backward")
     if reason is not None:
         raise ValueError(f"flash backward: {reason}")
     if not deterministic and dq_accum is None:
@@ -126,11 +101,14 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     if work_list:
         _check_records(varlen_records, problem)
         way = prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
-    dkdv_tiles, dq_tiles = tiles or backward_tiles(problem.device, problem.head_dim)
+    active = runtime.active()
+    target = active.target(problem.device)
+    dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target)
     dkdv_blocks = dkdv_grid_blocks(problem, work_list, dkdv_tiles.block_n)
     dq_blocks = dq_grid_blocks(problem, dq_tiles.block_m)
-    _check_grid(dkdv_blocks, "key blocks x KV heads" if work_list else "key tiles x sequences x KV heads")
-    _check_grid(dq_blocks, "query tiles x sequences x heads")
+    check_grid(target, dkdv_blocks, dkdv_tiles.threads,
+               "key blocks x KV heads" if work_list else "key tiles x sequences x KV heads")
+    check_grid(target, dq_blocks, dq_tiles.threads, "query tiles x sequences x heads")
 
     fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     layout = problem.layout
@@ -147,7 +125,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
 
     if work_list and dkdv_blocks:
         prepare_varlen_records(
-            get_backend(), stream, problem.device, fields["cu_seqlens_q"], fields["cu_seqlens_k"], problem.batch,
+            active.backend, stream, problem.device, fields["cu_seqlens_q"], fields["cu_seqlens_k"], problem.batch,
             dkdv_tiles.block_n, varlen_records.ptr, limits=SequenceLimits.of(problem),
             seqused_q=fields["seqused_q"], seqused_k=fields["seqused_k"], way=way)
     preprocess.dot_do_o(out, dout, softmax_d, stream)
@@ -155,20 +133,21 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
         preprocess.zero_dq_accum(dq_accum, stream)
     # With no query rows (max_seqlen_q 0) the dK/dV kernel still runs: its keys get dK = dV = 0.
     if dkdv_blocks:
-        _launch(_dkdv_spec(problem.dtype, problem.head_dim, not deterministic, dkdv_tiles), dkdv_tiles,
-                flash_backward_dkdv_shared_bytes(problem.head_dim, dkdv_tiles), dkdv_blocks, problem, stream, fields)
+        _launch(active, _launch_of(dkdv_tiles, problem.dtype, problem.head_dim, write_dq=not deterministic),
+                dkdv_tiles, dkdv_blocks, problem, stream, fields)
     if not deterministic:
         # The kernel adds unscaled dS K; the conversion applies softmax_scale once.
         preprocess.convert_dq(dq_accum, dq, problem.softmax_scale, stream)
     elif dq_blocks:
         # With no keys (max_seqlen_k 0) the dQ kernel still runs: its rows get dQ = 0.
-        _launch(_dq_spec(problem.dtype, problem.head_dim, dq_tiles), dq_tiles,
-                flash_backward_dq_shared_bytes(problem.head_dim, dq_tiles), dq_blocks, problem, stream, fields)
+        _launch(active, _launch_of(dq_tiles, problem.dtype, problem.head_dim), dq_tiles, dq_blocks, problem,
+                stream, fields)
 
 
-def _launch(spec: KernelSpec, tiles: FlashBackwardDkdvRow, shared_bytes: int, blocks: int, problem: Problem,
-            stream: int, fields: dict) -> None:
+def _launch(active: runtime.Runtime, launch: tuple[KernelSpec, int], tiles: KernelTiles, blocks: int,
+            problem: Problem, stream: int, fields: dict) -> None:
     """One of the two kernels, on ``blocks`` blocks of ``tiles.threads``; both read the one struct."""
-    kernel = get_kernel(spec, problem.device)
+    spec, shared_bytes = launch
+    kernel = active.kernel(spec, problem.device)
     kernel.reserve_dynamic_shared_memory(shared_bytes)
     kernel.launch((blocks, 1, 1), (tiles.threads, 1, 1), shared_bytes, stream, kernel.params.from_dict(fields))

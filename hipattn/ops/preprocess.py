@@ -7,19 +7,15 @@ and dq_accum are fp32. Everything is enqueued on the given stream, on the curren
 
 from __future__ import annotations
 
-import functools
-
+from .. import runtime
 from ..arrays import DeviceArray
-from ..backends import get_backend
-from ..families import (
-    BWD_CONVERT_DQ,
-    BWD_DOT_DO_O,
+from ..catalog.preprocess import (
     PREPROCESS_BLOCK_THREADS,
-    PREPROCESS_TEAM_LANES,
-    preprocess_spec,
+    PREPROCESS_ROWS_PER_BLOCK,
+    convert_dq_spec,
+    dot_do_o_spec,
 )
-from ..registry import get_kernel
-from ..spec import KernelSpec
+from .fields import put_strided
 
 
 def _bshd(a: DeviceArray, name: str) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
@@ -31,34 +27,9 @@ def _bshd(a: DeviceArray, name: str) -> tuple[tuple[int, int, int, int], tuple[i
     raise ValueError(f"{name} has shape {a.shape}; expected [total, heads, head_dim] or [batch, seqlen, heads, head_dim]")
 
 
-# A tensor's four field names (families._strided), spelled once rather than formatted per launch.
-_FIELD_NAMES = {
-    name: (name, f"{name}_batch_stride", f"{name}_token_stride", f"{name}_head_stride")
-    for name in ("o", "dout", "dq_accum", "dq")
-}
-
-
-def _put(fields: dict, name: str, strides: tuple[int, int, int], a: DeviceArray) -> None:
-    ptr_name, batch_name, token_name, head_name = _FIELD_NAMES[name]
-    fields[ptr_name] = a.ptr
-    fields[batch_name], fields[token_name], fields[head_name] = strides
-
-
-# One frozen spec per (dtype, head_dim), built once: a launch pays a dict hit, not KernelFamily.spec.
-@functools.cache
-def _dot_do_o_spec(dtype: str, head_dim: int) -> KernelSpec:
-    return preprocess_spec(BWD_DOT_DO_O, dtype, head_dim)
-
-
-@functools.cache
-def _convert_dq_spec(dtype: str, head_dim: int) -> KernelSpec:
-    return preprocess_spec(BWD_CONVERT_DQ, dtype, head_dim)
-
-
 def _grid(batch: int, seqlen: int, heads: int) -> tuple[int, int, int]:
     rows = batch * seqlen * heads
-    rows_per_block = PREPROCESS_BLOCK_THREADS // PREPROCESS_TEAM_LANES
-    return ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
+    return (-(-rows // PREPROCESS_ROWS_PER_BLOCK), 1, 1)
 
 
 def dot_do_o(out: DeviceArray, dout: DeviceArray, d: DeviceArray, stream: int) -> None:
@@ -73,18 +44,18 @@ def dot_do_o(out: DeviceArray, dout: DeviceArray, d: DeviceArray, stream: int) -
     d_batch_stride, d_head_stride = (0, d.strides[0]) if len(out.shape) == 3 else (d.strides[0], d.strides[1])
     if batch * seqlen * heads == 0:
         return
-    kernel = get_kernel(_dot_do_o_spec(out.dtype, head_dim), out.device)
+    kernel = runtime.active().kernel(dot_do_o_spec(out.dtype, head_dim), out.device)
     fields = {"d": d.ptr, "d_batch_stride": d_batch_stride, "d_head_stride": d_head_stride, "batch": batch,
               "seqlen": seqlen, "heads": heads}
-    _put(fields, "o", o_strides, out)
-    _put(fields, "dout", do_strides, dout)
+    put_strided(fields, "o", out, o_strides)
+    put_strided(fields, "dout", dout, do_strides)
     params = kernel.params.from_dict(fields)
     kernel.launch(_grid(batch, seqlen, heads), (PREPROCESS_BLOCK_THREADS, 1, 1), 0, stream, params)
 
 
 def zero_dq_accum(dq_accum: DeviceArray, stream: int) -> None:
     """Clear the fp32 accumulator the backward kernels add into (must be contiguous)."""
-    get_backend().memset_async(dq_accum.ptr, 0, dq_accum.nbytes, stream)
+    runtime.active().backend.memset_async(dq_accum.ptr, 0, dq_accum.nbytes, stream)
 
 
 def convert_dq(dq_accum: DeviceArray, dq: DeviceArray, scale: float, stream: int) -> None:
@@ -95,9 +66,9 @@ def convert_dq(dq_accum: DeviceArray, dq: DeviceArray, scale: float, stream: int
         raise ValueError(f"dq_accum must be fp32 with dq's shape {dq.shape}; got {dq_accum.dtype} {dq_accum.shape}")
     if batch * seqlen * heads == 0:
         return
-    kernel = get_kernel(_convert_dq_spec(dq.dtype, head_dim), dq.device)
+    kernel = runtime.active().kernel(convert_dq_spec(dq.dtype, head_dim), dq.device)
     fields = {"scale": float(scale), "batch": batch, "seqlen": seqlen, "heads": heads}
-    _put(fields, "dq_accum", acc_strides, dq_accum)
-    _put(fields, "dq", dq_strides, dq)
+    put_strided(fields, "dq_accum", dq_accum, acc_strides)
+    put_strided(fields, "dq", dq, dq_strides)
     params = kernel.params.from_dict(fields)
     kernel.launch(_grid(batch, seqlen, heads), (PREPROCESS_BLOCK_THREADS, 1, 1), 0, stream, params)

@@ -10,25 +10,12 @@ from __future__ import annotations
 import functools
 import os
 
-from ..families import (
-    SMALLSEQ_BACKWARD,
-    SMALLSEQ_BACKWARD_MMA,
-    SMALLSEQ_BACKWARD_MMA_TILES,
-    SMALLSEQ_FORWARD,
-    SMALLSEQ_FORWARD_MMA,
-    SMALLSEQ_FORWARD_MMA_TILES,
-    SMALLSEQ_HEAD_DIMS,
-    SMALLSEQ_TILE,
-    smallseq_mma_shared_bytes,
-    smallseq_mma_spec,
-    smallseq_portable_spec,
-    smallseq_problems_per_team,
-    smallseq_teams_per_block,
-)
+from .. import runtime
+from ..catalog import smallseq
+from ..catalog.smallseq import SMALLSEQ_HEAD_DIMS, SMALLSEQ_TILE, SmallSeqTiles
+from ..catalog.targets import check_grid
+from ..jit.spec import KernelSpec
 from ..problem import Problem
-from ..registry import get_kernel
-from ..spec import KernelSpec
-from .capabilities import has_nvidia_mma
 from .fields import forward_fields, put_row_statistic, put_tensor, sequence_fields
 
 # HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) kernels, forward
@@ -49,24 +36,29 @@ def ineligibility(problem: Problem) -> str | None:
     return None
 
 
-# Specs are frozen and few (one per dtype, head_dim and heads in use): each is built once, so a
+def _portable_forced() -> bool:
+    return os.environ.get(KERNEL_SWITCH) == "portable"  # read per call: a change applies at once
+
+
+# Specs are frozen and few (one per row, dtype, head_dim and heads in use): each is built once, so a
 # launch pays a dict hit instead of KernelFamily.spec's argument checks.
 @functools.cache
-def _forward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) -> KernelSpec:
-    if tensor_cores:
-        return smallseq_mma_spec(SMALLSEQ_FORWARD_MMA, dtype, head_dim, heads)
-    return smallseq_portable_spec(SMALLSEQ_FORWARD, dtype, head_dim, heads)
+def _spec(tiles: SmallSeqTiles, dtype: str, head_dim: int, heads: int) -> KernelSpec:
+    return tiles.spec(dtype, head_dim, heads=heads)
 
 
-@functools.cache
-def _backward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) -> KernelSpec:
-    if tensor_cores:
-        return smallseq_mma_spec(SMALLSEQ_BACKWARD_MMA, dtype, head_dim, heads)
-    return smallseq_portable_spec(SMALLSEQ_BACKWARD, dtype, head_dim, heads)
-
-
-def _tensor_cores(device: int) -> bool:
-    return has_nvidia_mma(device) and os.environ.get(KERNEL_SWITCH) != "portable"
+def _launch(tiles: SmallSeqTiles, problem: Problem, problems: int, fields: dict, stream: int) -> None:
+    """Launch ``tiles``' kernel over ``problems`` problems; the row says how its teams cover them."""
+    active = runtime.active()
+    group = problem.heads_q // problem.heads_kv
+    launch = tiles.launch(problems, problem.head_dim, group)
+    check_grid(active.target(problem.device), launch.blocks, launch.threads, "small-seq blocks")
+    kernel = active.kernel(_spec(tiles, problem.dtype, problem.head_dim, problem.heads_q), problem.device)
+    if launch.problems_per_team is not None:
+        fields["problems_per_team"] = launch.problems_per_team
+    kernel.reserve_dynamic_shared_memory(launch.shared_bytes)
+    kernel.launch((launch.blocks, 1, 1), (launch.threads, 1, 1), launch.shared_bytes, stream,
+                  kernel.params.from_dict(fields))
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -76,47 +68,9 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     if problems == 0:
         return  # batch 0: nothing to read or write
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    _launch("forward", _tensor_cores(problem.device), problem, problems, fields, stream)
-
-
-def _launch(direction: str, tensor_cores: bool, problem: Problem, problems: int, fields: dict, stream: int) -> None:
-    """Launch the forward or backward kernel over ``problems`` problems.
-
-    Portable kernels give each problem a team of head_dim / SMALLSEQ_LANE_ELEMENTS lanes; tensor-core
-    kernels give each run of problems_per_team problems a team of one or two warps (the table's row).
-    """
-    spec_of = _forward_spec if direction == "forward" else _backward_spec
-    spec = spec_of(tensor_cores, problem.dtype, problem.head_dim, problem.heads_q)
-    kernel = get_kernel(spec, problem.device)
-    if tensor_cores:
-        table = SMALLSEQ_FORWARD_MMA_TILES if direction == "forward" else SMALLSEQ_BACKWARD_MMA_TILES
-        tiles = table[problem.head_dim]
-        shared = smallseq_mma_shared_bytes(direction, problem.head_dim, tiles)
-        fields["problems_per_team"] = per_team = smallseq_problems_per_team(problems, tiles)
-        teams, teams_per_block, threads = (problems + per_team - 1) // per_team, tiles.teams, tiles.threads
-    else:
-        teams, teams_per_block, threads = problems, smallseq_teams_per_block(spec), spec.arg("block_threads")
-        shared = backward_shared_bytes(problem, teams_per_block) if direction == "backward" else 0
-    kernel.reserve_dynamic_shared_memory(shared)
-    # The teams go on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
-    blocks = (teams + teams_per_block - 1) // teams_per_block
-    kernel.launch((blocks, 1, 1), (threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
-
-
-def _backward_on_tensor_cores(problem: Problem) -> bool:
-    return (
-        problem.heads_q == problem.heads_kv
-        and problem.head_dim in SMALLSEQ_BACKWARD_MMA_TILES
-        and _tensor_cores(problem.device)
-    )
-
-
-def backward_shared_bytes(problem: Problem, teams_per_block: int) -> int:
-    """Dynamic shared memory of one portable backward block: each team's dK/dV sums over its GQA
-    group, fp32 [2][tile][head_dim] (backward.hip's group_accum)."""
-    if problem.heads_q == problem.heads_kv:
-        return 0  # each team writes its dK/dV straight out
-    return teams_per_block * 2 * SMALLSEQ_TILE * problem.head_dim * 4
+    target = runtime.active().target(problem.device)
+    _launch(smallseq.forward_tiles(problem.head_dim, target, portable=_portable_forced()), problem, problems,
+            fields, stream)
 
 
 def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
@@ -131,4 +85,7 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         put_tensor(fields, name, a, layout)
     put_row_statistic(fields, "lse", lse, problem)
-    _launch("backward", _backward_on_tensor_cores(problem), problem, problems, fields, stream)
+    target = runtime.active().target(problem.device)
+    tiles = smallseq.backward_tiles(problem.head_dim, target, group=problem.heads_q // problem.heads_kv,
+                                    portable=_portable_forced())
+    _launch(tiles, problem, problems, fields, stream)

@@ -14,12 +14,12 @@ import math
 import pytest
 import torch
 
-from hipattn import arrays
+from hipattn import arrays, runtime
 from hipattn import problem as problem_mod
 from hipattn.backends import get_backend
-from hipattn.families import FLASH_HEAD_DIMS, flash_backward_mma_tiles
+from hipattn.catalog.common import FLASH_HEAD_DIMS
+from hipattn.catalog.flash_backward import mma_tiles_for, tiles_for
 from hipattn.ops import flash, flash_backward
-from hipattn.ops.capabilities import backward_tiles
 from hipattn.streams import on_device, resolve_stream
 from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
 
@@ -164,7 +164,7 @@ def test_every_shipped_instantiation_matches_float64(dtype, head_dim, causal, de
 def test_the_mma_sync_dkdv_kernel_matches_float64(dtype, causal, deterministic, rng):
     """head_dim 128 runs the wgmma dK/dV kernel on sm_90a; its mma.sync row (what every other sm_80+
     part runs) is checked here too, through the tiles override."""
-    tiles = flash_backward_mma_tiles(128, get_backend().device_target(0))
+    tiles = mma_tiles_for(128, runtime.active().target(0))
     _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, 128, dtype, causal, rng, deterministic=deterministic, tail_rows=3,
                  tiles=tiles, case=f"mma.sync {dtype} d128 causal={causal} deterministic={deterministic}")
 
@@ -208,7 +208,7 @@ def test_a_long_sequence_walks_many_tiles(head_dim, causal, rng):
 def test_max_seqlen_is_an_upper_bound(work_list, rng):
     """A bound far above every real length launches idle blocks that must write nothing: with the
     work list (blocks past its end) and with the grid sized from max_seqlen_k."""
-    slack = 3 * max(backward_tiles(0, head_dim)[0].block_n for head_dim in FLASH_HEAD_DIMS) + 5
+    slack = 3 * max(tiles_for(head_dim, runtime.active().target(0))[0].block_n for head_dim in FLASH_HEAD_DIMS) + 5
     for deterministic in (False, True):
         _varlen_case([33, 250, 7], [250, 33, 7], 4, 2, 128, "bf16", True, rng, deterministic=deterministic,
                      bound_slack=slack, tail_rows=2, work_list=work_list,

@@ -12,7 +12,8 @@ import torch
 from hipattn import arrays
 from hipattn import problem as problem_mod
 from hipattn.backends import get_backend
-from hipattn.families import FLASH_FORWARD_TILES, FLASH_FORWARD_WGMMA_TILES, FLASH_HEAD_DIMS
+from hipattn.catalog.common import FLASH_HEAD_DIMS
+from hipattn.catalog.flash_forward import FLASH_FORWARD_MMA_TILES, FLASH_FORWARD_WGMMA_TILES
 from hipattn.ops import flash
 from hipattn.streams import on_device, resolve_stream
 
@@ -131,7 +132,7 @@ def test_every_shipped_instantiation_matches_float64_and_sdpa(dtype, head_dim, c
 def test_the_mma_sync_kernel_matches_float64_and_sdpa(dtype, head_dim, causal, rng):
     """The sm_80+ kernel that H100/H200 do not pick (they run wgmma), through its table row."""
     _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, dtype, causal, rng, tail_rows=3,
-                 tiles=FLASH_FORWARD_TILES[head_dim], case=f"mma.sync {dtype} d{head_dim} causal={causal}")
+                 tiles=FLASH_FORWARD_MMA_TILES[head_dim], case=f"mma.sync {dtype} d{head_dim} causal={causal}")
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (6, 1), (12, 4)])
@@ -161,7 +162,7 @@ def test_lengths_around_the_tiles(lengths_q, lengths_k, causal, rng):
 
 def test_max_seqlen_is_an_upper_bound(rng):
     """A bound far above every real length launches idle blocks that must write nothing."""
-    block_m = max(tiles.block_m for table in (FLASH_FORWARD_TILES, FLASH_FORWARD_WGMMA_TILES)
+    block_m = max(tiles.block_m for table in (FLASH_FORWARD_MMA_TILES, FLASH_FORWARD_WGMMA_TILES)
                   for tiles in table.values())
     _varlen_case([33, 250, 7], [250, 33, 7], 4, 2, 128, "bf16", True, rng, bound_slack=3 * block_m + 5,
                  tail_rows=2, case="bound slack")

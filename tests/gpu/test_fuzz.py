@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hipattn
-from hipattn.families import FLASH_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
+from hipattn.catalog.common import FLASH_HEAD_DIMS
+from hipattn.catalog.smallseq import SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
 
 from .conftest import (
     ROW_TOLERANCE_FACTOR,

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import hipattn
-from hipattn import pinned, registry
+from hipattn import pinned, runtime
 from hipattn.backends import get_backend
-from hipattn.families import SMALLSEQ_TILE
+from hipattn.catalog.smallseq import SMALLSEQ_TILE
 
 from .conftest import fresh_seed, randn_like
 
@@ -62,7 +62,7 @@ def _snapshot() -> dict:
     pinned.collect_host_funcs()
     free, total = get_backend().mem_get_info()
     pools = [pool.stats() for pool in _pinned_pools()]
-    loaded = registry.default_registry().loaded()
+    loaded = runtime.active().registry.loaded()
     return {
         "device_free_bytes": free,
         "device_used_bytes": total - free,
@@ -75,7 +75,7 @@ def _snapshot() -> dict:
         "process_lifetime_entries": len(pinned._PROCESS_LIFETIME),
         "python_host_funcs": pinned.pending_host_funcs(),
         "loaded_kernels": len(loaded),
-        "load_count": registry.default_registry().load_count,
+        "load_count": runtime.active().registry.load_count,
         "host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 

@@ -14,7 +14,7 @@ import torch
 
 import hipattn
 from hipattn.backends import get_backend
-from hipattn.families import SMALLSEQ_TILE
+from hipattn.catalog.smallseq import SMALLSEQ_TILE
 
 from .conftest import TOLERANCE
 from .workloads import current_stream_on, first_difference, make_calls, max_error_against_reference, run

@@ -9,9 +9,15 @@ import pytest
 import torch
 
 import hipattn
-from hipattn import families
-from hipattn.families import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE, SmallSeqMmaTiles
-from hipattn.ops import smallseq as smallseq_ops
+from hipattn.catalog import smallseq
+from hipattn.catalog.smallseq import (
+    SMALLSEQ_HEAD_DIMS,
+    SMALLSEQ_SHIPPED_HEADS,
+    SMALLSEQ_TILE,
+    SmallSeqBackwardMmaTiles,
+    SmallSeqForwardMmaTiles,
+    SmallSeqMmaTiles,
+)
 
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
@@ -118,7 +124,7 @@ def test_gqa_and_mqa_sum_kv_gradients_over_the_group(heads_q, heads_kv, causal, 
 def test_warps_walking_runs_of_problems_match_float64(per_team, head_dim, monkeypatch, rng):
     """Each warp of the tensor-core kernels walks a run of problems in its own tiles: runs that start
     and end inside a sequence and cross empty ones must all match."""
-    monkeypatch.setattr(smallseq_ops, "smallseq_problems_per_team", lambda problems, tiles: per_team)
+    monkeypatch.setattr(SmallSeqMmaTiles, "run_length", lambda tiles, problems: per_team)
     gen = torch.Generator().manual_seed(fresh_seed())
     lengths_q = [0, 17, 1, 0] + torch.randint(0, SMALLSEQ_TILE + 1, (36,), generator=gen).tolist()
     lengths_k = [5, 17, 0, 0] + torch.randint(0, SMALLSEQ_TILE + 1, (36,), generator=gen).tolist()
@@ -130,17 +136,12 @@ def test_warps_walking_runs_of_problems_match_float64(per_team, head_dim, monkey
 
 @pytest.fixture
 def mma_row(monkeypatch):
-    """Run both tensor-core kernels with another table row: use(head_dim, tiles)."""
-    def clear():
-        smallseq_ops._forward_spec.cache_clear()
-        smallseq_ops._backward_spec.cache_clear()
-
-    def use(head_dim, tiles):
-        monkeypatch.setitem(families.SMALLSEQ_FORWARD_MMA_TILES, head_dim, tiles)
-        monkeypatch.setitem(families.SMALLSEQ_BACKWARD_MMA_TILES, head_dim, tiles)
-        clear()
-    yield use
-    clear()
+    """Run both tensor-core kernels with other table rows: use(head_dim, warps=..., problems_per_team=...,
+    split=...)."""
+    def use(head_dim, **row):
+        monkeypatch.setitem(smallseq.SMALLSEQ_FORWARD_MMA_TILES, head_dim, SmallSeqForwardMmaTiles(**row))
+        monkeypatch.setitem(smallseq.SMALLSEQ_BACKWARD_MMA_TILES, head_dim, SmallSeqBackwardMmaTiles(**row))
+    return use
 
 
 # Teams of two split head_dim 256's columns (at 64 and 128 a warp's half-width tiles cannot carry the
@@ -153,8 +154,8 @@ def test_teams_of_one_or_two_warps_match_float64(head_dim, split, mma_row, monke
     """Two warps of a team split a problem's columns and hand their partial sums over (S in the
     forward, S and dP in the backward): either team size, runs of three problems per team, three teams
     per block (each pair with a named barrier of its own)."""
-    mma_row(head_dim, SmallSeqMmaTiles(warps=3 * split, problems_per_team=3, split=split))
-    monkeypatch.setattr(smallseq_ops, "smallseq_problems_per_team", lambda problems, tiles: 3)
+    mma_row(head_dim, warps=3 * split, problems_per_team=3, split=split)
+    monkeypatch.setattr(SmallSeqMmaTiles, "run_length", lambda tiles, problems: 3)
     gen = torch.Generator().manual_seed(fresh_seed())
     lengths_q = [17, 0, 1, 17, 9] + torch.randint(0, SMALLSEQ_TILE + 1, (20,), generator=gen).tolist()
     lengths_k = [17, 4, 0, 1, 17] + torch.randint(0, SMALLSEQ_TILE + 1, (20,), generator=gen).tolist()

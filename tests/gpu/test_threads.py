@@ -10,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from hipattn import registry
+from hipattn import runtime
 from hipattn.backends import get_backend
+from hipattn.jit.registry import Registry
 from hipattn.pinned import collect_host_funcs, host_func_errors, launch_python_host_func
 
 from .conftest import TOLERANCE
@@ -33,8 +34,8 @@ DEADLOCK_TIMEOUT_S = 300
 @pytest.fixture
 def fresh_registry(monkeypatch):
     """A registry with nothing loaded (the disk cache is the default one): the first calls load concurrently."""
-    fresh = registry.Registry()
-    monkeypatch.setattr(registry, "_default_registry", fresh)
+    fresh = Registry()
+    monkeypatch.setattr(runtime, "_active", runtime.Runtime(registry=fresh))
     return fresh
 
 

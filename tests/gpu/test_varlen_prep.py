@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from hipattn import arrays, pinned
+from hipattn import arrays, pinned, runtime
 from hipattn import problem as problem_mod
 from hipattn.backends import get_backend
+from hipattn.catalog.flash_backward import tiles_for
 from hipattn.ops import flash, flash_backward
-from hipattn.ops.capabilities import backward_tiles
 from hipattn.pinned import PinnedPool, collect_host_funcs, device_pool
 from hipattn.streams import on_device
 from hipattn.varlen_metadata import (
@@ -149,7 +149,7 @@ class VarlenCall:
             s.name: self.workspace[s.offset:s.offset + s.nbytes].view(TORCH_DTYPES[s.dtype]).view(s.shape)
             for s in plan.sections
         }
-        self.block_n = backward_tiles(0, head_dim)[0].block_n
+        self.block_n = tiles_for(head_dim, runtime.active().target(0))[0].block_n
 
     def random_cu_seqlens(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         return random_cu_seqlens(rng, self.batch, self.max_seqlen), random_cu_seqlens(rng, self.batch, self.max_seqlen)
@@ -330,12 +330,12 @@ def test_the_backward_makes_no_host_blocking_call_and_returns_while_the_stream_i
 
     for name in ("stream_synchronize", "event_synchronize"):
         monkeypatch.setattr(backend, name, counting(f"backend.{name}", getattr(backend, name)))
-    for runtime in (getattr(backend, "_driver", None), getattr(backend, "_hip", None)):
+    for binding in (getattr(backend, "_driver", None), getattr(backend, "_hip", None)):
         for name in ("cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize", "cuMemcpy", "cuMemcpyDtoH",
                      "cuMemcpyHtoD", "hipStreamSynchronize", "hipEventSynchronize", "hipDeviceSynchronize",
                      "hipMemcpy", "hipMemcpyDtoH", "hipMemcpyHtoD"):
-            if runtime is not None and hasattr(runtime, name):
-                monkeypatch.setattr(runtime, name, counting(name, getattr(runtime, name)))
+            if binding is not None and hasattr(binding, name):
+                monkeypatch.setattr(binding, name, counting(name, getattr(binding, name)))
     monkeypatch.setattr(torch.cuda, "synchronize", counting("torch.cuda.synchronize", torch.cuda.synchronize))
     monkeypatch.setattr(torch.cuda.Stream, "synchronize", counting("Stream.synchronize", torch.cuda.Stream.synchronize))
     monkeypatch.setattr(torch.cuda.Event, "synchronize", counting("Event.synchronize", torch.cuda.Event.synchronize))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import hipattn
-from hipattn.families import SMALLSEQ_TILE
+from hipattn.catalog.smallseq import SMALLSEQ_TILE
 
 from .reference import attention_reference
 

@@ -4,13 +4,12 @@ compile kernels without a GPU (NVRTC for NVIDIA targets, hiprtc for AMD ones).""
 from __future__ import annotations
 
 import pytest
-from support.local_rocm import use_local_rocm
 
 from hipattn.backends.cuda import CudaBackend  # both modules import their vendor packages lazily
 from hipattn.backends.hip import HipBackend
 from hipattn.errors import BackendUnavailableError
-from hipattn.sources import compile_unit
-from hipattn.spec import name_expression
+from hipattn.jit.sources import compile_unit
+from support.local_rocm import use_local_rocm
 
 use_local_rocm()
 
@@ -39,18 +38,18 @@ def compile_family(backend, family, target, spec, extra_lines=()):
     for ``spec`` and ``target``; a failure raises CompileError with the compiler's log."""
     source, headers = compile_unit(family)
     source += "".join(f"{line}\n" for line in extra_lines)
-    return backend.compile(source, headers, name_expression(family, spec), target, backend.compile_options(target),
+    return backend.compile(source, headers, spec.name_expression(), target, backend.compile_options(target),
                            spec.canonical())
 
 
-def compile_with_layout_checks(backend, family, target, table, layout_of, shared_bytes) -> None:
+def compile_with_layout_checks(backend, family, target, table, layout_of) -> None:
     """One compile of ``family``'s unit for ``target`` with static_asserts that, for every (head_dim, tiles)
     row of ``table``, the kernel's layout struct ``layout_of(head_dim, tiles)`` (a C++ type) has the
-    launcher's dynamic shared bytes, ``shared_bytes(head_dim, tiles)``, and the row's threads per block."""
+    launcher's dynamic shared bytes, ``tiles.shared_bytes(head_dim)``, and the row's threads per block."""
     checks = []
     for head_dim, tiles in sorted(table.items()):
         layout = layout_of(head_dim, tiles)
-        checks += [f'static_assert({layout}::kBytes == {shared_bytes(head_dim, tiles)}, '
-                   f'"{layout}: bytes differ from families.{shared_bytes.__name__}");',
+        checks += [f'static_assert({layout}::kBytes == {tiles.shared_bytes(head_dim)}, '
+                   f'"{layout}: bytes differ from its tile row\'s shared_bytes");',
                    f'static_assert({layout}::kThreads == {tiles.threads}, "{layout}: threads differ from its tile row");']
     compile_family(backend, family, target, family.shipped(target)[0], checks)

@@ -23,14 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hipattn import attention, varlen_prep
+from hipattn import runtime
 from hipattn.arrays import raw_array
 from hipattn.backends.base import Backend, CompiledKernel
-from hipattn.cache import DiskCache
 from hipattn.errors import CompileError
-from hipattn.ops import capabilities, flash, flash_backward, preprocess, smallseq
-from hipattn.registry import Registry
-from hipattn.target import AMD, Target
+from hipattn.jit.cache import DiskCache
+from hipattn.jit.registry import Registry
+from hipattn.jit.target import AMD, Target
 
 RUNTIME_HEADER = Path(__file__).parent / "emulation" / "emulated_device.h"
 EMULATED_ARCH = "gfx90a"
@@ -163,17 +162,13 @@ EmulationBackend.__abstractmethods__ = frozenset()
 
 
 class EmulatedDevice:
-    """The emulation backend and a registry over it, patched into the launch path's seams."""
+    """The emulation backend and a registry over it, installed as the active runtime for the test
+    (monkeypatch restores the previous one)."""
 
     def __init__(self, build_dir, cache_dir, monkeypatch: pytest.MonkeyPatch):
         self.backend = EmulationBackend(str(build_dir))
         self.registry = Registry(self.backend, DiskCache(str(cache_dir)))
-        for module in (attention, capabilities, flash, flash_backward, preprocess):
-            if hasattr(module, "get_backend"):
-                monkeypatch.setattr(module, "get_backend", lambda name=None: self.backend)
-        for module in (smallseq, flash, flash_backward, preprocess, varlen_prep):
-            monkeypatch.setattr(module, "get_kernel", self.registry.get_kernel)
-        capabilities.forget_devices()
+        monkeypatch.setattr(runtime, "_active", runtime.Runtime(self.backend, registry=self.registry))
 
     @staticmethod
     def array(values: np.ndarray):

@@ -12,11 +12,11 @@ import threading
 import time
 
 from hipattn.backends.base import Backend, CompiledKernel
-from hipattn.cache import DiskCache
 from hipattn.errors import CompileError
-from hipattn.params import ParamsStruct
-from hipattn.spec import KernelFamily
-from hipattn.target import NVIDIA, Target
+from hipattn.jit.cache import DiskCache
+from hipattn.jit.params import ParamsStruct
+from hipattn.jit.spec import KernelFamily
+from hipattn.jit.target import NVIDIA, Target
 
 # A family whose compile unit is real (it includes an existing kernels/ header) but whose
 # "kernel" only the fake compiler ever sees.

@@ -21,7 +21,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 @functools.cache
 def kernels_dir() -> Path:
     """The kernel sources: inside the installed package (wheel), else beside it (source checkout)."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # hipattn/, above this jit/ package
     for candidate in (package / "kernels", package.parent / "kernels"):
         if (candidate / "common" / "platform.h").is_file():
             return candidate

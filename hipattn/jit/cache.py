@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backends.base import CompiledKernel
-from .spec import KernelSpec
+from ..backends.base import CompiledKernel
 
 logger = logging.getLogger("hipattn")
 
@@ -105,7 +104,7 @@ def cache_key(
 class CacheEntryInfo:
     """One valid entry on disk, as ``hipattn list`` shows it."""
 
-    spec: KernelSpec
+    spec: str  # canonical text (KernelSpec.canonical)
     family: str
     arch: str
     compiler: str
@@ -275,8 +274,8 @@ class DiskCache:
                 metadata, _ = _decode(data)
                 found.append(
                     CacheEntryInfo(
-                        spec=KernelSpec.from_canonical(metadata["spec"]),
-                        family=metadata["family"],
+                        spec=_text_field(metadata, "spec"),
+                        family=_text_field(metadata, "family"),
                         arch=metadata["arch"],
                         compiler=metadata.get("compiler", ""),
                         size=len(data),
@@ -324,6 +323,13 @@ class DiskCache:
             return True
         except OSError:
             return False
+
+
+def _text_field(metadata: Mapping[str, Any], name: str) -> str:
+    value = metadata[name]
+    if not isinstance(value, str):
+        raise _InvalidEntry(f"metadata field {name!r} is not text")
+    return value
 
 
 def _encode(metadata: Mapping[str, Any], binary: bytes) -> bytes:

@@ -2,15 +2,16 @@
 
 A ``KernelFamily`` names one HIP C++ kernel template (its source file under ``kernels/``, its
 qualified name, the order of its template parameters and its parameter struct). A ``KernelSpec``
-is a frozen choice of template arguments for one family; together with a ``Target`` it names one
-binary. Specs serialise canonically (sorted JSON), and that text, never a pickle, goes into the
-cache key.
+is a frozen choice of template arguments for one family, and holds the family itself, so that
+everything downstream (compile unit, name expression, parameter struct, cache metadata) follows
+from the spec alone; together with a ``Target`` it names one binary. Specs serialise canonically
+(sorted JSON), and that text, never a pickle, goes into the cache key.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from .params import ParamsStruct
@@ -23,7 +24,9 @@ CPP_DTYPES = {"fp16": "hipattn::half_t", "bf16": "hipattn::bf16_t", "fp32": "flo
 TemplateValue = int | bool | str
 
 
-@dataclass(frozen=True)
+# eq=False: a family is one object for the life of the process, compared and hashed by identity, so a
+# spec's hash (a registry lookup on every launch) costs no walk over the family's fields.
+@dataclass(frozen=True, eq=False)
 class KernelFamily:
     name: str
     source: str  # path relative to kernels/
@@ -44,28 +47,52 @@ class KernelFamily:
                 f"{self.name} takes template parameters {list(self.template_params)}; "
                 f"missing {missing}, unknown {sorted(unknown)}"
             )
-        return KernelSpec(self.name, tuple((p, template_args[p]) for p in self.template_params))
+        return KernelSpec(self, tuple((p, template_args[p]) for p in self.template_params))
+
+    def __repr__(self) -> str:
+        return f"KernelFamily({self.name})"
 
 
 @dataclass(frozen=True)
 class KernelSpec:
-    family: str
+    family: KernelFamily
     template_args: tuple[tuple[str, TemplateValue], ...]
 
     def arg(self, name: str) -> TemplateValue:
         return dict(self.template_args)[name]
 
     def canonical(self) -> str:
-        return json.dumps({"family": self.family, "args": [list(a) for a in self.template_args]}, sort_keys=True)
+        return json.dumps({"family": self.family.name, "args": [list(a) for a in self.template_args]},
+                          sort_keys=True)
 
     @classmethod
-    def from_canonical(cls, text: str) -> KernelSpec:
-        data = json.loads(text)
-        return cls(data["family"], tuple((name, value) for name, value in data["args"]))
+    def from_canonical(cls, text: str, families: Mapping[str, KernelFamily]) -> KernelSpec:
+        """The spec ``canonical()`` wrote, its family looked up by name in ``families``.
+
+        Raises ValueError for text that is not a spec of one of ``families`` with its parameters.
+        """
+        try:
+            data = json.loads(text)
+            name, args = data["family"], data["args"]
+            values = {str(parameter): value for parameter, value in args}
+        except (ValueError, TypeError, KeyError) as error:
+            raise ValueError(f"not a kernel spec: {text[:200]!r} ({error})") from None
+        family = families.get(name) if isinstance(name, str) else None
+        if family is None:
+            raise ValueError(f"kernel spec of unknown family {name!r}")
+        try:
+            return family.spec(**values)
+        except TypeError as error:
+            raise ValueError(str(error)) from None
+
+    def name_expression(self) -> str:
+        """``hipattn::smallseq_forward<hipattn::bf16_t, 128, 17, false>``: what the compiler instantiates."""
+        args = ", ".join(cpp_template_argument(n, v) for n, v in self.template_args)
+        return f"{self.family.template}<{args}>"
 
     def __str__(self) -> str:
         args = ", ".join(f"{name}={value}" for name, value in self.template_args)
-        return f"{self.family}[{args}]"
+        return f"{self.family.name}[{args}]"
 
 
 def cpp_template_argument(name: str, value: TemplateValue) -> str:
@@ -78,9 +105,3 @@ def cpp_template_argument(name: str, value: TemplateValue) -> str:
     if isinstance(value, int):
         return str(value)
     raise TypeError(f"template argument {name}={value!r}: only ints, bools and dtype names are supported")
-
-
-def name_expression(family: KernelFamily, spec: KernelSpec) -> str:
-    """``hipattn::smallseq_forward<hipattn::bf16_t, 128, 17, false>``: what the compiler instantiates."""
-    args = ", ".join(cpp_template_argument(n, v) for n, v in spec.template_args)
-    return f"{family.template}<{args}>"

@@ -1,6 +1,6 @@
 """From a kernel spec to a loaded, launchable function: in-process dict -> disk cache -> compile.
 
-Launch code holds a ``Registry`` (or uses the lazily built default one) and calls
+Launch code reaches a ``Registry`` through the active runtime (``hipattn.runtime``) and calls
 ``get_kernel(spec, device)`` with ``device`` already current on the calling thread. A hit is one
 dict lookup. A miss compiles (or reads the disk cache) for the device's target, loads the module on
 the current device and remembers the result; concurrent misses for the same (spec, device) compile
@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import families, sources
-from .backends.base import Backend, CompiledKernel
+from ..backends.base import Backend, CompiledKernel
+from ..errors import HipattnError
+from . import sources
 from .cache import DiskCache, cache_key, default_cache
-from .errors import HipattnError
 from .params import ParamsStruct
-from .spec import KernelSpec, name_expression
+from .spec import KernelSpec
 from .target import Target
 
 logger = logging.getLogger("hipattn")
@@ -102,9 +102,8 @@ class CompileInputs:
 
 def compile_inputs(spec: KernelSpec, target: Target, backend: Backend) -> CompileInputs:
     """The compile unit, name expression, options and cache key of ``spec`` for ``target``."""
-    family = families.family(spec.family)
-    source, headers = sources.compile_unit(family)
-    expression = name_expression(family, spec)
+    source, headers = sources.compile_unit(spec.family)
+    expression = spec.name_expression()
     options = tuple(backend.compile_options(target))
     identity = backend.compiler_identity()
     key = cache_key(
@@ -153,7 +152,7 @@ def fetch_or_compile(
         compiled,
         {
             "spec": spec.canonical(),
-            "family": spec.family,
+            "family": spec.family.name,
             "arch": target.arch,
             "vendor": target.vendor,
             "compiler": inputs.compiler_identity,
@@ -175,7 +174,7 @@ def compile_spec(
     calling it, since an old hiprtc aborts the process) and CompileError with the log on failure.
     """
     if backend is None:
-        from .backends import compiler_backend
+        from ..backends import compiler_backend
 
         backend = compiler_backend(target)
     return fetch_or_compile(spec, target, backend, cache if cache is not None else default_cache())[0]
@@ -184,8 +183,8 @@ def compile_spec(
 class Registry:
     """Loaded kernels per (spec, device) for one backend, backed by a disk cache.
 
-    Build your own for tests (``Registry(FakeBackend(), DiskCache(tmp_path))``); library code uses
-    ``default_registry()``.
+    Build your own for tests (``Registry(FakeBackend(), DiskCache(tmp_path))``); library code uses the
+    active runtime's (``hipattn.runtime.active().registry``).
     """
 
     def __init__(self, backend: Backend | None = None, cache: DiskCache | None = None):
@@ -202,7 +201,7 @@ class Registry:
     @property
     def backend(self) -> Backend:
         if self._backend is None:
-            from .backends import get_backend
+            from ..backends import get_backend
 
             self._backend = get_backend()
         return self._backend
@@ -245,7 +244,7 @@ class Registry:
             kernel = LoadedKernel(
                 backend,
                 function,
-                families.family(spec.family).params,
+                spec.family.params,
                 spec,
                 device,
                 target,
@@ -283,22 +282,3 @@ class Registry:
         """Every kernel loaded so far (for diagnostics)."""
         with self._lock:
             return list(self._loaded.values())
-
-
-_default_registry: Registry | None = None
-_default_registry_lock = threading.Lock()
-
-
-def default_registry() -> Registry:
-    """The process-wide registry: the default backend (``HIPATTN_BACKEND`` or auto) and cache dir."""
-    global _default_registry
-    if _default_registry is None:
-        with _default_registry_lock:
-            if _default_registry is None:
-                _default_registry = Registry()
-    return _default_registry
-
-
-def get_kernel(spec: KernelSpec, device: int) -> LoadedKernel:
-    """``default_registry().get_kernel(spec, device)``; ``device`` must be current on this thread."""
-    return default_registry().get_kernel(spec, device)

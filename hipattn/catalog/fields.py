@@ -1,0 +1,42 @@
+"""The parameter-struct fields the attention kernels share, spelled once for every family.
+
+Launchers fill the same names (``hipattn.ops.fields``); the C++ structs are generated from these
+lists (``jit.params``), so the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+# Tensors the kernels write: their pointers are ``void*``, every other tensor's ``const void*``.
+_OUTPUTS = {"o", "dq", "dk", "dv", "dq_accum"}
+
+Fields = tuple[tuple[str, str], ...]
+
+
+def strided(name: str) -> Fields:
+    """A [batch, token, head, dim] tensor: its pointer and three element strides (dim is contiguous)."""
+    kind = "ptr" if name in _OUTPUTS else "const_ptr"
+    return ((name, kind), (f"{name}_batch_stride", "i64"), (f"{name}_token_stride", "i64"), (f"{name}_head_stride", "i64"))
+
+
+def row_statistic(name: str, kind: str) -> Fields:
+    """An fp32 value per (batch, head, token) laid out as the LSE, [Hq, total] or [B, Hq, S]: its
+    pointer (``kind``: the LSE is the forward's output and the backward's input) and (batch, head)
+    element strides; the token stride is 1."""
+    return ((name, kind), (f"{name}_batch_stride", "i64"), (f"{name}_head_stride", "i64"))
+
+
+# The sequence description every attention kernel reads (kernels/common/sequence.h clamps it).
+SEQUENCE_FIELDS: Fields = (
+    ("cu_seqlens_q", "const_ptr"),
+    ("cu_seqlens_k", "const_ptr"),
+    ("seqused_q", "const_ptr"),
+    ("seqused_k", "const_ptr"),
+    ("batch", "i32"),
+    ("heads_kv", "i32"),
+    ("max_seqlen_q", "i32"),
+    ("max_seqlen_k", "i32"),
+    ("total_q", "i32"),
+    ("total_k", "i32"),
+    ("softmax_scale", "f32"),
+    ("causal", "i32"),
+)

@@ -1,0 +1,168 @@
+"""The general attention forward (FlashAttention-2 style): mma.sync on NVIDIA sm_80+, wgmma on sm_90a,
+MFMA 16x16x16 on AMD gfx90a/gfx94x. One table per kernel, per head_dim; ``tiles_for`` picks the row
+a target runs, and the row's type names the kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..jit.params import ParamsStruct
+from ..jit.spec import KernelFamily
+from ..jit.target import Target
+from .common import DTYPES, FLASH_ROW_PAD, MFMA_ROW_PAD, WGMMA_WARPGROUP_ROWS, WGMMA_WARPGROUP_THREADS
+from .fields import SEQUENCE_FIELDS, row_statistic, strided
+from .index import register
+from .targets import runs_amd_mfma, runs_nvidia_mma, runs_nvidia_wgmma
+from .tiles import ELEMENT_BYTES, KernelTiles
+
+
+@dataclass(frozen=True)
+class FlashForwardMmaTiles(KernelTiles):
+    """The mma.sync forward's BLOCK_M, BLOCK_N, STAGES and M_TILES."""
+
+    block_m: int  # query rows per block
+    block_n: int  # keys per tile of the inner loop
+    stages: int  # K and V shared-memory slots each (1 = FlashAttention-2's interleaved K/V schedule)
+    m_tiles: int = 1  # 16-row tiles per warp: each K/V fragment a warp loads feeds this many MMAs
+
+    @property
+    def family(self) -> KernelFamily:
+        return FLASH_FORWARD_MMA
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // (16 * self.m_tiles) * 32
+
+    def template_args(self, head_dim: int) -> dict[str, Any]:
+        return {"block_m": self.block_m, "block_n": self.block_n, "stages": self.stages, "m_tiles": self.m_tiles}
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """flash::ForwardTiles<...>::kBytes: a BLOCK_M-row Q tile, then STAGES K slots and STAGES V slots
+        of BLOCK_N rows each, every row HEAD_DIM + 8 elements long."""
+        rows = self.block_m + 2 * self.stages * self.block_n
+        return rows * (head_dim + FLASH_ROW_PAD) * element_bytes
+
+
+@dataclass(frozen=True)
+class FlashForwardWgmmaTiles(KernelTiles):
+    """The wgmma forward's BLOCK_N, WARPGROUPS and STAGES (sm_90a)."""
+
+    block_n: int  # keys per tile of the inner loop: one wgmma's N for S (64 or 128)
+    warpgroups: int  # 64 query rows each; they share the block's K and V tiles
+    stages: int = 2  # K and V shared-memory slots each: copies run stages - 1 tiles ahead (2 or 3)
+
+    @property
+    def family(self) -> KernelFamily:
+        return FLASH_FORWARD_WGMMA
+
+    @property
+    def block_m(self) -> int:
+        return WGMMA_WARPGROUP_ROWS * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return WGMMA_WARPGROUP_THREADS * self.warpgroups
+
+    def template_args(self, head_dim: int) -> dict[str, Any]:
+        return {"block_n": self.block_n, "warpgroups": self.warpgroups, "stages": self.stages}
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """flash::WgmmaForwardTiles<...>::kBytes: the Q tile (64 rows per warpgroup), then STAGES K
+        slots and STAGES V slots (block_n rows each), unpadded (the 128-byte swizzle, not padding,
+        keeps the banks apart)."""
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * element_bytes
+
+
+@dataclass(frozen=True)
+class FlashForwardMfmaTiles(KernelTiles):
+    """The MFMA forward's BLOCK_M and BLOCK_N (AMD gfx90a, gfx94x)."""
+
+    block_m: int  # query rows per block; one 64-lane wave per 16 rows
+    block_n: int  # keys per tile of the inner loop
+
+    @property
+    def family(self) -> KernelFamily:
+        return FLASH_FORWARD_MFMA
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // 16 * 64
+
+    def template_args(self, head_dim: int) -> dict[str, Any]:
+        return {"block_m": self.block_m, "block_n": self.block_n}
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """flash::MfmaForwardTiles<...>::kBytes: a K tile of BLOCK_N rows of HEAD_DIM + 4 elements, then
+        Vᵀ: HEAD_DIM rows of BLOCK_N + 4 elements."""
+        elements = self.block_n * (head_dim + MFMA_ROW_PAD) + head_dim * (self.block_n + MFMA_ROW_PAD)
+        return elements * element_bytes
+
+
+FlashForwardTiles = FlashForwardMmaTiles | FlashForwardWgmmaTiles | FlashForwardMfmaTiles
+
+# Every sm_80+ target, both 16-bit dtypes. Every row fits the 99 KiB of sm_86/sm_89
+# (tests/test_flash_tiles.py). A warp holds 16 m_tiles x head_dim of O and 16 m_tiles x block_n of S
+# in fp32, so head_dim 256 takes half the rows and half the keys per tile. Two 16-row tiles per warp
+# (four warps of 32 rows) beat one on the H200 by 20-35% at head_dim 128: each K and V fragment then
+# feeds two MMAs; head_dim 256 cannot hold two tiles' O (spills).
+FLASH_FORWARD_MMA_TILES: dict[int, FlashForwardMmaTiles] = {
+    64: FlashForwardMmaTiles(block_m=128, block_n=64, stages=2, m_tiles=2),
+    96: FlashForwardMmaTiles(block_m=128, block_n=64, stages=1, m_tiles=2),
+    128: FlashForwardMmaTiles(block_m=128, block_n=64, stages=1, m_tiles=2),
+    256: FlashForwardMmaTiles(block_m=64, block_n=32, stages=2, m_tiles=1),
+}
+
+# sm_90a. The tensor cores read Q, K and V from shared memory, so a thread holds only S (block_n / 2
+# fp32), P twice (this tile's, in flight, and the next one's) and O (head_dim / 2). Three warpgroups
+# (192 query rows) read each K/V tile from L2 for 1.5 times the rows of two, which wins on the H200;
+# 384 threads leave 170 registers each, which 64-key tiles fit without spills at head_dims 64 and
+# 128. head_dim 256 needs 229 registers, so two warpgroups. head_dim 96 is not here: its 192-byte
+# rows are not whole 128-byte swizzle blocks, so it runs the mma.sync kernel on sm_90a too.
+FLASH_FORWARD_WGMMA_TILES: dict[int, FlashForwardWgmmaTiles] = {
+    64: FlashForwardWgmmaTiles(block_n=64, warpgroups=3),
+    128: FlashForwardWgmmaTiles(block_n=64, warpgroups=3),
+    256: FlashForwardWgmmaTiles(block_n=64, warpgroups=2),
+}
+
+# AMD gfx90a/gfx94x. LDS holds one K tile and one transposed V tile (Q and O live in registers), so
+# every row fits 64 KiB (17, 25.3, 33.5 and 18.1 KiB). Eight waves per block leave each wave 256
+# registers per lane; with block_n 32 the hiprtc 5.2 build of head_dim 256 spilled, with block_n 16
+# it needs 204 registers and spills none.
+FLASH_FORWARD_MFMA_TILES: dict[int, FlashForwardMfmaTiles] = {
+    64: FlashForwardMfmaTiles(block_m=128, block_n=64),
+    96: FlashForwardMfmaTiles(block_m=128, block_n=64),
+    128: FlashForwardMfmaTiles(block_m=128, block_n=64),
+    256: FlashForwardMfmaTiles(block_m=128, block_n=16),
+}
+
+
+def tiles_for(head_dim: int, target: Target | None) -> FlashForwardTiles:
+    """The row ``target`` runs at ``head_dim``: MFMA on AMD gfx90a/gfx94x, wgmma on sm_90a (but
+    head_dim 96), mma.sync on every other target."""
+    if runs_amd_mfma(target):
+        return FLASH_FORWARD_MFMA_TILES[head_dim]
+    if runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WGMMA_TILES:
+        return FLASH_FORWARD_WGMMA_TILES[head_dim]
+    return FLASH_FORWARD_MMA_TILES[head_dim]
+
+
+FLASH_FORWARD_PARAMS = ParamsStruct(
+    "FlashForwardParams",
+    strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr") + SEQUENCE_FIELDS
+    + (("heads_q", "i32"),),
+)
+
+
+def _family(name: str, template_params: tuple[str, ...], table: dict[int, KernelTiles], runs) -> KernelFamily:
+    return register(KernelFamily(
+        name=name, source=f"flash/{name.replace('flash_', '')}.hip", template=f"hipattn::{name}",
+        template_params=("dtype", "head_dim", *template_params), params=FLASH_FORWARD_PARAMS,
+        shipped=lambda target: [row.spec(t, d) for t in DTYPES for d, row in table.items()] if runs(target) else []))
+
+
+FLASH_FORWARD_MMA = _family("flash_forward_mma", ("block_m", "block_n", "stages", "m_tiles"),
+                            FLASH_FORWARD_MMA_TILES, runs_nvidia_mma)
+FLASH_FORWARD_WGMMA = _family("flash_forward_wgmma", ("block_n", "warpgroups", "stages"),
+                              FLASH_FORWARD_WGMMA_TILES, runs_nvidia_wgmma)
+FLASH_FORWARD_MFMA = _family("flash_forward_mfma", ("block_m", "block_n"), FLASH_FORWARD_MFMA_TILES, runs_amd_mfma)

@@ -1,0 +1,257 @@
+"""The small-sequence kernels (every sequence <= SMALLSEQ_TILE tokens on both sides): the portable
+CUDA-core forward and backward (any GPU, any wave size), and the NVIDIA tensor-core (mma.sync,
+sm_80+) forward and backward. Each row of the tables below names its kernel, its spec, its shared
+memory and how a launch covers a call's problems."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from ..jit.params import ParamsStruct
+from ..jit.spec import KernelFamily
+from ..jit.target import Target
+from .common import DTYPES
+from .fields import SEQUENCE_FIELDS, row_statistic, strided
+from .index import register
+from .targets import runs_nvidia_mma
+from .tiles import ELEMENT_BYTES, KernelTiles
+
+# The longest sequence the small-seq kernels handle, on either side: the tile every problem fits in.
+# This is the one definition; it reaches the kernels as their TILE template argument.
+SMALLSEQ_TILE = 17
+SMALLSEQ_HEAD_DIMS = (64, 128, 256)
+# The query head counts shipped precompiled; any other compiles on first use.
+SMALLSEQ_SHIPPED_HEADS = (8, 16, 32)
+# A portable team's lane holds this many consecutive elements of each row (8-byte accesses).
+SMALLSEQ_LANE_ELEMENTS = 4
+# A call of fewer than problems_per_team * SMALLSEQ_TEAMS_WANTED problems gives its teams shorter runs,
+# so that it still spreads over the GPU.
+SMALLSEQ_TEAMS_WANTED = 16384
+# The tensor-core backward's P and dZ tiles: [SMALLSEQ_TILE query rows][32 keys + 8 of pad], 16-bit
+# (smallseq::kScorePitch).
+SMALLSEQ_SCORE_PITCH = 32 + 8
+
+
+@dataclass(frozen=True)
+class SmallSeqLaunch:
+    """How one launch covers a call's problems: its grid, block, dynamic shared memory, and the run of
+    problems each team walks (the tensor-core kernels' ``problems_per_team`` field; None: one each)."""
+
+    blocks: int
+    threads: int
+    shared_bytes: int
+    problems_per_team: int | None
+
+
+class SmallSeqTiles(KernelTiles):
+    """A small-seq row: its spec also takes the call's query heads, and it sizes a launch."""
+
+    @abstractmethod
+    def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
+        """The launch over ``problems`` (sequence, head) problems of heads grouped ``group`` to a KV head."""
+
+
+@dataclass(frozen=True)
+class _PortableTiles(SmallSeqTiles):
+    """A portable kernel's row: a team of head_dim / lane_elements lanes owns one problem and a block
+    holds block_threads / team lanes teams."""
+
+    block_threads: int
+    lane_elements: int = SMALLSEQ_LANE_ELEMENTS
+
+    @property
+    def threads(self) -> int:
+        return self.block_threads
+
+    def teams_per_block(self, head_dim: int) -> int:
+        return self.block_threads // (head_dim // self.lane_elements)
+
+    def template_args(self, head_dim: int) -> dict[str, Any]:
+        return {"tile": SMALLSEQ_TILE, "block_threads": self.block_threads, "lane_elements": self.lane_elements}
+
+    def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
+        per_block = self.teams_per_block(head_dim)
+        return SmallSeqLaunch(-(-problems // per_block), self.block_threads,
+                              self.shared_bytes(head_dim, group=group), None)
+
+
+@dataclass(frozen=True)
+class SmallSeqForwardTiles(_PortableTiles):
+    @property
+    def family(self) -> KernelFamily:
+        return SMALLSEQ_FORWARD
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES, *, group: int = 1) -> int:
+        return 0  # static tiles only
+
+
+@dataclass(frozen=True)
+class SmallSeqBackwardTiles(_PortableTiles):
+    """The portable backward: a team per (sequence, KV head) walks the query heads of its group."""
+
+    @property
+    def family(self) -> KernelFamily:
+        return SMALLSEQ_BACKWARD
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES, *, group: int = 1) -> int:
+        """Each team's dK/dV sums over its GQA group, fp32 [2][tile][head_dim] (backward.hip's
+        group_accum); a team of an ungrouped call writes its dK/dV straight out."""
+        if group == 1:
+            return 0
+        return self.teams_per_block(head_dim) * 2 * SMALLSEQ_TILE * head_dim * 4
+
+
+@dataclass(frozen=True)
+class SmallSeqMmaTiles(SmallSeqTiles):
+    """A tensor-core kernel's row: warps per block; the run of problems each team of warps walks in a
+    large call (a small call gets shorter runs); and the warps in a team (1 or 2), which split a
+    problem's head_dim columns."""
+
+    warps: int
+    problems_per_team: int
+    split: int = 1
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def teams(self) -> int:
+        return self.warps // self.split
+
+    def template_args(self, head_dim: int) -> dict[str, Any]:
+        return {"tile": SMALLSEQ_TILE, "warps": self.warps, "split": self.split}
+
+    def run_length(self, problems: int) -> int:
+        """The run of problems each team walks in a call of ``problems`` (host facts only)."""
+        return max(1, min(self.problems_per_team, problems // SMALLSEQ_TEAMS_WANTED))
+
+    @abstractmethod
+    def team_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int: ...
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES, *, group: int = 1) -> int:
+        return self.teams * self.team_bytes(head_dim, element_bytes)
+
+    def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
+        per_team = self.run_length(problems)
+        teams = -(-problems // per_team)
+        return SmallSeqLaunch(-(-teams // self.teams), self.threads, self.shared_bytes(head_dim), per_team)
+
+
+def _warp_pitch_bytes(head_dim: int, split: int, element_bytes: int) -> int:
+    """A staged row of one warp's share of the columns, padded by 16 bytes (smallseq::WarpTiles::kPitch)."""
+    return (head_dim // split + 8) * element_bytes
+
+
+@dataclass(frozen=True)
+class SmallSeqForwardMmaTiles(SmallSeqMmaTiles):
+    @property
+    def family(self) -> KernelFamily:
+        return SMALLSEQ_FORWARD_MMA
+
+    def team_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """smallseq::ForwardTeamTiles<...>::kBytes: per warp, a zero row and SMALLSEQ_TILE-row Q, K and
+        V tiles of head_dim / split columns."""
+        pitch = _warp_pitch_bytes(head_dim, self.split, element_bytes)
+        return self.split * (pitch + 3 * SMALLSEQ_TILE * pitch)
+
+
+@dataclass(frozen=True)
+class SmallSeqBackwardMmaTiles(SmallSeqMmaTiles):
+    @property
+    def family(self) -> KernelFamily:
+        return SMALLSEQ_BACKWARD_MMA
+
+    def team_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """smallseq::BackwardTeamTiles<...>::kBytes: per warp, a zero row and Q, dO, K and V tiles; then
+        the team's LSE rows (padded to 16 bytes) and its P and dZ tiles. (The partial sums a warp of a
+        pair hands the other travel in one of its tiles that the problem no longer needs.)"""
+        pitch = _warp_pitch_bytes(head_dim, self.split, element_bytes)
+        warp = pitch + 4 * SMALLSEQ_TILE * pitch
+        lse = (SMALLSEQ_TILE * 4 + 15) // 16 * 16
+        scores = 2 * SMALLSEQ_TILE * SMALLSEQ_SCORE_PITCH * element_bytes
+        return self.split * warp + lse + scores
+
+
+# The portable kernels' rows. The backward runs 64-thread blocks so that a GQA group's dK/dV sums
+# (2 x tile x head_dim fp32 per team) fit in 64 KiB of LDS on AMD and 99 KiB on sm_86/sm_89 together
+# with the static tiles.
+SMALLSEQ_FORWARD_TILES = SmallSeqForwardTiles(block_threads=128)
+SMALLSEQ_BACKWARD_TILES = SmallSeqBackwardTiles(block_threads=64)
+
+# The tensor-core kernels are bound by latency (each warp issues one instruction every 6-7 cycles), so
+# the rows are chosen for warps per SM and measured on the H200 (BENCHMARKS.md, tools/sweep_smallseq.py).
+# A forward warp needs 7 and 14 KiB at head_dim 64 and 128, so an SM holds 28 and 16 of them; at 256
+# two warps share a problem's columns, 14 KiB each (16 per SM, where one warp per problem fits 8). A
+# backward warp needs 12 and 21 KiB at head_dim 64 and 128 (16 and 10 per SM); at 256 a pair that
+# splits the columns 39 KiB (10 warps per SM, where one warp per problem fits 5). Runs of 2-4
+# problems let a block retire less often than one problem per team would. Every block stays within
+# the 99 KiB that sm_86/sm_89 allow.
+SMALLSEQ_FORWARD_MMA_TILES = {
+    64: SmallSeqForwardMmaTiles(warps=4, problems_per_team=4),
+    128: SmallSeqForwardMmaTiles(warps=4, problems_per_team=4),
+    256: SmallSeqForwardMmaTiles(warps=4, problems_per_team=4, split=2),
+}
+# The tensor-core backward covers Hq == Hkv; GQA/MQA calls take the portable backward.
+SMALLSEQ_BACKWARD_MMA_TILES = {
+    64: SmallSeqBackwardMmaTiles(warps=2, problems_per_team=2),
+    128: SmallSeqBackwardMmaTiles(warps=2, problems_per_team=2),
+    256: SmallSeqBackwardMmaTiles(warps=2, problems_per_team=2, split=2),
+}
+
+
+def forward_tiles(head_dim: int, target: Target | None, *, portable: bool = False) -> SmallSeqTiles:
+    """The forward's row on ``target``: tensor cores on NVIDIA sm_80+ unless ``portable``."""
+    if runs_nvidia_mma(target) and not portable:
+        return SMALLSEQ_FORWARD_MMA_TILES[head_dim]
+    return SMALLSEQ_FORWARD_TILES
+
+
+def backward_tiles(head_dim: int, target: Target | None, *, group: int, portable: bool = False) -> SmallSeqTiles:
+    """The backward's row on ``target`` for query heads grouped ``group`` to a KV head: tensor cores
+    on NVIDIA sm_80+ for ungrouped heads unless ``portable``."""
+    if runs_nvidia_mma(target) and not portable and group == 1 and head_dim in SMALLSEQ_BACKWARD_MMA_TILES:
+        return SMALLSEQ_BACKWARD_MMA_TILES[head_dim]
+    return SMALLSEQ_BACKWARD_TILES
+
+
+def _shipped(rows_of_head_dim, target: Target) -> list:
+    return [rows_of_head_dim(d).spec(t, d, heads=h) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS
+            for h in SMALLSEQ_SHIPPED_HEADS]
+
+
+def _shipped_mma(table: dict[int, SmallSeqMmaTiles], target: Target) -> list:
+    return _shipped(table.__getitem__, target) if runs_nvidia_mma(target) else []
+
+
+_SMALLSEQ_TEMPLATE = ("dtype", "head_dim", "heads", "tile")
+_FORWARD_FIELDS = strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr") + SEQUENCE_FIELDS
+_BACKWARD_FIELDS = (strided("q") + strided("k") + strided("v") + strided("dout") + strided("dq") + strided("dk")
+                    + strided("dv") + row_statistic("lse", "const_ptr") + SEQUENCE_FIELDS)
+# The tensor-core kernels' teams walk runs of problems, of a length the launch chooses.
+_RUN_FIELD = (("problems_per_team", "i32"),)
+
+
+def _family(name: str, source: str, template_tail: tuple[str, ...], params: ParamsStruct, shipped) -> KernelFamily:
+    return register(KernelFamily(name=name, source=source, template=f"hipattn::{name}",
+                                 template_params=_SMALLSEQ_TEMPLATE + template_tail, params=params, shipped=shipped))
+
+
+SMALLSEQ_FORWARD = _family(
+    "smallseq_forward", "smallseq/forward.hip", ("block_threads", "lane_elements"),
+    ParamsStruct("SmallSeqForwardParams", _FORWARD_FIELDS),
+    lambda target: _shipped(lambda d: SMALLSEQ_FORWARD_TILES, target))
+SMALLSEQ_BACKWARD = _family(
+    "smallseq_backward", "smallseq/backward.hip", ("block_threads", "lane_elements"),
+    ParamsStruct("SmallSeqBackwardParams", _BACKWARD_FIELDS),
+    lambda target: _shipped(lambda d: SMALLSEQ_BACKWARD_TILES, target))
+SMALLSEQ_FORWARD_MMA = _family(
+    "smallseq_forward_mma", "smallseq/forward_mma.hip", ("warps", "split"),
+    ParamsStruct("SmallSeqForwardMmaParams", _FORWARD_FIELDS + _RUN_FIELD),
+    lambda target: _shipped_mma(SMALLSEQ_FORWARD_MMA_TILES, target))
+SMALLSEQ_BACKWARD_MMA = _family(
+    "smallseq_backward_mma", "smallseq/backward_mma.hip", ("warps", "split"),
+    ParamsStruct("SmallSeqBackwardMmaParams", _BACKWARD_FIELDS + _RUN_FIELD),
+    lambda target: _shipped_mma(SMALLSEQ_BACKWARD_MMA_TILES, target))

@@ -1,0 +1,44 @@
+"""What every row of a kernel's tile table knows: the kernel it names, and that kernel's spec and
+shared memory for the row's tiles.
+
+A table maps a head_dim (and a target, by the table chosen) to a row; the row's type names one
+kernel family. Launchers and tools therefore never ask which kind of row they hold: they ask the row
+for its spec, its block size and its dynamic shared memory, and a new kernel is a new row type, with
+nothing to add to a dispatch ladder.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from ..jit.spec import KernelFamily, KernelSpec
+
+# bf16 and fp16 alike: the element size every shared-memory formula defaults to.
+ELEMENT_BYTES = 2
+
+
+class KernelTiles(ABC):
+    """A tile row (subclasses are frozen dataclasses). ``threads`` is a block's thread count."""
+
+    @property
+    @abstractmethod
+    def family(self) -> KernelFamily:
+        """The kernel family whose template this row's tiles instantiate."""
+
+    @property
+    @abstractmethod
+    def threads(self) -> int: ...
+
+    @abstractmethod
+    def template_args(self, head_dim: int) -> dict[str, Any]:
+        """The template arguments the row fixes (beyond ``dtype`` and ``head_dim``)."""
+
+    @abstractmethod
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """Dynamic shared memory of one block: the kernel's own constexpr layout, from the same numbers."""
+
+    def spec(self, dtype: str, head_dim: int, **more: Any) -> KernelSpec:
+        """The instantiation of this row's kernel for ``dtype`` and ``head_dim`` (``more``: the family's
+        other template arguments, such as ``heads`` or ``write_dq``)."""
+        return self.family.spec(dtype=dtype, head_dim=head_dim, **self.template_args(head_dim), **more)
