@@ -101,7 +101,7 @@ def test_cuda_launch_passes_the_struct_by_value_through_one_pointer(cuda):
         seen["argument"] = read_argument(args[9], PARAMS.nbytes)  # read while the call is in flight
         return (fake._success,)
 
-    backend._cuLaunchKernel = launch
+    backend._launch_kernel = launch
     kernel = LoadedFunction(handle=0xF00, module=None, name="scale")
     backend.launch(kernel, (3, 2, 1), (128, 1, 1), 4096, 0x5000, params)
     args = seen["args"]
@@ -113,7 +113,7 @@ def test_cuda_launch_passes_the_struct_by_value_through_one_pointer(cuda):
 def test_cuda_launch_failure_names_the_kernel(cuda):
     backend, fake, driver = cuda
     failing = fake._recorder("cuLaunchKernel", (driver.CUresult.CUDA_ERROR_INVALID_VALUE,))
-    backend._cuLaunchKernel = failing
+    backend._launch_kernel = failing
     with pytest.raises(DriverError) as caught:
         backend.launch(LoadedFunction(1, None, "scale"), (1, 1, 1), (1, 1, 1), 0, 0, PARAMS.new(out=0, in_=0, rows=0, factor=0))
     assert caught.value.call == "cuLaunchKernel(scale)"
@@ -134,9 +134,9 @@ def test_cuda_get_device_without_a_context_makes_device_0_current(cuda):
 def test_cuda_event_query_treats_not_ready_as_false(cuda):
     backend, fake, driver = cuda
     for result, expected in ((driver.CUresult.CUDA_SUCCESS, True), (driver.CUresult.CUDA_ERROR_NOT_READY, False)):
-        backend._cuEventQuery = fake._recorder("cuEventQuery", (result,))
+        backend._event_query_call = fake._recorder("cuEventQuery", (result,))
         assert backend.event_query(0xE000) is expected
-    backend._cuEventQuery = fake._recorder("cuEventQuery", (driver.CUresult.CUDA_ERROR_INVALID_HANDLE,))
+    backend._event_query_call = fake._recorder("cuEventQuery", (driver.CUresult.CUDA_ERROR_INVALID_HANDLE,))
     with pytest.raises(DriverError, match="cuEventQuery"):
         backend.event_query(0xE000)
 
@@ -232,7 +232,7 @@ def test_hip_launch_passes_the_struct_by_value_through_one_pointer(hip_fake):
         seen["argument"] = read_argument(args[9], PARAMS.nbytes)
         return (fake._success,)
 
-    backend._hipModuleLaunchKernel = launch
+    backend._launch_kernel = launch
     backend.launch(LoadedFunction(0xF00, None, "scale"), (3, 2, 1), (256, 1, 1), 0, 0x5000, params)
     args = seen["args"]
     assert args[:9] == (0xF00, 3, 2, 1, 256, 1, 1, 0, 0x5000)

@@ -1,20 +1,12 @@
-"""tools/kernel_fingerprint.py on the CPU: what it takes out of PTX before hashing, and that two compiles
+"""tools.kernel_fingerprint on the CPU: what it takes out of PTX before hashing, and that two compiles
 of one kernel hash the same while a changed kernel does not (NVRTC, no GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 from support.compilers import nvrtc_backend
 
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "tools" / "kernel_fingerprint.py"
-_spec = importlib.util.spec_from_file_location("hipattn_tools_kernel_fingerprint", _PATH)
-fingerprint = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = fingerprint
-_spec.loader.exec_module(fingerprint)
+from tools import kernel_fingerprint as fingerprint
 
 
 def test_comments_and_per_compile_symbol_ids_are_taken_out():
@@ -36,7 +28,7 @@ def test_only_nvidia_archs_are_fingerprinted():
 @pytest.mark.nvrtc
 def test_two_compiles_agree_and_a_changed_kernel_does_not(monkeypatch):
     nvrtc_backend()  # skips without NVRTC
-    from hipattn import sources
+    from hipattn.jit import sources
 
     first = fingerprint.fingerprints("sm_90", ["bwd_dot_do_o"])
     assert first and first == fingerprint.fingerprints("sm_90", ["bwd_dot_do_o"])

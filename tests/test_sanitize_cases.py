@@ -1,23 +1,13 @@
-"""tools/sanitize.py's pure parts, on the CPU: its model of how the kernels clamp a sequence
+"""tools.sanitize's pure parts, on the CPU: its model of how the kernels clamp a sequence
 description, and that its cases reach every kernel family hipattn ships."""
 
 from __future__ import annotations
-
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 
 from hipattn.catalog import FAMILIES
 from hipattn.catalog.smallseq import SMALLSEQ_TILE
-
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "tools" / "sanitize.py"
-_spec = importlib.util.spec_from_file_location("hipattn_tools_sanitize", _PATH)
-sanitize = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = sanitize  # dataclasses look their module up there
-_spec.loader.exec_module(sanitize)
-
+from tools import sanitize
 
 # compute-sanitizer runs on the H200: the families to cover are those shipped for its target, sm_90a
 # (the AMD-only MFMA kernels cannot launch there; the wgmma ones exist only there).

@@ -12,7 +12,7 @@ import ctypes
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -73,6 +73,20 @@ def binding_outputs(call: str, returned: tuple, error: Callable[[str, Any], Exce
     return returned[1] if len(returned) == 2 else returned[1:]
 
 
+# A grid or block size: (x, y, z).
+Dim3 = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class RuntimeCall:
+    """The binding function that serves one generic backend call, and the constants (attribute paths in
+    the binding module, or plain values) that follow the caller's arguments."""
+
+    function: str
+    constants: tuple[Any, ...] = ()
+    needs_context: bool = False
+
+
 class Backend(ABC):
     name: ClassVar[str]  # "cuda" or "hip": the HIPATTN_BACKEND spelling
     vendor: ClassVar[str]  # target.AMD or target.NVIDIA
@@ -86,17 +100,18 @@ class Backend(ABC):
     def compile_options(self, target: Target) -> tuple[str, ...]:
         """The options hipattn compiles with for ``target`` (arch flag, language standard, optimisation)."""
 
-    @abstractmethod
-    def compile(
-        self,
-        source: str,
-        headers: dict[str, str],
-        name_expression: str,
-        target: Target,
-        options: tuple[str, ...],
-        spec_text: str,
-    ) -> CompiledKernel:
+    _compiler: Any  # the vendor's rtc.RuntimeCompiler
+
+    def compile(self, source: str, headers: dict[str, str], name_expression: str, target: Target,
+                options: tuple[str, ...], spec_text: str) -> CompiledKernel:
         """Compile one template instantiation; raises CompileError(spec_text, target, options, log)."""
+        self._before_compile(target, options, spec_text, source)
+        return self._compiler.compile(source, headers, name_expression, target, options, spec_text)
+
+    @abstractmethod
+    def _before_compile(self, target: Target, options: tuple[str, ...], spec_text: str, source: str) -> None:
+        """Refuse, before the compiler sees it, what it cannot compile (another vendor's target, one an
+        old compiler would abort on), and make sure the compiler loads."""
 
     def can_compile_for(self, target: Target) -> bool:
         """False where the compiler is known not to handle ``target`` (an old hiprtc aborts on new gfx)."""
@@ -128,80 +143,145 @@ class Backend(ABC):
     @abstractmethod
     def set_max_dynamic_shared_memory(self, function: Any, nbytes: int) -> None: ...
 
-    @abstractmethod
-    def launch(
-        self,
-        function: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_bytes: int,
-        stream: int,
-        params: ctypes.Structure,
-    ) -> None:
-        """Enqueue ``function<<<grid, block, shared_bytes, stream>>>(params)``; ``params`` passed by value."""
+    # ---- the hot path: launches, memsets, event records and queries ------------------------------
+    # Bound once by each vendor's constructor (the binding's function objects, no lookups per call);
+    # the methods below are the same for both, error names from CALL_NAMES.
+    _launch_kernel: Callable[..., tuple]
+    _launch_extra: Any  # the binding's "no extra launch options" (0 for cuda-bindings, None for hip-python)
+    _memset_d8_async: Callable[..., tuple]
+    _event_record_call: Callable[..., tuple]
+    _event_query_call: Callable[..., tuple]
+    _not_ready: int  # the result code of an event still pending
+    _argument_slot: KernelArgumentSlot
+    CALL_NAMES: ClassVar[Mapping[str, str]] = {}  # launch, memset_async, event_record, event_query
 
-    # ---- memory (all stream-ordered; pointers are ints) -----------------------------------------
     @abstractmethod
-    def memset_async(self, ptr: int, byte_value: int, nbytes: int, stream: int) -> None: ...
+    def _error(self, call: str, result: Any) -> Exception:
+        """The DriverError of ``call`` returning ``result``: the vendor's one error path."""
+
+    def _check(self, call: str, returned: tuple) -> Any:
+        return binding_outputs(call, returned, self._error)
+
+    def launch(self, function: Any, grid: Dim3, block: Dim3, shared_bytes: int, stream: int,
+               params: ctypes.Structure) -> None:
+        """Enqueue ``function<<<grid, block, shared_bytes, stream>>>(params)``; ``params`` passed by value."""
+        cell, cell_address = self._argument_slot.cell_and_address
+        cell.value = ctypes.addressof(params)
+        (result,) = self._launch_kernel(
+            function.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+            shared_bytes, stream, cell_address, self._launch_extra,
+        )  # fmt: skip
+        if result:
+            raise self._error(f"{self.CALL_NAMES['launch']}({function.name})", result)
+
+    def memset_async(self, ptr: int, byte_value: int, nbytes: int, stream: int) -> None:
+        if nbytes:
+            (result,) = self._memset_d8_async(ptr, byte_value, nbytes, stream)
+            if result:
+                raise self._error(self.CALL_NAMES["memset_async"], result)
+
+    def event_record(self, event: int, stream: int) -> None:
+        (result,) = self._event_record_call(event, stream)
+        if result:
+            raise self._error(self.CALL_NAMES["event_record"], result)
+
+    def event_query(self, event: int) -> bool:
+        """True once all work captured by the event has completed; never blocks."""
+        (result,) = self._event_query_call(event)
+        if not result:
+            return True
+        if result == self._not_ready:
+            return False
+        raise self._error(self.CALL_NAMES["event_query"], result)
 
     @abstractmethod
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Any direction (unified addressing): device<->device, device<->pinned host."""
 
     @abstractmethod
-    def malloc_async(self, nbytes: int, stream: int) -> int: ...
-
-    @abstractmethod
-    def free_async(self, ptr: int, stream: int) -> None: ...
-
-    @abstractmethod
-    def mem_get_info(self) -> tuple[int, int]:
-        """(free, total) bytes of the current device: leak tests compare ``free`` before and after."""
-
-    @abstractmethod
-    def host_alloc(self, nbytes: int) -> int:
-        """Pinned (page-locked) host memory, portable across devices."""
-
-    @abstractmethod
-    def host_free(self, ptr: int) -> None: ...
-
-    @abstractmethod
     def launch_host_func(self, stream: int, function_address: int, user_data: int) -> None:
         """Enqueue a host function; ``function_address`` is the int address of a C-callable ``void(void*)``."""
 
-    # ---- streams and events --------------------------------------------------------------------
-    @abstractmethod
-    def stream_create(self) -> int: ...
+    # ---- one runtime call each: memory, streams, events -------------------------------------------
+    # Each vendor names, per generic call, the binding function that serves it and the constants that
+    # follow the caller's arguments (RUNTIME_CALLS); the methods below are written once. They are off
+    # the hot path, so each resolves its function when called (a test can stand a recorder in for it).
+    RUNTIME_CALLS: ClassVar[Mapping[str, RuntimeCall]] = {}
+    CAPTURE_NONE: ClassVar[str] = ""  # the binding's "no capture" status, as a constant path
 
-    @abstractmethod
-    def stream_destroy(self, stream: int) -> None: ...
+    def _binding(self) -> Any:
+        """The vendor runtime module RUNTIME_CALLS name functions and constants of."""
+        raise NotImplementedError(f"the {self.name} backend has no runtime binding")
 
-    @abstractmethod
+    def _make_context_current(self) -> None:  # noqa: B027 - a hook; only the CUDA driver API needs it
+        """Before a call that needs a current context (RuntimeCall.needs_context): nothing, unless the
+        vendor's runtime needs one made current first."""
+
+    def _constant(self, path: str) -> Any:
+        value = self._binding()
+        for attribute in path.split("."):
+            value = getattr(value, attribute)
+        return value
+
+    def _runtime_call(self, what: str, *args: Any) -> Any:
+        call = self.RUNTIME_CALLS.get(what)
+        if call is None:
+            raise NotImplementedError(f"the {self.name} backend has no runtime call for {what}")
+        if call.needs_context:
+            self._make_context_current()
+        function = getattr(self._binding(), call.function)
+        constants = tuple(self._constant(c) if isinstance(c, str) else c for c in call.constants)
+        return self._check(call.function, function(*args, *constants))
+
+    def malloc_async(self, nbytes: int, stream: int) -> int:
+        return int(self._runtime_call("malloc_async", nbytes, stream)) if nbytes else 0
+
+    def free_async(self, ptr: int, stream: int) -> None:
+        if ptr:
+            self._runtime_call("free_async", ptr, stream)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the current device: leak tests compare ``free`` before and after."""
+        free, total = self._runtime_call("mem_get_info")
+        return int(free), int(total)
+
+    def host_alloc(self, nbytes: int) -> int:
+        """Pinned (page-locked) host memory, portable across devices."""
+        return int(self._runtime_call("host_alloc", max(nbytes, 1)))
+
+    def host_free(self, ptr: int) -> None:
+        if ptr:
+            self._runtime_call("host_free", ptr)
+
+    def stream_create(self) -> int:
+        """A stream that does not synchronise with the legacy default stream."""
+        return int(self._runtime_call("stream_create"))
+
+    def stream_destroy(self, stream: int) -> None:
+        self._runtime_call("stream_destroy", stream)
+
     def stream_synchronize(self, stream: int) -> None:
         """Blocks the host (releasing the GIL). Never called on a launch path; for tests and tools."""
+        self._runtime_call("stream_synchronize", stream)
 
-    @abstractmethod
-    def stream_is_capturing(self, stream: int) -> bool: ...
+    def stream_is_capturing(self, stream: int) -> bool:
+        status = self._runtime_call("stream_is_capturing", stream)
+        # Active and invalidated both mean a capture is still open on the stream.
+        return int(status) != int(self._constant(self.CAPTURE_NONE))
 
-    @abstractmethod
     def stream_wait_event(self, stream: int, event: int) -> None:
         """Make later work on ``stream`` wait for ``event`` (recorded elsewhere); the host does not wait."""
+        self._runtime_call("stream_wait_event", stream, event)
 
-    @abstractmethod
-    def event_create(self, timing: bool = False) -> int: ...
+    def event_create(self, timing: bool = False) -> int:
+        # Timing costs a timestamp per record; events used for ordering do without.
+        return int(self._runtime_call("event_create_timing" if timing else "event_create"))
 
-    @abstractmethod
-    def event_destroy(self, event: int) -> None: ...
+    def event_destroy(self, event: int) -> None:
+        self._runtime_call("event_destroy", event)
 
-    @abstractmethod
-    def event_record(self, event: int, stream: int) -> None: ...
+    def event_synchronize(self, event: int) -> None:
+        self._runtime_call("event_synchronize", event)
 
-    @abstractmethod
-    def event_query(self, event: int) -> bool:
-        """True once all work captured by the event has completed; never blocks."""
-
-    @abstractmethod
-    def event_synchronize(self, event: int) -> None: ...
-
-    @abstractmethod
-    def event_elapsed_ms(self, start: int, end: int) -> float: ...
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        return float(self._runtime_call("event_elapsed_ms", start, end))

@@ -19,7 +19,8 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, DriverError
 from ..jit.target import NVIDIA, Target
-from .base import Backend, CompiledKernel, KernelArgumentSlot, LoadedFunction, binding_outputs, compile_error
+from .base import Backend, KernelArgumentSlot, LoadedFunction, RuntimeCall
+from .rtc import RuntimeCompiler
 
 logger = logging.getLogger("hipattn")
 
@@ -66,6 +67,27 @@ def _result_name(result: Any) -> str:
 class CudaBackend(Backend):
     name = "cuda"
     vendor = NVIDIA
+    CALL_NAMES = {"launch": "cuLaunchKernel", "memset_async": "cuMemsetD8Async", "event_record": "cuEventRecord",
+                  "event_query": "cuEventQuery"}
+    RUNTIME_CALLS = {
+        "malloc_async": RuntimeCall("cuMemAllocAsync"),
+        "free_async": RuntimeCall("cuMemFreeAsync"),
+        "mem_get_info": RuntimeCall("cuMemGetInfo", needs_context=True),
+        "host_alloc": RuntimeCall("cuMemHostAlloc", ("CU_MEMHOSTALLOC_PORTABLE",), needs_context=True),
+        "host_free": RuntimeCall("cuMemFreeHost"),
+        # Non-blocking: no implicit synchronisation with the legacy stream.
+        "stream_create": RuntimeCall("cuStreamCreate", ("CUstream_flags.CU_STREAM_NON_BLOCKING",), needs_context=True),
+        "stream_destroy": RuntimeCall("cuStreamDestroy"),
+        "stream_synchronize": RuntimeCall("cuStreamSynchronize"),
+        "stream_is_capturing": RuntimeCall("cuStreamIsCapturing"),
+        "stream_wait_event": RuntimeCall("cuStreamWaitEvent", (0,)),
+        "event_create": RuntimeCall("cuEventCreate", ("CUevent_flags.CU_EVENT_DISABLE_TIMING",), needs_context=True),
+        "event_create_timing": RuntimeCall("cuEventCreate", ("CUevent_flags.CU_EVENT_DEFAULT",), needs_context=True),
+        "event_destroy": RuntimeCall("cuEventDestroy"),
+        "event_synchronize": RuntimeCall("cuEventSynchronize"),
+        "event_elapsed_ms": RuntimeCall("cuEventElapsedTime"),
+    }
+    CAPTURE_NONE = "CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE"
 
     def __init__(self, driver_module: Any = None, nvrtc_module: Any = None) -> None:
         """``driver_module``/``nvrtc_module`` default to cuda-bindings; tests may pass stand-ins."""
@@ -86,17 +108,20 @@ class CudaBackend(Backend):
         self._identity: str | None = None
         self._argument_slot = KernelArgumentSlot()
 
+        self._compiler = RuntimeCompiler(nvrtc_module, "nvrtc", code_call="CUBIN", file_name="hipattn_kernel.cu",
+                                         destroy=nvrtc_module.nvrtcDestroyProgram)
+
         d = driver_module
         # Bound once: the hot path (launch, memset, memcpy, set_device) then does no module lookups.
-        self._cuLaunchKernel = d.cuLaunchKernel
-        self._cuMemsetD8Async = d.cuMemsetD8Async
+        self._launch_kernel = d.cuLaunchKernel
+        self._launch_extra = 0
+        self._memset_d8_async = d.cuMemsetD8Async
+        self._event_record_call = d.cuEventRecord
+        self._event_query_call = d.cuEventQuery
+        self._not_ready = int(d.CUresult.CUDA_ERROR_NOT_READY)
         self._cuMemcpyAsync = d.cuMemcpyAsync
         self._cuLaunchHostFunc = d.cuLaunchHostFunc
         self._cuCtxSetCurrent = d.cuCtxSetCurrent
-        self._cuEventRecord = d.cuEventRecord
-        self._cuEventQuery = d.cuEventQuery
-        self._not_ready = int(d.CUresult.CUDA_ERROR_NOT_READY)
-        self._capture_none = int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
 
     # ---- the one error path ---------------------------------------------------------------------
     def _error(self, call: str, result: Any) -> DriverError:
@@ -113,33 +138,19 @@ class CudaBackend(Backend):
             pass
         return DriverError(call, code, name, description)
 
-    def _nvrtc_error(self, call: str, result: Any) -> DriverError:
-        name = _result_name(result)
-        try:
-            error, text = self._nvrtc.nvrtcGetErrorString(result)
-            if not error and text:
-                name = text.decode()
-        except Exception:  # same fallback as the driver: the enum's own name
-            pass
-        return DriverError(call, int(result), name)
-
-    def _check(self, call: str, returned: tuple) -> Any:
-        return binding_outputs(call, returned, self._error)
-
-    def _nvrtc_check(self, call: str, returned: tuple) -> Any:
-        return binding_outputs(call, returned, self._nvrtc_error)
+    def _binding(self) -> Any:
+        return self._driver
 
     # ---- compiling ------------------------------------------------------------------------------
     def compiler_identity(self) -> str:
         if self._identity is None:
             try:
-                returned = self._nvrtc.nvrtcVersion()
+                major, minor = self._compiler.call("Version")
             except Exception as error:  # libnvrtc missing: cuda-bindings loads it lazily, on first use
                 raise BackendUnavailableError(
                     f"NVRTC could not be loaded ({error}); install it: pip install 'cuda-toolkit[nvrtc]' "
                     f"or {_INSTALL_HINT}"
                 ) from None
-            major, minor = self._nvrtc_check("nvrtcVersion", returned)
             # nvrtcVersion stops at major.minor; the wheel's full version tells patch releases apart
             # in the cache key (a system libnvrtc without the wheel keeps major.minor).
             self._identity = f"nvrtc {major}.{minor}" + _nvrtc_wheel_suffix()
@@ -152,51 +163,9 @@ class CudaBackend(Backend):
         # unless a kernel asks for an intrinsic explicitly.
         return (f"--gpu-architecture={target.arch}", "-std=c++17")
 
-    def compile(
-        self,
-        source: str,
-        headers: dict[str, str],
-        name_expression: str,
-        target: Target,
-        options: tuple[str, ...],
-        spec_text: str,
-    ) -> CompiledKernel:
+    def _before_compile(self, target: Target, options: tuple[str, ...], spec_text: str, source: str) -> None:
         self._require_vendor(target)
-        nv = self._nvrtc
         self.compiler_identity()  # a missing libnvrtc becomes BackendUnavailableError, not a traceback
-        names = [name.encode() for name in headers]
-        texts = [text.encode() for text in headers.values()]
-        program = self._nvrtc_check(
-            "nvrtcCreateProgram", nv.nvrtcCreateProgram(source.encode(), b"hipattn_kernel.cu", len(names), texts, names)
-        )
-        try:
-            expression = name_expression.encode()
-            self._nvrtc_check("nvrtcAddNameExpression", nv.nvrtcAddNameExpression(program, expression))
-            encoded_options = [option.encode() for option in options]
-            (result,) = nv.nvrtcCompileProgram(program, len(encoded_options), encoded_options)
-            log = self._program_log(program)
-            if result:
-                # Compilation errors and rejected options (an unknown arch) both come back with a log.
-                detail = log if log.strip() else f"{_result_name(result)} ({int(result)})"
-                raise compile_error(spec_text, target, tuple(options), detail, source)
-            lowered = self._nvrtc_check("nvrtcGetLoweredName", nv.nvrtcGetLoweredName(program, expression))
-            size = self._nvrtc_check("nvrtcGetCUBINSize", nv.nvrtcGetCUBINSize(program))
-            buffer = bytearray(size)  # written in place by NVRTC: never a (possibly shared) bytes object
-            self._nvrtc_check("nvrtcGetCUBIN", nv.nvrtcGetCUBIN(program, buffer))
-            binary = bytes(buffer)
-        finally:
-            nv.nvrtcDestroyProgram(program)
-        if log.strip():
-            logger.debug("nvrtc log for %s on %s:\n%s", spec_text, target, log)
-        return CompiledKernel(binary=binary, lowered_name=lowered.decode(), log=log)
-
-    def _program_log(self, program: Any) -> str:
-        size = self._nvrtc_check("nvrtcGetProgramLogSize", self._nvrtc.nvrtcGetProgramLogSize(program))
-        if size <= 1:
-            return ""
-        buffer = bytearray(size)
-        self._nvrtc_check("nvrtcGetProgramLog", self._nvrtc.nvrtcGetProgramLog(program, buffer))
-        return bytes(buffer).rstrip(b"\0").decode(errors="replace")
 
     def _require_vendor(self, target: Target) -> None:
         if target.vendor != NVIDIA:
@@ -279,13 +248,13 @@ class CudaBackend(Backend):
         if result:
             raise self._error("cuCtxSetCurrent", result)
 
-    def _ensure_context(self) -> None:
+    def _make_context_current(self) -> None:
         """Calls that need a context (module load, allocation) get the current or device 0's primary one."""
         self.get_device()
 
     # ---- modules and launches -----------------------------------------------------------------------
     def load_function(self, binary: bytes, lowered_name: str) -> Any:
-        self._ensure_context()
+        self._make_context_current()
         module = self._check("cuModuleLoadData", self._driver.cuModuleLoadData(binary))
         function = self._check("cuModuleGetFunction", self._driver.cuModuleGetFunction(module, lowered_name.encode()))
         # Modules are never unloaded: the registry keeps functions for the life of the process, and an
@@ -302,59 +271,11 @@ class CudaBackend(Backend):
             ),
         )
 
-    def launch(
-        self,
-        function: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_bytes: int,
-        stream: int,
-        params: ctypes.Structure,
-    ) -> None:
-        cell, cell_address = self._argument_slot.cell_and_address
-        cell.value = ctypes.addressof(params)
-        (result,) = self._cuLaunchKernel(
-            function.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-            shared_bytes, stream, cell_address, 0,
-        )  # fmt: skip
-        if result:
-            raise self._error(f"cuLaunchKernel({function.name})", result)
-
-    # ---- memory -----------------------------------------------------------------------------------
-    def memset_async(self, ptr: int, byte_value: int, nbytes: int, stream: int) -> None:
-        if nbytes:
-            (result,) = self._cuMemsetD8Async(ptr, byte_value, nbytes, stream)
-            if result:
-                raise self._error("cuMemsetD8Async", result)
-
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:  # empty arrays may carry null pointers; a zero-byte copy is nothing to enqueue
             (result,) = self._cuMemcpyAsync(dst, src, nbytes, stream)
             if result:
                 raise self._error("cuMemcpyAsync", result)
-
-    def malloc_async(self, nbytes: int, stream: int) -> int:
-        if nbytes == 0:
-            return 0
-        return int(self._check("cuMemAllocAsync", self._driver.cuMemAllocAsync(nbytes, stream)))
-
-    def free_async(self, ptr: int, stream: int) -> None:
-        if ptr:
-            self._check("cuMemFreeAsync", self._driver.cuMemFreeAsync(ptr, stream))
-
-    def mem_get_info(self) -> tuple[int, int]:
-        self._ensure_context()
-        free, total = self._check("cuMemGetInfo", self._driver.cuMemGetInfo())
-        return int(free), int(total)
-
-    def host_alloc(self, nbytes: int) -> int:
-        self._ensure_context()
-        flags = self._driver.CU_MEMHOSTALLOC_PORTABLE  # usable from every device's context
-        return int(self._check("cuMemHostAlloc", self._driver.cuMemHostAlloc(max(nbytes, 1), flags)))
-
-    def host_free(self, ptr: int) -> None:
-        if ptr:
-            self._check("cuMemFreeHost", self._driver.cuMemFreeHost(ptr))
 
     def launch_host_func(self, stream: int, function_address: int, user_data: int) -> None:
         if type(function_address) is not int:
@@ -374,53 +295,3 @@ class CudaBackend(Backend):
             (result,) = self._cuLaunchHostFunc(stream, function_address, user_data)
         if result:
             raise self._error("cuLaunchHostFunc", result)
-
-    # ---- streams and events ------------------------------------------------------------------------
-    def stream_create(self) -> int:
-        self._ensure_context()
-        flags = self._driver.CUstream_flags.CU_STREAM_NON_BLOCKING  # no implicit sync with the legacy stream
-        return int(self._check("cuStreamCreate", self._driver.cuStreamCreate(flags)))
-
-    def stream_destroy(self, stream: int) -> None:
-        self._check("cuStreamDestroy", self._driver.cuStreamDestroy(stream))
-
-    def stream_synchronize(self, stream: int) -> None:
-        self._check("cuStreamSynchronize", self._driver.cuStreamSynchronize(stream))
-
-    def stream_is_capturing(self, stream: int) -> bool:
-        status = self._check("cuStreamIsCapturing", self._driver.cuStreamIsCapturing(stream))
-        # ACTIVE and INVALIDATED both mean a capture is still open on the stream.
-        return int(status) != self._capture_none
-
-    def stream_wait_event(self, stream: int, event: int) -> None:
-        self._check("cuStreamWaitEvent", self._driver.cuStreamWaitEvent(stream, event, 0))
-
-    def event_create(self, timing: bool = False) -> int:
-        self._ensure_context()
-        flags = self._driver.CUevent_flags
-        # Timing costs a timestamp per record; events used for ordering do without.
-        value = flags.CU_EVENT_DEFAULT if timing else flags.CU_EVENT_DISABLE_TIMING
-        return int(self._check("cuEventCreate", self._driver.cuEventCreate(value)))
-
-    def event_destroy(self, event: int) -> None:
-        self._check("cuEventDestroy", self._driver.cuEventDestroy(event))
-
-    def event_record(self, event: int, stream: int) -> None:
-        (result,) = self._cuEventRecord(event, stream)
-        if result:
-            raise self._error("cuEventRecord", result)
-
-    def event_query(self, event: int) -> bool:
-        (result,) = self._cuEventQuery(event)
-        if not result:
-            return True
-        if result == self._not_ready:
-            return False
-        raise self._error("cuEventQuery", result)
-
-    def event_synchronize(self, event: int) -> None:
-        self._check("cuEventSynchronize", self._driver.cuEventSynchronize(event))
-
-    def event_elapsed_ms(self, start: int, end: int) -> float:
-        return float(self._check("cuEventElapsedTime", self._driver.cuEventElapsedTime(start, end)))
-

@@ -1,7 +1,10 @@
 """AMD backend: hiprtc compiles, the HIP runtime loads and launches (both through hip-python).
 
-It mirrors the CUDA backend call for call. hip-python accepts plain ints for handles and pointers and
-an int address of a ``void**`` for ``kernelParams``. Two traps it sets: ``hipLaunchHostFunc`` accepts a
+What it shares with the CUDA backend (the launch, the one-call memory, stream and event methods, the
+runtime compiler's skeleton) is written once in ``base`` and ``rtc``; this module names hip-python's
+calls for them and holds what differs: target checks against the ROCm release, device properties, the
+LDS limit, the copy kind. hip-python accepts plain ints for handles and pointers and an int address of a
+``void**`` for ``kernelParams``. Two traps it sets: ``hipLaunchHostFunc`` accepts a
 ctypes CFUNCTYPE object silently and hands the runtime the address of the Python object's buffer, so
 only ints are passed; ``hiprtcDestroyProgram`` takes a ``hiprtcProgram*``, so it gets ``createRef()``
 (the bare program segfaults).
@@ -12,7 +15,6 @@ half is exercised in CI with ROCm 5.2's hiprtc.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -21,7 +23,14 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, DriverError
 from ..jit.target import AMD, Target
-from .base import Backend, CompiledKernel, KernelArgumentSlot, LoadedFunction, binding_outputs, compile_error
+from .base import (
+    Backend,
+    KernelArgumentSlot,
+    LoadedFunction,
+    RuntimeCall,
+    compile_error,
+)
+from .rtc import RuntimeCompiler, binding_text
 
 logger = logging.getLogger("hipattn")
 
@@ -55,14 +64,6 @@ _PROCESSORS: dict[str, tuple[tuple[int, int], tuple[int, int] | None]] = {
 _SONAME_VERSION = re.compile(r"^lib(?:hiprtc|amdhip64)\.so\.(\d+)\.(\d+)(?:\.(\d+))?")
 
 
-def _text(value: Any) -> str:
-    """hip-python hands strings back as bytes or as its CStr type; both decode."""
-    if value is None:
-        return ""
-    decode = getattr(value, "decode", None)
-    return decode() if decode is not None else str(value)
-
-
 def _loaded_library(prefixes: tuple[str, ...]) -> str | None:
     """The real path of a shared library already mapped into this process (Linux), by name prefix."""
     try:
@@ -80,6 +81,27 @@ def _loaded_library(prefixes: tuple[str, ...]) -> str | None:
 class HipBackend(Backend):
     name = "hip"
     vendor = AMD
+    CALL_NAMES = {"launch": "hipModuleLaunchKernel", "memset_async": "hipMemsetAsync", "event_record": "hipEventRecord",
+                  "event_query": "hipEventQuery"}
+    RUNTIME_CALLS = {
+        "malloc_async": RuntimeCall("hipMallocAsync"),
+        "free_async": RuntimeCall("hipFreeAsync"),
+        "mem_get_info": RuntimeCall("hipMemGetInfo"),
+        "host_alloc": RuntimeCall("hipHostMalloc", ("hipHostMallocPortable",)),  # usable from every device
+        "host_free": RuntimeCall("hipHostFree"),
+        # Non-blocking: no implicit synchronisation with the null stream.
+        "stream_create": RuntimeCall("hipStreamCreateWithFlags", ("hipStreamNonBlocking",)),
+        "stream_destroy": RuntimeCall("hipStreamDestroy"),
+        "stream_synchronize": RuntimeCall("hipStreamSynchronize"),
+        "stream_is_capturing": RuntimeCall("hipStreamIsCapturing"),
+        "stream_wait_event": RuntimeCall("hipStreamWaitEvent", (0,)),
+        "event_create": RuntimeCall("hipEventCreateWithFlags", ("hipEventDisableTiming",)),
+        "event_create_timing": RuntimeCall("hipEventCreateWithFlags", ("hipEventDefault",)),
+        "event_destroy": RuntimeCall("hipEventDestroy"),
+        "event_synchronize": RuntimeCall("hipEventSynchronize"),
+        "event_elapsed_ms": RuntimeCall("hipEventElapsedTime"),
+    }
+    CAPTURE_NONE = "hipStreamCaptureStatus.hipStreamCaptureStatusNone"
 
     def __init__(self, hip_module: Any = None, hiprtc_module: Any = None) -> None:
         """``hip_module``/``hiprtc_module`` default to hip-python's; tests may pass stand-ins."""
@@ -97,51 +119,42 @@ class HipBackend(Backend):
         self._properties: dict[int, Any] = {}
         self._shared_limits: dict[int, int] = {}
         self._lock = threading.Lock()
-        # comgr in older ROCm releases keeps global state; compiles in one process are serialised
-        # (parallel `hipattn warm` uses processes, which also contain an abort).
-        self._compile_lock = threading.Lock()
         self._argument_slot = KernelArgumentSlot()
+        # comgr in older ROCm releases keeps global state, so compiles in one process are serialised
+        # (parallel `hipattn warm` uses processes, which also contain an abort). hiprtcDestroyProgram
+        # takes a hiprtcProgram*: createRef() (the bare program segfaults).
+        self._compiler = RuntimeCompiler(hiprtc_module, "hiprtc", code_call="Code", file_name="hipattn_kernel.hip",
+                                         serialise=True, empty_as_none=True,
+                                         destroy=lambda program: hiprtc_module.hiprtcDestroyProgram(program.createRef()))
 
         h = hip_module
-        self._hipModuleLaunchKernel = h.hipModuleLaunchKernel
-        self._hipMemsetAsync = h.hipMemsetAsync
+        self._launch_kernel = h.hipModuleLaunchKernel
+        self._launch_extra = None
+        self._memset_d8_async = h.hipMemsetAsync
+        self._event_record_call = h.hipEventRecord
+        self._event_query_call = h.hipEventQuery
+        self._not_ready = int(h.hipError_t.hipErrorNotReady)
         self._hipMemcpyAsync = h.hipMemcpyAsync
         self._hipLaunchHostFunc = h.hipLaunchHostFunc
         self._hipSetDevice = h.hipSetDevice
-        self._hipEventRecord = h.hipEventRecord
-        self._hipEventQuery = h.hipEventQuery
         self._memcpy_default = h.hipMemcpyKind.hipMemcpyDefault  # unified addressing: any direction
-        self._not_ready = int(h.hipError_t.hipErrorNotReady)
-        self._capture_none = int(h.hipStreamCaptureStatus.hipStreamCaptureStatusNone)
 
     # ---- the one error path ---------------------------------------------------------------------
     def _error(self, call: str, result: Any) -> DriverError:
         name, description = getattr(result, "name", "") or "", ""
         try:
             _, text = self._hip.hipGetErrorName(result)
-            name = _text(text) or name
+            name = binding_text(text) or name
             _, text = self._hip.hipGetErrorString(result)
-            description = _text(text)
+            description = binding_text(text)
         except Exception:  # the lookup needs libamdhip64; the enum's own name is a fine fallback
             pass
         if description == name:  # HIP often describes an error by repeating its name
             description = ""
         return DriverError(call, int(result), name, description)
 
-    def _rtc_error(self, call: str, result: Any) -> DriverError:
-        name = getattr(result, "name", "") or ""
-        try:
-            _, text = self._hiprtc.hiprtcGetErrorString(result)
-            name = _text(text) or name
-        except Exception:  # same fallback as the runtime: the enum's own name
-            pass
-        return DriverError(call, int(result), name)
-
-    def _check(self, call: str, returned: tuple) -> Any:
-        return binding_outputs(call, returned, self._error)
-
-    def _rtc_check(self, call: str, returned: tuple) -> Any:
-        return binding_outputs(call, returned, self._rtc_error)
+    def _binding(self) -> Any:
+        return self._hip
 
     # ---- compiling ------------------------------------------------------------------------------
     def compiler_identity(self) -> str:
@@ -157,10 +170,9 @@ class HipBackend(Backend):
 
     def _probe_compiler(self) -> tuple[str, tuple[int, int] | None]:
         try:
-            returned = self._hiprtc.hiprtcVersion()  # loads libhiprtc (hip-python loads lazily)
+            self._compiler.call("Version")  # loads libhiprtc (hip-python loads lazily)
         except Exception as error:
             raise BackendUnavailableError(f"hiprtc could not be loaded ({error}); {_INSTALL_HINT}") from None
-        self._rtc_check("hiprtcVersion", returned)
         version, rocm = None, None
         try:
             result, number = self._hip.hipRuntimeGetVersion()
@@ -216,57 +228,12 @@ class HipBackend(Backend):
         # The full arch with its features (gfx90a:sramecc+:xnack-): features change the code object.
         return (f"--offload-arch={target.arch}", "-O3", "-std=c++17")
 
-    def compile(
-        self,
-        source: str,
-        headers: dict[str, str],
-        name_expression: str,
-        target: Target,
-        options: tuple[str, ...],
-        spec_text: str,
-    ) -> CompiledKernel:
+    def _before_compile(self, target: Target, options: tuple[str, ...], spec_text: str, source: str) -> None:
         reason = self.unsupported_reason(target)
         if reason is not None:
             if target.vendor != AMD:
                 raise ValueError(reason)
             raise compile_error(spec_text, target, tuple(options), reason, source)
-        rtc = self._hiprtc
-        names = [name.encode() for name in headers]
-        texts = [text.encode() for text in headers.values()]
-        with self._compile_lock:
-            program = self._rtc_check(
-                "hiprtcCreateProgram",
-                rtc.hiprtcCreateProgram(
-                    source.encode(), b"hipattn_kernel.hip", len(names), texts or None, names or None
-                ),
-            )
-            try:
-                expression = name_expression.encode()
-                self._rtc_check("hiprtcAddNameExpression", rtc.hiprtcAddNameExpression(program, expression))
-                encoded_options = [option.encode() for option in options]
-                (result,) = rtc.hiprtcCompileProgram(program, len(encoded_options), encoded_options)
-                log = self._program_log(program)
-                if result:
-                    detail = log if log.strip() else f"{getattr(result, 'name', '')} ({int(result)})"
-                    raise compile_error(spec_text, target, tuple(options), detail, source)
-                # The lowered name points into the program: copy it out before the program is destroyed.
-                lowered = _text(self._rtc_check("hiprtcGetLoweredName", rtc.hiprtcGetLoweredName(program, expression)))
-                size = self._rtc_check("hiprtcGetCodeSize", rtc.hiprtcGetCodeSize(program))
-                buffer = bytearray(size)
-                self._rtc_check("hiprtcGetCode", rtc.hiprtcGetCode(program, buffer))
-            finally:
-                rtc.hiprtcDestroyProgram(program.createRef())
-        if log.strip():
-            logger.debug("hiprtc log for %s on %s:\n%s", spec_text, target, log)
-        return CompiledKernel(binary=bytes(buffer), lowered_name=lowered, log=log)
-
-    def _program_log(self, program: Any) -> str:
-        size = self._rtc_check("hiprtcGetProgramLogSize", self._hiprtc.hiprtcGetProgramLogSize(program))
-        if size <= 1:
-            return ""
-        buffer = bytearray(size)
-        self._rtc_check("hiprtcGetProgramLog", self._hiprtc.hiprtcGetProgramLog(program, buffer))
-        return bytes(buffer).rstrip(b"\0").decode(errors="replace")
 
     # ---- devices ----------------------------------------------------------------------------------
     def _device_properties(self, device: int) -> Any:
@@ -286,7 +253,7 @@ class HipBackend(Backend):
     def device_target(self, device: int) -> Target:
         properties = self._device_properties(device)
         # gcnArchName carries the target features the code object must match (gfx90a:sramecc+:xnack-).
-        target = Target.parse(_text(properties.gcnArchName))
+        target = Target.parse(binding_text(properties.gcnArchName))
         warp_size = int(getattr(properties, "warpSize", target.warp_size))
         if warp_size != target.warp_size:
             logger.warning(
@@ -296,7 +263,7 @@ class HipBackend(Backend):
         return target
 
     def device_name(self, device: int) -> str:
-        return _text(self._device_properties(device).name)
+        return binding_text(self._device_properties(device).name)
 
     def get_device(self) -> int:
         return int(self._check("hipGetDevice", self._hip.hipGetDevice()))
@@ -332,57 +299,11 @@ class HipBackend(Backend):
                 f"{nbytes} bytes of shared memory requested; device {device} allows {limit} per block",
             )
 
-    def launch(
-        self,
-        function: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_bytes: int,
-        stream: int,
-        params: ctypes.Structure,
-    ) -> None:
-        cell, cell_address = self._argument_slot.cell_and_address
-        cell.value = ctypes.addressof(params)
-        (result,) = self._hipModuleLaunchKernel(
-            function.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-            shared_bytes, stream, cell_address, None,
-        )  # fmt: skip
-        if result:
-            raise self._error(f"hipModuleLaunchKernel({function.name})", result)
-
-    # ---- memory -----------------------------------------------------------------------------------
-    def memset_async(self, ptr: int, byte_value: int, nbytes: int, stream: int) -> None:
-        if nbytes:
-            (result,) = self._hipMemsetAsync(ptr, byte_value, nbytes, stream)
-            if result:
-                raise self._error("hipMemsetAsync", result)
-
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:  # empty arrays may carry null pointers; a zero-byte copy is nothing to enqueue
             (result,) = self._hipMemcpyAsync(dst, src, nbytes, self._memcpy_default, stream)
             if result:
                 raise self._error("hipMemcpyAsync", result)
-
-    def malloc_async(self, nbytes: int, stream: int) -> int:
-        if nbytes == 0:
-            return 0
-        return int(self._check("hipMallocAsync", self._hip.hipMallocAsync(nbytes, stream)))
-
-    def free_async(self, ptr: int, stream: int) -> None:
-        if ptr:
-            self._check("hipFreeAsync", self._hip.hipFreeAsync(ptr, stream))
-
-    def mem_get_info(self) -> tuple[int, int]:
-        free, total = self._check("hipMemGetInfo", self._hip.hipMemGetInfo())
-        return int(free), int(total)
-
-    def host_alloc(self, nbytes: int) -> int:
-        flags = self._hip.hipHostMallocPortable  # usable from every device
-        return int(self._check("hipHostMalloc", self._hip.hipHostMalloc(max(nbytes, 1), flags)))
-
-    def host_free(self, ptr: int) -> None:
-        if ptr:
-            self._check("hipHostFree", self._hip.hipHostFree(ptr))
 
     def launch_host_func(self, stream: int, function_address: int, user_data: int) -> None:
         if type(function_address) is not int:
@@ -393,49 +314,3 @@ class HipBackend(Backend):
         (result,) = self._hipLaunchHostFunc(stream, function_address, user_data)
         if result:
             raise self._error("hipLaunchHostFunc", result)
-
-    # ---- streams and events ------------------------------------------------------------------------
-    def stream_create(self) -> int:
-        flags = self._hip.hipStreamNonBlocking  # no implicit sync with the null stream
-        return int(self._check("hipStreamCreateWithFlags", self._hip.hipStreamCreateWithFlags(flags)))
-
-    def stream_destroy(self, stream: int) -> None:
-        self._check("hipStreamDestroy", self._hip.hipStreamDestroy(stream))
-
-    def stream_synchronize(self, stream: int) -> None:
-        self._check("hipStreamSynchronize", self._hip.hipStreamSynchronize(stream))
-
-    def stream_is_capturing(self, stream: int) -> bool:
-        status = self._check("hipStreamIsCapturing", self._hip.hipStreamIsCapturing(stream))
-        # Active and invalidated both mean a capture is still open on the stream.
-        return int(status) != self._capture_none
-
-    def stream_wait_event(self, stream: int, event: int) -> None:
-        self._check("hipStreamWaitEvent", self._hip.hipStreamWaitEvent(stream, event, 0))
-
-    def event_create(self, timing: bool = False) -> int:
-        # Timing costs a timestamp per record; events used for ordering do without.
-        flags = self._hip.hipEventDefault if timing else self._hip.hipEventDisableTiming
-        return int(self._check("hipEventCreateWithFlags", self._hip.hipEventCreateWithFlags(flags)))
-
-    def event_destroy(self, event: int) -> None:
-        self._check("hipEventDestroy", self._hip.hipEventDestroy(event))
-
-    def event_record(self, event: int, stream: int) -> None:
-        (result,) = self._hipEventRecord(event, stream)
-        if result:
-            raise self._error("hipEventRecord", result)
-
-    def event_query(self, event: int) -> bool:
-        (result,) = self._hipEventQuery(event)
-        if not result:
-            return True
-        if result == self._not_ready:
-            return False
-        raise self._error("hipEventQuery", result)
-
-    def event_synchronize(self, event: int) -> None:
-        self._check("hipEventSynchronize", self._hip.hipEventSynchronize(event))
-
-    def event_elapsed_ms(self, start: int, end: int) -> float:
-        return float(self._check("hipEventElapsedTime", self._hip.hipEventElapsedTime(start, end)))

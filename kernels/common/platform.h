@@ -56,7 +56,12 @@ HIPATTN_DEVICE float bits_to_float(unsigned int bits) { return __uint_as_float(b
 HIPATTN_DEVICE unsigned int float_to_bits(float value) { return __float_as_uint(value); }
 HIPATTN_DEVICE float infinity() { return bits_to_float(0x7f800000u); }
 
-// exp2 with the hardware's fast approximation: softmax is computed in base 2 (scale folded with log2 e).
+// The softmax is computed in base 2: scores are scaled by softmax_scale * log2(e) and exponentiated with
+// exp2; an LSE in base 2 times ln(2) is the natural-log LSE the host sees.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// exp2 with the hardware's fast approximation.
 HIPATTN_DEVICE float fast_exp2(float x) {
 #if defined(HIPATTN_AMD)
   return exp2f(x);  // lowers to v_exp_f32

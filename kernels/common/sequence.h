@@ -34,4 +34,19 @@ HIPATTN_DEVICE Sequence sequence_bounds(const int* cu_seqlens, const int* sequse
   return {static_cast<int>(start), static_cast<int>(length)};
 }
 
+// The query and the key sequence of batch entry `batch_index` as a kernel's parameter struct describes
+// them (every attention struct carries the sequence fields of hipattn/catalog/fields.py), each clamped
+// to `tile` rows.
+template <typename Params>
+HIPATTN_DEVICE Sequence query_sequence(const Params& p, int batch_index, int tile) {
+  return sequence_bounds(static_cast<const int*>(p.cu_seqlens_q), static_cast<const int*>(p.seqused_q), batch_index,
+                         p.max_seqlen_q, p.total_q, tile);
+}
+
+template <typename Params>
+HIPATTN_DEVICE Sequence key_sequence(const Params& p, int batch_index, int tile) {
+  return sequence_bounds(static_cast<const int*>(p.cu_seqlens_k), static_cast<const int*>(p.seqused_k), batch_index,
+                         p.max_seqlen_k, p.total_k, tile);
+}
+
 }  // namespace hipattn

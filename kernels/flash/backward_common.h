@@ -7,8 +7,6 @@
 namespace hipattn {
 namespace flash {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 struct KeyBlock {
   int n_block;  // key tile within the sequence
   int batch_index;  // -1: the block has no work (past the end of the varlen work list)

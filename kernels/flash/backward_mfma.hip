@@ -35,7 +35,8 @@ namespace flash {
 // LDS of a dK/dV block, in elements of T: Qᵀ and dOᵀ of the query tile (HEAD_DIM rows of 16
 // queries each), then each wave's Pᵀ and dSᵀ (16 keys of 16 queries each). Rows are padded by 4
 // elements (8 bytes), as forward_mfma.hip's tiles, so that 16 lanes reading 8 bytes of 16 rows hit
-// distinct banks. hipattn/families.py's flash_backward_dkdv_mfma_shared_bytes computes kBytes.
+// distinct banks. The host's row (hipattn/catalog/flash_backward.py, FlashDkdvMfmaTiles.shared_bytes)
+// computes kBytes.
 template <typename T, int HEAD_DIM, int BLOCK_N>
 struct MfmaKeyBlockTiles {
   static constexpr int kWaves = BLOCK_N / mfma::kTile;
@@ -129,12 +130,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
   const flash::KeyBlock block = flash::key_block_of<BLOCK_N>(blockIdx.x, p);
   if (block.batch_index < 0) return;  // past the work list's last key block; before any barrier
   const int batch_index = block.batch_index;
-  const Sequence seq_q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q),
-                                         static_cast<const int*>(p.seqused_q), batch_index, p.max_seqlen_q,
-                                         p.total_q, p.max_seqlen_q);
-  const Sequence seq_k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k),
-                                         static_cast<const int*>(p.seqused_k), batch_index, p.max_seqlen_k,
-                                         p.total_k, p.max_seqlen_k);
+  const Sequence seq_q = query_sequence(p, batch_index, p.max_seqlen_q);
+  const Sequence seq_k = key_sequence(p, batch_index, p.max_seqlen_k);
   const int len_q = seq_q.length;
   const int len_k = seq_k.length;
   const int n0 = block.n_block * BLOCK_N;
@@ -181,7 +178,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
   mfma::Accumulator dk[kDSteps], dv[kDSteps];  // dKᵀ, dVᵀ: column d0 + 4 quarter + e of key `column`
 #pragma unroll
   for (int d = 0; d < kDSteps; ++d) dk[d] = dv[d] = mfma::zero_accumulator();
-  const float scale_log2 = p.softmax_scale * flash::kLog2e;
+  const float scale_log2 = p.softmax_scale * kLog2e;
 
   for (int i = 0; i < tiles; ++i) {
     const int head = first_head + i / seeing.count;
@@ -281,12 +278,8 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
   const int batch_index = block.batch_index;
   const int head = block.head;
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  const Sequence seq_q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q),
-                                         static_cast<const int*>(p.seqused_q), batch_index, p.max_seqlen_q,
-                                         p.total_q, p.max_seqlen_q);
-  const Sequence seq_k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k),
-                                         static_cast<const int*>(p.seqused_k), batch_index, p.max_seqlen_k,
-                                         p.total_k, p.max_seqlen_k);
+  const Sequence seq_q = query_sequence(p, batch_index, p.max_seqlen_q);
+  const Sequence seq_k = key_sequence(p, batch_index, p.max_seqlen_k);
   const int len_q = seq_q.length;
   const int len_k = seq_k.length;
   const int wave = threadIdx.x / 64;
@@ -315,7 +308,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
     do_fragment[d] = query_in ? mfma::load_operand(do_row + 16 * d + 4 * quarter) : mfma::zero_operand();
   }
   const flash::RowStatistics row = flash::row_statistics(p, batch_index, head, row_token, query_in);
-  const float scale_log2 = p.softmax_scale * flash::kLog2e;
+  const float scale_log2 = p.softmax_scale * kLog2e;
   const T* const k_rows = static_cast<const T*>(p.k) + batch_index * p.k_batch_stride +
                           static_cast<long long>(seq_k.start) * p.k_token_stride + head_kv * p.k_head_stride;
   const T* const v_rows = static_cast<const T*>(p.v) + batch_index * p.v_batch_stride +

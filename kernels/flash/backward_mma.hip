@@ -29,7 +29,7 @@
 #pragma once
 #include "common/mma_nvidia.h"
 #include "flash/backward_common.h"
-#include "flash/staging.h"
+#include "flash/stage_padded_cp_async.h"
 
 namespace hipattn {
 namespace flash {
@@ -39,8 +39,9 @@ namespace flash {
 //   Q, dO         two slots of BLOCK_M rows each (double buffer)
 //   Pᵀ, dSᵀ       BLOCK_N rows of BLOCK_M queries, [key][query]
 //   LSE, Delta    fp32, two slots of BLOCK_M each: [slot][LSE | Delta]
-// Every row is padded by 8 elements (16 bytes) against ldmatrix bank conflicts. hipattn/families.py's
-// flash_backward_dkdv_shared_bytes computes kBytes from the same template arguments.
+// Every row is padded by 8 elements (16 bytes) against ldmatrix bank conflicts. The host's row
+// (hipattn/catalog/flash_backward.py, FlashDkdvMmaTiles.shared_bytes) computes kBytes from the same
+// template arguments.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
 struct KeyBlockTiles {
   static constexpr int kPitch = HEAD_DIM + 8;
@@ -77,7 +78,7 @@ struct KeyBlockTiles {
 };
 
 // Shared-memory layout of a dQ block, in elements of T: Q and dO (BLOCK_M rows each), then two
-// slots of K and two of V (BLOCK_N rows each). families.py's flash_backward_dq_shared_bytes agrees.
+// slots of K and two of V (BLOCK_N rows each). FlashDqMmaTiles.shared_bytes on the host agrees.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
 struct QueryBlockTiles {
   static constexpr int kPitch = HEAD_DIM + 8;
@@ -116,12 +117,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   const flash::KeyBlock block = flash::key_block_of<BLOCK_N>(blockIdx.x, p);
   if (block.batch_index < 0) return;  // past the work list's last key block; before any barrier
   const int batch_index = block.batch_index;
-  const Sequence seq_q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q),
-                                         static_cast<const int*>(p.seqused_q), batch_index, p.max_seqlen_q,
-                                         p.total_q, p.max_seqlen_q);
-  const Sequence seq_k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k),
-                                         static_cast<const int*>(p.seqused_k), batch_index, p.max_seqlen_k,
-                                         p.total_k, p.max_seqlen_k);
+  const Sequence seq_q = query_sequence(p, batch_index, p.max_seqlen_q);
+  const Sequence seq_k = key_sequence(p, batch_index, p.max_seqlen_k);
   const int len_q = seq_q.length;
   const int len_k = seq_k.length;
   const int n0 = block.n_block * BLOCK_N;
@@ -212,7 +209,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   const int query_base = column_group * Tiles::kWarpQueries;   // phase 1: this warp's queries in the tile
   const int column_base = column_group * Tiles::kWarpColumns;  // phase 2: this warp's dK/dV columns
   const int slice_row = 16 * key_slice;                        // the warp's keys in the block's tiles
-  const float scale_log2 = p.softmax_scale * flash::kLog2e;
+  const float scale_log2 = p.softmax_scale * kLog2e;
 
   float dk[kDTiles][4];
   float dv[kDTiles][4];
@@ -276,7 +273,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
       const int column = query_base + 8 * n + 2 * t;  // this lane's queries: column, column + 1
-      const float lse_log2[2] = {lse_slot[column] * flash::kLog2e, lse_slot[column + 1] * flash::kLog2e};
+      const float lse_log2[2] = {lse_slot[column] * kLog2e, lse_slot[column + 1] * kLog2e};
       const float delta[2] = {delta_slot[column], delta_slot[column + 1]};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -404,12 +401,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
   const int batch_index = block.batch_index;
   const int head = block.head;
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  const Sequence seq_q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q),
-                                         static_cast<const int*>(p.seqused_q), batch_index, p.max_seqlen_q,
-                                         p.total_q, p.max_seqlen_q);
-  const Sequence seq_k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k),
-                                         static_cast<const int*>(p.seqused_k), batch_index, p.max_seqlen_k,
-                                         p.total_k, p.max_seqlen_k);
+  const Sequence seq_q = query_sequence(p, batch_index, p.max_seqlen_q);
+  const Sequence seq_k = key_sequence(p, batch_index, p.max_seqlen_k);
   const int len_q = seq_q.length;
   const int len_k = seq_k.length;
   const int m0 = block.m_block * BLOCK_M;
@@ -462,7 +455,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;
   const int t = lane % 4;
-  const float scale_log2 = p.softmax_scale * flash::kLog2e;
+  const float scale_log2 = p.softmax_scale * kLog2e;
   // Per accumulator row r (g, g + 8): LSE in base 2, Delta, and the keys [0, key_limit) it sees.
   float lse_log2[2], delta[2];
   int key_limit[2];
@@ -472,7 +465,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
     const bool stored = row < len_q;
     lse_log2[r] = stored ? static_cast<const float*>(p.lse)[batch_index * p.lse_batch_stride +
                                                             head * p.lse_head_stride + seq_q.start + row] *
-                               flash::kLog2e
+                               kLog2e
                          : infinity();
     delta[r] = stored ? static_cast<const float*>(p.softmax_d)[batch_index * p.softmax_d_batch_stride +
                                                                head * p.softmax_d_head_stride + seq_q.start + row]

@@ -24,7 +24,7 @@
 // j <= i + len_k - len_q; keys no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
 #pragma once
 #include "flash/backward_common.h"
-#include "flash/wgmma_staging.h"
+#include "flash/stage_swizzled_cp_async.h"
 
 namespace hipattn {
 namespace flash {
@@ -39,7 +39,8 @@ namespace flash {
 //               warp's two-word stores of rows g and g + 8 then meet no bank twice, and a row stays a
 //               contiguous 16-byte-aligned run for the copy engine (staged in deterministic mode too:
 //               a block fits an SM either way)
-// hipattn/families.py's flash_backward_dkdv_wgmma_shared_bytes computes kBytes from the same arguments.
+// The host's row (hipattn/catalog/flash_backward.py, FlashDkdvWgmmaTiles.shared_bytes) computes kBytes
+// from the same arguments.
 template <typename T, int HEAD_DIM, int WARPGROUPS>
 struct WgmmaKeyBlockTiles {
   static constexpr int kBlockN = 64 * WARPGROUPS;
@@ -88,12 +89,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   const flash::KeyBlock block = flash::key_block_of<kBlockN>(blockIdx.x, p);
   if (block.batch_index < 0) return;  // past the work list's last key block; before any barrier
   const int batch_index = block.batch_index;
-  const Sequence seq_q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q),
-                                         static_cast<const int*>(p.seqused_q), batch_index, p.max_seqlen_q,
-                                         p.total_q, p.max_seqlen_q);
-  const Sequence seq_k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k),
-                                         static_cast<const int*>(p.seqused_k), batch_index, p.max_seqlen_k,
-                                         p.total_k, p.max_seqlen_k);
+  const Sequence seq_q = query_sequence(p, batch_index, p.max_seqlen_q);
+  const Sequence seq_k = key_sequence(p, batch_index, p.max_seqlen_k);
   const int len_q = seq_q.length;
   const int len_k = seq_k.length;
   const int n0 = block.n_block * kBlockN;
@@ -180,7 +177,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
   const int own_first_key = 64 * warpgroup;  // the warpgroup's keys in the block's tile
   const int own_n0 = n0 + own_first_key;
-  const float scale_log2 = p.softmax_scale * flash::kLog2e;
+  const float scale_log2 = p.softmax_scale * kLog2e;
 
   float dk[kDTiles][4];
   float dv[kDTiles][4];
@@ -250,7 +247,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     for (int n = 0; n < kQTiles; ++n) {
       const int column = 8 * n + 2 * t;  // this lane's queries in the tile: column, column + 1
       const float2 lse = *reinterpret_cast<const float2*>(lse_slot + column);
-      const float lse_log2[2] = {lse.x * flash::kLog2e, lse.y * flash::kLog2e};
+      const float lse_log2[2] = {lse.x * kLog2e, lse.y * kLog2e};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int query = m0 + column + (e & 1);

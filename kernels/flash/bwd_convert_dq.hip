@@ -1,7 +1,7 @@
 // dq = scale * dq_accum: from the fp32 accumulator the flash backward adds into, to the 16-bit
 // output layout.
 #pragma once
-#include "flash/row_teams.h"
+#include "flash/preprocess_row_teams.h"
 
 namespace hipattn {
 

@@ -1,7 +1,7 @@
 // D[b, h, s] = sum_d dO[b, s, h, d] * O[b, s, h, d] in fp32: the row term of the softmax gradient
 // dS = P * (dP - D) in the flash backward.
 #pragma once
-#include "flash/row_teams.h"
+#include "flash/preprocess_row_teams.h"
 
 namespace hipattn {
 

@@ -5,8 +5,8 @@
 // of one (sequence, query head), one wave per 16 of them; it walks the visible key tiles last first;
 // per tile, scores on the matrix cores, an online softmax in base 2 on the accumulators, and the
 // probabilities reused in registers for the product with V; causal is bottom-right aligned, masked
-// scores become -inf by selection, a row that sees no key gets O = 0 and LSE = +inf, and sequence
-// lengths are clamped by sequence_bounds. What differs is what the hardware forces:
+// scores become -inf by selection, a row that sees no key gets O = 0 and LSE = +inf, and a block
+// finds its (query tile, sequence, head) and its keys with the same flash/forward_block.h. What differs is what the hardware forces:
 //
 // - Transposed products. A wave computes Sᵀ = K Qᵀ and Oᵀ = Vᵀ Pᵀ. With the 16x16x16 layouts
 //   (mma_amd.h) a lane then owns one query row, lane % 16, from start to end: four of every 16 of its
@@ -28,7 +28,7 @@
 // - O goes from registers straight to global memory: a lane holds 4 consecutive columns of its row.
 #pragma once
 #include "common/mma_amd.h"
-#include "common/sequence.h"
+#include "flash/forward_block.h"
 
 namespace hipattn {
 namespace flash {
@@ -36,9 +36,9 @@ namespace flash {
 // LDS layout of one block, in elements of T: the K tile (BLOCK_N rows of HEAD_DIM), then Vᵀ
 // (HEAD_DIM rows of BLOCK_N keys); both pitches are padded by 4 elements (8 bytes). The 16 lanes of a
 // quarter read one 8-byte fragment from each of 16 consecutive rows: a pitch of 2 x (odd) 4-byte
-// words puts those reads on 16 distinct bank pairs, all 32 banks. hipattn/families.py's
-// flash_forward_mfma_shared_bytes computes kBytes from the same template arguments with the same
-// formula; the launcher passes that as dynamic shared memory.
+// words puts those reads on 16 distinct bank pairs, all 32 banks. The host's row
+// (hipattn/catalog/flash_forward.py, FlashForwardMfmaTiles.shared_bytes) computes kBytes from the same
+// template arguments with the same formula; the launcher passes that as dynamic shared memory.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 struct MfmaForwardTiles {
   static constexpr int kWaves = BLOCK_M / mfma::kTile;  // one wave per 16 query rows
@@ -162,37 +162,14 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   T* const k_tile = reinterpret_cast<T*>(shared_bytes);
   T* const v_transposed = k_tile + Tiles::kVOffset;
 
-  // ---- which (query tile, sequence, head): the query tile varies fastest, heaviest (last) first ----
-  const int m_blocks = (p.max_seqlen_q + BLOCK_M - 1) / BLOCK_M;
-  const unsigned int problem = blockIdx.x / static_cast<unsigned int>(m_blocks);
-  const int m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % static_cast<unsigned int>(m_blocks));
-  const int head = static_cast<int>(problem % static_cast<unsigned int>(p.heads_q));
-  const int batch_index = static_cast<int>(problem / static_cast<unsigned int>(p.heads_q));
-  const int head_kv = head / (p.heads_q / p.heads_kv);
-
-  const Sequence seq_q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q),
-                                         static_cast<const int*>(p.seqused_q), batch_index, p.max_seqlen_q,
-                                         p.total_q, p.max_seqlen_q);
-  const Sequence seq_k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k),
-                                         static_cast<const int*>(p.seqused_k), batch_index, p.max_seqlen_k,
-                                         p.total_k, p.max_seqlen_k);
-  const int len_q = seq_q.length;
-  const int len_k = seq_k.length;
-  const int m0 = m_block * BLOCK_M;
-  if (m0 >= len_q) return;  // uniform over the block, before any barrier
-
-  // Keys this block's stored rows can see: [0, key_end). Causal: its last row, row_end - 1, sees keys
-  // up to row_end - 1 + len_k - len_q.
-  const int diagonal = len_k - len_q;  // query i sees key j <= i + diagonal when causal
-  const int row_end = len_q < m0 + BLOCK_M ? len_q : m0 + BLOCK_M;
-  int key_end = len_k;
-  if (p.causal) key_end = clamp_int(row_end + diagonal, 0, len_k);
-  const int n_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
-
-  const T* const k_rows = static_cast<const T*>(p.k) + batch_index * p.k_batch_stride +
-                          static_cast<long long>(seq_k.start) * p.k_token_stride + head_kv * p.k_head_stride;
-  const T* const v_rows = static_cast<const T*>(p.v) + batch_index * p.v_batch_stride +
-                          static_cast<long long>(seq_k.start) * p.v_token_stride + head_kv * p.v_head_stride;
+  // ---- which (query tile, sequence, head), and the keys its rows see (flash/forward_block.h) ----
+  bool empty;
+  const flash::ForwardBlock b = flash::forward_block<T, BLOCK_M, BLOCK_N>(p, empty);
+  if (empty) return;  // uniform over the block, before any barrier
+  const int len_q = b.seq_q.length;
+  const int len_k = b.seq_k.length;
+  const T* const k_rows = static_cast<const T*>(b.k);
+  const T* const v_rows = static_cast<const T*>(b.v);
   // Real rows of the tile starting at key n0 (the first tile walked, the last one, may be partial).
   auto tile_rows = [&](int n0) { return len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N; };
 
@@ -200,32 +177,29 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int column = lane % 16;   // this lane's query row among its wave's 16: a column of Sᵀ and Oᵀ
   const int quarter = lane / 16;  // it holds keys (Sᵀ rows) and O columns (Oᵀ rows) 4 quarter .. + 3 of each 16
-  const int row = m0 + 16 * wave + column;  // within the sequence
-  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  const int row = b.m0 + 16 * wave + column;  // within the sequence
+  const float scale_log2 = p.softmax_scale * kLog2e;
   // Keys [0, key_limit) are visible to this lane's row.
-  const int key_limit = p.causal ? clamp_int(row + diagonal + 1, 0, len_k) : len_k;
-  // A tile needs masking when it reaches past the sequence or past the first row's diagonal.
-  const int unmasked_end = p.causal ? clamp_int(m0 + diagonal + 1, 0, len_k) : len_k;
+  const int key_limit = p.causal ? clamp_int(row + b.diagonal + 1, 0, len_k) : len_k;
 
   // ---- K of the first tile on its way to LDS; Q's B fragments (Qᵀ, k = head_dim) into registers ----
   flash::KTileStage<T, HEAD_DIM, BLOCK_N, kThreads> k_stage;
   flash::VTileStage<T, HEAD_DIM, BLOCK_N, kThreads> v_stage;
-  if (n_tiles > 0) {
-    const int n0 = (n_tiles - 1) * BLOCK_N;
+  if (b.n_tiles > 0) {
+    const int n0 = (b.n_tiles - 1) * BLOCK_N;
     k_stage.fetch(k_rows + n0 * p.k_token_stride, p.k_token_stride, tile_rows(n0));
   }
   // Q rows past the sequence are zeros: they only feed rows that are never stored, but zeros keep
   // every lane's arithmetic finite.
   mfma::Operand q_fragment[kDSteps];
   {
-    const T* const q_row = static_cast<const T*>(p.q) + batch_index * p.q_batch_stride +
-                           static_cast<long long>(seq_q.start + row) * p.q_token_stride + head * p.q_head_stride;
+    const T* const q_row = static_cast<const T*>(b.q) + static_cast<long long>(16 * wave + column) * p.q_token_stride;
 #pragma unroll
     for (int d = 0; d < kDSteps; ++d) {
       q_fragment[d] = row < len_q ? mfma::load_operand(q_row + 16 * d + 4 * quarter) : mfma::zero_operand();
     }
   }
-  if (n_tiles > 0) k_stage.put(k_tile, Tiles::kKPitch);
+  if (b.n_tiles > 0) k_stage.put(k_tile, Tiles::kKPitch);
 
   mfma::Accumulator o[kDSteps];  // Oᵀ: o[d][e] is O[row][16 d + 4 quarter + e]
 #pragma unroll
@@ -233,8 +207,8 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   float row_max = -infinity();  // in the scaled base-2 domain
   float row_sum = 0.0f;         // this lane's share of the row; summed over the quarters at the end
 
-  for (int i = 0; i < n_tiles; ++i) {
-    const int n0 = (n_tiles - 1 - i) * BLOCK_N;
+  for (int i = 0; i < b.n_tiles; ++i) {
+    const int n0 = (b.n_tiles - 1 - i) * BLOCK_N;
     v_stage.fetch(v_rows + n0 * p.v_token_stride, p.v_token_stride, tile_rows(n0));
     __syncthreads();  // K[i] is in LDS for every wave, and every wave is done with Vᵀ[i - 1]
 
@@ -252,14 +226,14 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
       }
 
     v_stage.put(v_transposed, Tiles::kVPitch);
-    if (i + 1 < n_tiles) {
+    if (i + 1 < b.n_tiles) {
       const int next = n0 - BLOCK_N;
       k_stage.fetch(k_rows + next * p.k_token_stride, p.k_token_stride, tile_rows(next));
     }
 
     // ---- online softmax, base 2; masked scores become -inf by selection (a NaN from a bad K row is
     // discarded, not multiplied) ----
-    if (n0 + BLOCK_N > unmasked_end) {
+    if (n0 + BLOCK_N > b.unmasked_end) {
 #pragma unroll
       for (int n = 0; n < kKeySteps; ++n)
 #pragma unroll
@@ -296,7 +270,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
       }
 
     __syncthreads();  // Vᵀ[i] is in LDS for every wave, and every wave is done with K[i]
-    if (i + 1 < n_tiles) k_stage.put(k_tile, Tiles::kKPitch);
+    if (i + 1 < b.n_tiles) k_stage.put(k_tile, Tiles::kKPitch);
 
     // ---- Oᵀ += Vᵀ Pᵀ: the accumulator of key tile kk, rounded to T, is the B operand of k-step kk ----
 #pragma unroll
@@ -316,12 +290,12 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   row_sum += shfl_xor(row_sum, 32, kWarpSize, group_mask(kWarpSize));
   if (row >= len_q) return;  // after the last barrier and shuffle
   if (quarter == 0) {
-    static_cast<float*>(p.lse)[batch_index * p.lse_batch_stride + head * p.lse_head_stride + seq_q.start + row] =
-        row_sum > 0.0f ? (row_max + fast_log2(row_sum)) * 0.6931471805599453f : infinity();
+    static_cast<float*>(p.lse)[b.batch_index * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq_q.start + row] =
+        row_sum > 0.0f ? (row_max + fast_log2(row_sum)) * kLn2 : infinity();
   }
   const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
-  T* const o_row = static_cast<T*>(p.o) + batch_index * p.o_batch_stride +
-                   static_cast<long long>(seq_q.start + row) * p.o_token_stride + head * p.o_head_stride;
+  T* const o_row = static_cast<T*>(p.o) + b.batch_index * p.o_batch_stride +
+                   static_cast<long long>(b.seq_q.start + row) * p.o_token_stride + b.head * p.o_head_stride;
 #pragma unroll
   for (int d = 0; d < kDSteps; ++d) mfma::store_operand(o_row + 16 * d + 4 * quarter, mfma::to_operand<T>(o[d] * inv_sum));
 }

@@ -15,20 +15,21 @@
 // later tile while P V is. With STAGES = 1 that is FA2's schedule (one K and one V buffer); each
 // extra stage lets the copies run one more tile ahead.
 //
-// Block decode, masking conventions, the online softmax and the LSE are flash/forward_common.h's,
-// shared with the Hopper (wgmma) forward.
+// Block decode and masking conventions are flash/forward_block.h's (shared with the wgmma and MFMA
+// forwards); the online softmax and the LSE are flash/softmax_m16n8.h's (shared with the wgmma one).
 #pragma once
 #include "common/mma_nvidia.h"
-#include "flash/forward_common.h"
-#include "flash/staging.h"
+#include "flash/softmax_m16n8.h"
+#include "flash/stage_padded_cp_async.h"
 
 namespace hipattn {
 namespace flash {
 
 // Shared-memory layout of one block, in elements of T: the Q tile, then STAGES K slots, then
 // STAGES V slots, each row padded by 8 elements (16 bytes) so the eight row reads of an ldmatrix hit
-// distinct banks. hipattn/families.py's flash_forward_shared_bytes computes kBytes from the same
-// template arguments with the same formula; the launcher passes that as dynamic shared memory.
+// distinct banks. The host's row (hipattn/catalog/flash_forward.py, FlashForwardMmaTiles.shared_bytes)
+// computes kBytes from the same template arguments with the same formula; the launcher passes that as
+// dynamic shared memory.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int M_TILES>
 struct ForwardTiles {
   static constexpr int kPitch = HEAD_DIM + 8;
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;  // accumulator rows g and g + 8 of each 16-row tile
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
-  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  const float scale_log2 = p.softmax_scale * kLog2e;
   const int warp_first = m0 + Tiles::kWarpRows * warp;  // the warp's first query row in the sequence
   int key_limit[M_TILES][2];  // per m-tile and accumulator row: keys [0, key_limit) are visible
 #pragma unroll

@@ -4,7 +4,7 @@
 // A block owns BLOCK_M = 64 * WARPGROUPS query rows of one (sequence, query head); each warpgroup owns
 // 64 of them. Per key tile of BLOCK_N keys: S = Q Kᵀ with both operands read by the tensor cores
 // straight from shared memory (no ldmatrix: the register file and the load pipe that limited the
-// mma.sync kernel stay free), the online softmax on the accumulators (flash/forward_common.h, the same
+// mma.sync kernel stay free), the online softmax on the accumulators (flash/softmax_m16n8.h, the same
 // code as the mma.sync forward: a wgmma accumulator holds each warp's 16 rows in mma.sync's layout),
 // and O += P V with P from registers and V read from shared memory transposed by the tensor cores.
 //
@@ -21,15 +21,16 @@
 // unswizzled layout, whose conflict-free copies read 64-byte segments, left this kernel bound by L2:
 // 76% of its throughput at 250 TFLOP/s on the H200, against 23% at 319 swizzled, same tiles.)
 #pragma once
-#include "flash/forward_common.h"
-#include "flash/wgmma_staging.h"
+#include "flash/softmax_m16n8.h"
+#include "flash/stage_swizzled_cp_async.h"
 
 namespace hipattn {
 namespace flash {
 
 // Shared-memory layout of one block, in elements of T: the Q tile (BLOCK_M rows), STAGES K slots and
-// STAGES V slots (BLOCK_N rows each), every tile swizzled and 1024-byte aligned. hipattn/families.py's
-// flash_forward_wgmma_shared_bytes computes kBytes from the same template arguments.
+// STAGES V slots (BLOCK_N rows each), every tile swizzled and 1024-byte aligned. The host's row
+// (hipattn/catalog/flash_forward.py, FlashForwardWgmmaTiles.shared_bytes) computes kBytes from the same
+// template arguments.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES>
 struct WgmmaForwardTiles {
   static constexpr int kBlockM = 64 * WARPGROUPS;
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;
   const int t = lane % 4;
-  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  const float scale_log2 = p.softmax_scale * kLog2e;
   const int warpgroup_first = b.m0 + 64 * warpgroup;  // the warpgroup's first query row in the sequence
   const int warp_first = warpgroup_first + 16 * warp;
   int key_limit[2];

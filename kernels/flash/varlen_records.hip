@@ -29,10 +29,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS) varlen_records(const VarlenReco
     long long blocks = 0;
     if (b < p.batch) {
       // The clamp the attention kernels apply, from the same function.
-      seq_q = sequence_bounds(static_cast<const int*>(p.cu_seqlens_q), static_cast<const int*>(p.seqused_q), b,
-                              p.max_seqlen_q, p.total_q, p.max_seqlen_q);
-      seq_k = sequence_bounds(static_cast<const int*>(p.cu_seqlens_k), static_cast<const int*>(p.seqused_k), b,
-                              p.max_seqlen_k, p.total_k, p.max_seqlen_k);
+      seq_q = query_sequence(p, b, p.max_seqlen_q);
+      seq_k = key_sequence(p, b, p.max_seqlen_k);
       blocks = (static_cast<long long>(seq_k.length) + p.block_n - 1) / p.block_n;
     }
     scan[t] = blocks;

@@ -1,7 +1,7 @@
 // Row teams for the flash backward's pre- and post-processing kernels (bwd_dot_do_o.hip,
 // bwd_convert_dq.hip). Both see THD (varlen) data as one batch of `seqlen` = total tokens. They are
 // memory-bound: a row is read with 16-byte accesses by a team of TEAM_LANES lanes (a power of two up
-// to 32); BLOCK_THREADS and TEAM_LANES are template arguments from the host's table (families.py),
+// to 32); BLOCK_THREADS and TEAM_LANES are template arguments from the host's table (catalog/preprocess.py),
 // which sizes the grid with the same numbers.
 #pragma once
 #include "common/types.h"

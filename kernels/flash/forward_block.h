@@ -1,0 +1,77 @@
+// Which (query tile, sequence, head) a block of a flash forward owns and which keys it visits: shared
+// by the three forwards (forward_mma.hip: mma.sync; forward_wgmma.hip: Hopper's wgmma;
+// forward_mfma.hip: AMD's MFMA), written without any vendor's instructions.
+//
+// Conventions (flash-attn's): causal is bottom-right aligned, query i sees key j when
+// j <= i + len_k - len_q; a row that sees no key gets O = 0 and LSE = +inf. Sequence lengths read
+// from the device are clamped to the host's max_seqlen and total (sequence_bounds), and the grid
+// covers ceil(max_seqlen_q / BLOCK_M) query tiles per (sequence, head): blocks whose tile lies past
+// their sequence's real length return at once. Key tiles are visited last first: the tiles that need
+// masking come first, the rest run unmasked.
+#pragma once
+#include "common/sequence.h"
+
+namespace hipattn {
+namespace flash {
+
+struct ForwardBlock {
+  int batch_index, head, head_kv;
+  Sequence seq_q, seq_k;
+  int m0;            // the block's first query row in its sequence
+  int row_end;       // one past its last: the block computes and stores rows [m0, row_end)
+  int diagonal;      // query i sees key j <= i + diagonal when causal
+  int n_tiles;       // key tiles of BLOCK_N the block's rows can see
+  int unmasked_end;  // key tiles ending at or before this need no mask
+  const void* q;     // row m0 of Q, and row 0 of K and V, for this (sequence, head)
+  const void* k;
+  const void* v;
+};
+
+// The block's problem: the query tile varies fastest over blockIdx.x, heaviest (last) first.
+// `empty` blocks (tile past the sequence's length) return before any barrier.
+//
+// Tiles are counted from the sequence's start, or with END_ALIGNED from its end, so that a partial
+// tile (len_q not a multiple of BLOCK_M) holds the first rows rather than the last. Its cost is then
+// the keys its own rows see: under a causal mask one key tile instead of the most of any tile (at
+// S = 1024 and 192-row tiles, a third of the causal work went to such padding), and without a mask
+// the same.
+template <typename T, int BLOCK_M, int BLOCK_N, bool END_ALIGNED = false>
+HIPATTN_DEVICE ForwardBlock forward_block(const FlashForwardParams& p, bool& empty) {
+  ForwardBlock b;
+  const int m_blocks = (p.max_seqlen_q + BLOCK_M - 1) / BLOCK_M;
+  const unsigned int problem = blockIdx.x / static_cast<unsigned int>(m_blocks);
+  const int from_last = static_cast<int>(blockIdx.x % static_cast<unsigned int>(m_blocks));  // 0: the last rows
+  b.head = static_cast<int>(problem % static_cast<unsigned int>(p.heads_q));
+  b.batch_index = static_cast<int>(problem / static_cast<unsigned int>(p.heads_q));
+  b.head_kv = b.head / (p.heads_q / p.heads_kv);
+  b.seq_q = query_sequence(p, b.batch_index, p.max_seqlen_q);
+  b.seq_k = key_sequence(p, b.batch_index, p.max_seqlen_k);
+  const int len_q = b.seq_q.length;
+  const int len_k = b.seq_k.length;
+  if (END_ALIGNED) {
+    b.row_end = len_q - from_last * BLOCK_M;
+    b.m0 = b.row_end > BLOCK_M ? b.row_end - BLOCK_M : 0;
+    empty = b.row_end <= 0;
+  } else {
+    b.m0 = (m_blocks - 1 - from_last) * BLOCK_M;
+    b.row_end = len_q < b.m0 + BLOCK_M ? len_q : b.m0 + BLOCK_M;
+    empty = b.m0 >= len_q;
+  }
+  // Keys the block's stored rows can see: [0, key_end). Causal: its last row, row_end - 1, sees keys
+  // up to row_end - 1 + diagonal.
+  b.diagonal = len_k - len_q;
+  const int key_end = p.causal ? clamp_int(b.row_end + b.diagonal, 0, len_k) : len_k;
+  b.n_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
+  // A tile needs masking when it reaches past the sequence or past the first row's diagonal.
+  b.unmasked_end = p.causal ? clamp_int(b.m0 + b.diagonal + 1, 0, len_k) : len_k;
+  b.q = static_cast<const T*>(p.q) + b.batch_index * p.q_batch_stride +
+        static_cast<long long>(b.seq_q.start + b.m0) * p.q_token_stride + b.head * p.q_head_stride;
+  b.k = static_cast<const T*>(p.k) + b.batch_index * p.k_batch_stride +
+        static_cast<long long>(b.seq_k.start) * p.k_token_stride + b.head_kv * p.k_head_stride;
+  b.v = static_cast<const T*>(p.v) + b.batch_index * p.v_batch_stride +
+        static_cast<long long>(b.seq_k.start) * p.v_token_stride + b.head_kv * p.v_head_stride;
+  return b;
+}
+
+}  // namespace flash
+}  // namespace hipattn
