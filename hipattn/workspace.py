@@ -1,10 +1,9 @@
 """Workspace planning: one device buffer per call, carved into aligned sections on the host.
 
-``plan_workspace`` is the one helper that lays sections out; the forward and backward planners
-below only say which sections they need (the seed review asked for the duplicated forward/backward
-carving to be factored out). Every size comes from host-known facts (the ``Problem``'s shapes and
-batch): nothing here reads device memory, so a plan is made before anything is enqueued and a whole
-call stays capturable into a graph. What only the device knows (the lengths in ``cu_seqlens``) is
+``plan_workspace`` is the one helper that lays sections out; a planner (the flash backward's below;
+a future split-KV forward's) only says which sections it needs. Every size comes from host-known
+facts (the ``Problem``'s shapes and batch): nothing here reads device memory, so a plan is made
+before anything is enqueued and a whole call stays capturable into a graph. What only the device knows (the lengths in ``cu_seqlens``) is
 derived into a section on the launch stream (``varlen_records``, hipattn.varlen_prep).
 
 Sections are laid out in the order given, each at a multiple of ``WORKSPACE_ALIGNMENT`` bytes from
@@ -104,14 +103,6 @@ def plan_workspace(sections: Iterable[SectionRequest], alignment: int = WORKSPAC
 
 
 # ---- the flash path's planners -------------------------------------------------------------------
-
-
-def forward_workspace(problem: Problem) -> WorkspacePlan:
-    """The flash forward needs no workspace: one pass per query tile, O and LSE written straight to
-    the caller's buffers (no split-KV partial results, no LSE accumulation). An empty plan, kept so
-    that a future split-KV forward adds its sections here, through the same helper."""
-    del problem  # every forward variant so far is workspace-free
-    return plan_workspace(())
 
 
 def backward_workspace(problem: Problem, deterministic: bool) -> WorkspacePlan:

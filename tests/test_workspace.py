@@ -15,7 +15,6 @@ from hipattn.workspace import (
     WORKSPACE_ALIGNMENT,
     SectionRequest,
     backward_workspace,
-    forward_workspace,
     plan_workspace,
 )
 
@@ -87,12 +86,6 @@ def test_bad_requests_are_refused():
         plan_workspace([SectionRequest("a", (1,), "float")])
 
 
-def test_forward_needs_no_workspace():
-    for layout in (THD, BSHD):
-        plan = forward_workspace(make_problem(layout))
-        assert plan.sections == () and plan.total_bytes == 0
-
-
 @pytest.mark.parametrize("layout", [THD, BSHD])
 def test_atomic_backward_sections(layout):
     problem = make_problem(layout, batch=3, heads_q=8, head_dim=128, total_q=1000)
@@ -133,7 +126,7 @@ def test_empty_problems_plan_empty_sections():
     assert all(s.nbytes == 0 for s in plan.sections) and plan.total_bytes == 0
 
 
-def test_forward_and_backward_carve_through_the_one_helper(monkeypatch):
+def test_the_backward_carves_through_the_one_helper(monkeypatch):
     calls = []
     real = workspace.plan_workspace
 
@@ -143,7 +136,6 @@ def test_forward_and_backward_carve_through_the_one_helper(monkeypatch):
         return real(sections, *args, **kwargs)
 
     monkeypatch.setattr(workspace, "plan_workspace", spy)
-    forward_workspace(make_problem())
     backward_workspace(make_problem(), deterministic=True)
     backward_workspace(make_problem(BSHD), deterministic=False)
-    assert calls == [[], ["softmax_d", "varlen_records"], ["softmax_d", "dq_accum"]]
+    assert calls == [["softmax_d", "varlen_records"], ["softmax_d", "dq_accum"]]
