@@ -585,6 +585,12 @@ def test_the_supervisor_restarts_a_crashed_worker_without_the_runner_that_crashe
     assert "starting another" in out and "hipattn is faster than the best peer in" in out
 
 
+def test_the_prewarm_records_how_hipattn_warm_ended():
+    warm = run.prewarm("not_an_arch", timeout=120)
+    assert warm["command"].endswith("-m hipattn warm --arch not_an_arch --jobs " + warm["command"].split()[-1])
+    assert warm["exit"] not in (0, "timeout") and warm["tail"] and warm["seconds"] >= 0
+
+
 def test_a_run_without_a_gpu_ends_with_a_report_that_says_why(tmp_path):
     try:
         import torch

@@ -295,7 +295,8 @@ def work_loop(directory: pathlib.Path, deadline: float, measurer) -> int:
             record = measure_cell(cell, measurer, ceilings, rounds, doc["excluded"].get(name, {}),
                                   lambda *where: set_progress(directory, *where))
         except ContextLost as lost:
-            print(f"{name}: the CUDA context is lost ({lost}); a new worker goes on", flush=True)
+            print(f"{name}: the CUDA context is lost; a new worker goes on", flush=True)
+            print(f"CUDA context lost: {lost}", file=sys.stderr, flush=True)  # the line the supervisor records
             return EXIT_CONTEXT_LOST
         doc["cells"][name] = record
         save(doc, directory)
@@ -366,7 +367,7 @@ def prewarm(arch: str, timeout: float) -> dict:
         status, output = "error", str(error)
     if isinstance(output, bytes):
         output = output.decode(errors="replace")
-    tail = [line.strip()[-200:] for line in output.replace("\r", "\n").splitlines() if line.strip()][-4:]
+    tail = [line.strip()[:200] for line in output.replace("\r", "\n").splitlines() if line.strip()][-4:]
     return {"command": shlex.join(command), "exit": status, "seconds": round(time.time() - started, 1), "tail": tail}
 
 
