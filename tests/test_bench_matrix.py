@@ -1,0 +1,609 @@
+"""tools/bench_matrix.py on the CPU: the cell list, the floors' arithmetic, the ratios and summary,
+the markdown and heat map from a synthetic JSON, the A/B comparison, the CLI's GPU-free commands,
+and the orchestration (interleaving, failing peers, budget, crashed workers) with a fake measurer.
+
+The GPU side's runners are tested in test_bench_matrix_runners.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from support.bench_matrix import TOOLS, load
+
+cells = load("cells")
+report = load("report")
+run = load("run")
+
+SCRIPT = TOOLS / "bench_matrix.py"
+
+
+# ---- the cells -----------------------------------------------------------------------------------
+
+def test_cell_names_are_unique_and_every_section_is_there():
+    every = cells.all_cells()
+    names = [c.name for c in every]
+    assert len(names) == len(set(names))
+    counts = {s: sum(1 for c in every if c.section == s) for s in cells.SECTIONS}
+    # 3 head_dims x 6 head groupings x 2 directions; 4 x 2 x 2 x 6 x 2; 2 x 2 x 2; the decode shapes
+    assert counts == {"smallseq": 36, "batch": 192, "varlen": 8, "decode": len(cells.DECODE_SHAPES)}
+    assert "smallseq/d128/h16:4/fwd" in names
+    assert "batch/d96/h16:4/s16384/causal/fwdbwd" in names
+    assert "decode/d128/h32:8/b1/kv131072/fwd" in names
+    assert all(cells.by_name(n).name == n for n in names)
+
+
+def test_quick_is_a_subset_of_the_full_list_with_every_section():
+    quick, full = cells.select(quick=True), cells.select()
+    assert {c.name for c in quick} < {c.name for c in full}
+    assert {c.section for c in quick} == set(cells.SECTIONS)
+    assert [c.name for c in full[:len(quick)]] == [c.name for c in quick]  # measured first in a full run
+    assert sorted(c.name for c in full) == sorted(c.name for c in cells.all_cells())
+
+
+def test_only_keeps_the_cells_whose_name_matches():
+    chosen = cells.select(only=r"^smallseq/d256/.*/bwd$")
+    assert [c.name for c in chosen] == [f"smallseq/d256/h{q}:{k}/bwd" for q, k in cells.SMALLSEQ_HEADS]
+    assert cells.select(quick=True, only="decode") == [c for c in cells.quick_cells() if c.section == "decode"]
+    assert cells.select(only="no such cell") == []
+
+
+def test_the_batch_cells_hold_a_fixed_token_count():
+    for c in cells.all_cells():
+        if c.section == "batch":
+            assert c.batch * c.seqlen_q == cells.BATCH_TOKENS and c.seqlen_q == c.seqlen_k
+
+
+def test_small_seq_lengths_are_drawn_from_1_to_17_independently_and_reproducibly():
+    lengths_q, lengths_k = cells.smallseq_lengths()
+    assert len(lengths_q) == len(lengths_k) == cells.SMALLSEQ_SEQUENCES
+    assert min(lengths_q) == min(lengths_k) == 1 and max(lengths_q) == max(lengths_k) == 17
+    assert lengths_q != lengths_k
+    assert cells.smallseq_lengths.__wrapped__() == (lengths_q, lengths_k)  # same seed, same draw
+
+
+def test_varlen_lengths_are_bench_flash_s():
+    lengths = cells.varlen_lengths()
+    assert sum(lengths) == cells.VARLEN_TOKENS
+    # BENCHMARKS.md (e8e4ca3): "16k tokens in 7 sequences of 615..4024 tokens"
+    assert (len(lengths), min(lengths), max(lengths)) == (7, 615, 4024)
+
+
+def test_sdpa_flash_is_never_run_where_it_ends_the_cuda_context():
+    smallseq = cells.by_name("smallseq/d128/h16:16/fwd")
+    assert "device-side assert" in cells.prescreen(smallseq, "sdpa_flash")
+    assert cells.prescreen(smallseq, "sdpa_cudnn") is None
+    assert all(cells.prescreen(c, p) is None for c in cells.all_cells() if c.section != "smallseq" for p in cells.peers(c))
+    assert cells.padded_peer(smallseq, "sdpa_cudnn") and not cells.padded_peer(smallseq, "varlen_attn")
+
+
+# ---- floors --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("len_q", "len_k", "causal", "pairs"), [
+    (5, 7, False, 35),
+    (4, 4, True, 10),  # 1 + 2 + 3 + 4
+    (2, 5, True, 9),  # bottom-right: rows see 4 and 5 keys (hipattn's docstring draws this mask)
+    (5, 2, True, 3),  # rows 0-2 see nothing, rows 3 and 4 see 1 and 2 keys
+    (1, 4096, True, 4096),  # a decode step sees the whole cache
+    (1024, 1024, True, 1024 * 1025 // 2),
+])
+def test_visible_pairs_by_hand(len_q, len_k, causal, pairs):
+    assert cells.visible_pairs(len_q, len_k, causal) == pairs
+
+
+def test_visible_pairs_match_the_mask_drawn_element_by_element():
+    for len_q in range(1, 9):
+        for len_k in range(1, 9):
+            drawn = sum(1 for i in range(len_q) for j in range(len_k) if j <= i + len_k - len_q)
+            assert cells.visible_pairs(len_q, len_k, True) == drawn
+
+
+def test_thd_bytes_by_hand():
+    # total_q 10, total_k 20, Hq 4, Hkv 2, D 8: q = out = dout = dq = 10*4*8*2 = 640 bytes;
+    # k = v = dk = dv = 20*2*8*2 = 640 bytes; lse = 10*4*4 = 160 bytes.
+    assert cells.thd_bytes(10, 20, 4, 2, 8, "fwd") == 640 + 640 + 640 + 640 + 160
+    assert cells.thd_bytes(10, 20, 4, 2, 8, "bwd") == 3 * 640 + 4 * 640 + 160
+    assert cells.thd_bytes(10, 20, 4, 2, 8, "fwdbwd") == 2720 + 4640
+    assert cells.thd_bytes(10, 20, 4, 2, 8, "fwd", lse=False) == 2560
+
+
+def test_a_causal_batch_cell_by_hand():
+    work = cells.work(cells.by_name("batch/d128/h16:16/s1024/causal/fwd"))
+    # B = 16 sequences of 1024: 16 * 1024 * 1025 / 2 visible pairs, 4 * Hq * D FLOPs each
+    assert work.flops == 4 * 16 * 128 * 16 * 1024 * 1025 // 2 == 68_786_585_600
+    tensor = 16 * 1024 * 16 * 128 * 2  # one [B, S, H, D] bf16 tensor
+    assert work.bytes == 4 * tensor + 16 * 16 * 1024 * 4  # q, k, v, out + lse
+    both = cells.work(cells.by_name("batch/d128/h16:16/s1024/causal/fwdbwd"))
+    assert both.flops == 3.5 * work.flops
+    noncausal = cells.work(cells.by_name("batch/d128/h16:16/s1024/noncausal/fwd"))
+    assert noncausal.flops == 4 * 16 * 128 * 16 * 1024 * 1024
+    gqa = cells.work(cells.by_name("batch/d128/h16:4/s1024/causal/fwd"))
+    assert gqa.flops == work.flops and gqa.bytes == 2 * tensor + 2 * tensor // 4 + 16 * 16 * 1024 * 4
+
+
+def test_a_small_seq_backward_cell_counts_real_tokens_and_kv_heads_once():
+    cell = cells.by_name("smallseq/d128/h16:4/bwd")
+    lengths_q, lengths_k = cells.lengths(cell)
+    work = cells.work(cell)
+    assert work.bytes == cells.thd_bytes(sum(lengths_q), sum(lengths_k), 16, 4, 128, "bwd")
+    assert work.flops == 2.5 * 4 * 16 * 128 * sum(q * k for q, k in zip(lengths_q, lengths_k, strict=True))
+
+
+def test_a_decode_cell_reads_the_cache_once_and_writes_no_lse():
+    work = cells.work(cells.by_name("decode/d128/h32:8/b1/kv131072/fwd"))
+    q = out = 1 * 32 * 128 * 2
+    kv = 2 * 131072 * 8 * 128 * 2
+    assert work.bytes == q + kv + out
+    assert work.flops == 4 * 32 * 128 * 131072
+
+
+def test_the_floor_is_the_larger_term():
+    ceilings = cells.Ceilings(copy_bytes_per_s=1e12, gemm_flops_per_s=1e15)
+    assert cells.floor(cells.Work(flops=2e12, bytes=1e9), ceilings) == {
+        "ms": 2.0, "flops_ms": 2.0, "bytes_ms": 1.0, "bound": "flops"}
+    assert cells.floor(cells.Work(flops=1e9, bytes=3e9), ceilings)["bound"] == "bytes"
+    assert cells.floor(cells.work(cells.by_name("smallseq/d64/h16:16/fwd")), cells.NOMINAL_CEILINGS)["bound"] == "bytes"
+    assert cells.floor(cells.work(cells.by_name("batch/d128/h16:16/s4096/noncausal/fwd")),
+                       cells.NOMINAL_CEILINGS)["bound"] == "flops"
+
+
+def test_input_sets_rotate_until_l2_cannot_serve_the_repeats():
+    for c in cells.all_cells():
+        sets = cells.input_sets(c)
+        assert 1 <= sets <= cells.MAX_INPUT_SETS
+        assert sets == cells.MAX_INPUT_SETS or sets * cells.set_bytes(c) >= cells.ROTATION_BYTES
+
+
+def test_timing_plan():
+    assert cells.timing_plan(0.01) == (cells.MAX_CALLS_PER_SAMPLE, 3)
+    assert cells.timing_plan(0.25) == (4, 3)
+    assert cells.timing_plan(10.0) == (1, 2)
+    assert cells.timing_plan(100.0) == (1, 1)
+
+
+def test_the_estimates_fit_the_budget_with_room_for_the_prewarm():
+    full = sum(s for _, s in cells.estimate_by_section(cells.select()).values())
+    quick = sum(s for _, s in cells.estimate_by_section(cells.select(quick=True)).values())
+    assert full < 300  # of the default 480 s budget, leaving about 2 minutes for `hipattn warm`
+    assert quick < 40
+
+
+# ---- ratios, summary, markdown, heat map, A/B -----------------------------------------------------
+
+def _record(name: str, hipattn_ms: float | None, peers: dict, floor_ms: float = 1.0, check_ok: bool | None = True,
+            clock: float = 1980.0) -> dict:
+    """A cell record as the worker writes it; peers maps a name to a time in ms or an error string."""
+    runners = {"hipattn": {"median_ms": hipattn_ms, "samples": [[hipattn_ms, clock]] * 3}
+               if hipattn_ms is not None else {"error": "ValueError: no kernel"}}
+    for peer, value in peers.items():
+        runners[peer] = {"median_ms": value, "samples": [[value, clock - 15]]} if isinstance(value, float) else {"error": value}
+        if cells.padded_peer(cells.by_name(name), peer):
+            runners[peer]["padded"] = True
+    comparable = [p for p, v in peers.items() if isinstance(v, float) and not cells.padded_peer(cells.by_name(name), p)]
+    checks = {p: {"ok": check_ok, "rel_l2": 3e-3 if check_ok else 0.4, "max_abs_diff": 0.01 if check_ok else 2.0}
+              for p in comparable} if check_ok is not None else {}
+    record = {"name": name, "section": name.split("/")[0], "params": cells.by_name(name).params(),
+              "floor": {"ms": floor_ms, "bound": "flops"}, "runners": runners, "checks": checks}
+    return {**record, **report.derive(record)}
+
+
+def _doc(records: list[dict], skipped: dict | None = None) -> dict:
+    return {"format": run.FORMAT, "date": "2026-12-01", "command": "python tools/bench_matrix.py --out out",
+            "source": {"commit": "0123456789abcdef", "dirty": False, "source_sha256": "ab" * 32},
+            "environment": {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "driver": "580.159.04",
+                            "clock_source": "nvml"},
+            "ceilings": {"copy_bytes_per_s": 4.25e12, "gemm_flops_per_s": 7.8e14},
+            "timing": run.TIMING, "floors": run.FLOORS, "planned": [r["name"] for r in records] + list(skipped or {}),
+            "cells": {r["name"]: r for r in records}, "skipped": skipped or {}, "excluded": {}, "workers": [],
+            "warm": {"command": "python -m hipattn warm --arch sm_90a --jobs 16", "exit": 0, "seconds": 71.2}}
+
+
+def _synthetic() -> dict:
+    return _doc([
+        _record("smallseq/d128/h16:16/fwd", 0.7, {"varlen_attn": 5.9, "sdpa_cudnn": 5.5,
+                                                  "sdpa_flash": "not run: B*Hq = 262144 > 65535"}, floor_ms=0.56),
+        _record("batch/d128/h16:16/s1024/noncausal/fwd", 0.4, {"sdpa_flash": 0.45, "sdpa_cudnn": 0.2,
+                                                               "sdpa_efficient": "RuntimeError: No available kernel"}),
+        _record("batch/d128/h16:16/s1024/causal/fwd", 0.3, {"sdpa_flash": 0.6}, check_ok=False),
+        _record("varlen/d128/h16:16/noncausal/fwd", 0.5, {"varlen_attn": "RuntimeError: boom"}),
+        _record("decode/d128/h32:8/b1/kv131072/fwd", None, {"sdpa_flash": 0.3}, check_ok=None),
+        {"name": "decode/d128/h32:8/b64/kv4096/fwd", "section": "decode",
+         "params": cells.by_name("decode/d128/h32:8/b64/kv4096/fwd").params(),
+         "error": "the worker ended with status -11 during setup of sdpa_cudnn"},
+    ], skipped={"batch/d256/h16:4/s16384/causal/fwdbwd": "budget: 2.1 s expected, 0.4 s left"})
+
+
+def test_derive_takes_the_fastest_peer_and_the_floor():
+    record = _record("batch/d128/h16:16/s1024/noncausal/fwd", 0.4,
+                     {"sdpa_flash": 0.45, "sdpa_cudnn": 0.2, "sdpa_efficient": "RuntimeError: x"}, floor_ms=0.1)
+    assert record["best_peer"] == "sdpa_cudnn" and record["best_peer_ms"] == 0.2
+    assert record["vs_best_peer"] == pytest.approx(2.0)
+    assert record["vs_floor"] == pytest.approx(4.0)
+    assert record["check"]["reference"] == "sdpa_cudnn"
+
+
+def test_a_padded_peer_can_be_the_best_but_the_check_is_against_the_same_function():
+    record = _record("smallseq/d128/h16:16/fwd", 0.7, {"varlen_attn": 5.9, "sdpa_cudnn": 5.5})
+    assert record["best_peer"] == "sdpa_cudnn"
+    assert record["check"]["reference"] == "varlen_attn"
+
+
+def test_a_cell_whose_peers_all_failed_has_a_floor_ratio_and_no_peer_ratio():
+    record = _record("varlen/d128/h16:16/noncausal/fwd", 0.5, {"varlen_attn": "RuntimeError: boom"}, check_ok=None)
+    assert record["best_peer"] is None and record["vs_best_peer"] is None and record["check"] is None
+    assert record["vs_floor"] == pytest.approx(0.5)
+
+
+def test_the_summary_counts_wins_failures_and_the_worst_cells():
+    summary = report.summarize(_synthetic())
+    assert summary["compared"] == 3  # small-seq, batch non-causal and causal
+    assert summary["wins"] == 1  # the causal cell is faster but its check failed
+    assert summary["check_failures"] == ["batch/d128/h16:16/s1024/causal/fwd"]
+    assert summary["worst"] == [("batch/d128/h16:16/s1024/noncausal/fwd", pytest.approx(2.0), "sdpa_cudnn")]
+    assert summary["no_peer"] == ["varlen/d128/h16:16/noncausal/fwd"]
+    assert set(summary["hipattn_failed"]) == {"decode/d128/h32:8/b1/kv131072/fwd", "decode/d128/h32:8/b64/kv4096/fwd"}
+    assert summary["skipped"] == ["batch/d256/h16:4/s16384/causal/fwdbwd"]
+    assert summary["geomean_vs_best_peer"] == pytest.approx((0.7 / 5.5 * 2.0 * 0.5) ** (1 / 3))
+    assert report.summarize(_synthetic(), "smallseq")["wins"] == 1
+
+
+def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
+    text = report.markdown(_synthetic())
+    assert text.startswith("## Performance matrix — 2026-12-01, NVIDIA H200, commit 0123456789")
+    assert "`python tools/bench_matrix.py --out out`" in text
+    assert "copy 4.25 TB/s" in text and "780 TFLOP/s" in text
+    assert "SM clock 1965-1980 MHz" in text
+    for section in cells.SECTIONS:
+        assert f"### {report.SECTION_TITLES[section]}" in text
+    assert text.count("| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |") == 4
+    assert "| `d128/h16:16/fwd` | 0.7 | cuDNN (SDPA) padded | 5.5 | **0.13×** | 1.25× | ok (3.0e-03) |" in text
+    assert "| `d128/h16:16/s1024/noncausal/fwd` | 0.4 | cuDNN (SDPA) | 0.2 | 2.00× | 0.40× | ok (3.0e-03) |" in text
+    assert "**FAIL**" in text
+    assert "error: ValueError: no kernel" in text
+    assert "failed: the worker ended with status -11" in text
+    assert "efficient (SDPA) in 1 cells (RuntimeError: No available kernel)" in text
+    assert "Skipped 1 cells (budget: 2.1 s expected, 0.4 s left): `d256/h16:4/s16384/causal/fwdbwd`" in text
+    assert "**Summary:** hipattn is faster than the best peer in 1 of 3 cells" in text
+    assert "Prewarm: `python -m hipattn warm --arch sm_90a --jobs 16`, exit 0, 71.2 s." in text
+
+
+def test_the_heat_map_puts_each_cell_at_its_parameters():
+    laid_out = {p["section"]: p for p in report.panels(_synthetic())}
+    assert set(laid_out) == set(cells.SECTIONS)
+    smallseq = laid_out["smallseq"]
+    assert smallseq["rows"] == ["d128 fwd"] and smallseq["columns"] == ["h16:16"]
+    assert smallseq["entries"][("d128 fwd", "h16:16")] == (pytest.approx(0.7 / 5.5), "0.13")
+    batch = laid_out["batch"]
+    assert batch["rows"] == ["d128 h16:16 noncausal", "d128 h16:16 causal", "d256 h16:4 causal"]
+    assert batch["entries"][("d128 h16:16 causal", "s1024\nfwd")][1] == "0.50\nFAIL"
+    assert batch["entries"][("d256 h16:4 causal", "s16384\nfwdbwd")] == (None, "skip")
+    assert laid_out["varlen"]["entries"][("noncausal", "h16:16\nfwd")] == (None, "no peer")
+    assert {text for _, text in laid_out["decode"]["entries"].values()} == {"error"}
+
+
+def _write(doc: dict, folder) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / run.JSON_NAME).write_text(json.dumps(doc))
+
+
+def test_report_renders_the_markdown_and_the_png_from_a_json(tmp_path):
+    _write(_synthetic(), tmp_path / "run")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--report", str(tmp_path / "run"), "--out", str(tmp_path / "new")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "hipattn is faster than the best peer in 1 of 3" in done.stdout
+    assert (tmp_path / "new" / report.MARKDOWN_NAME).read_text() == report.markdown(_synthetic())
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pytest.skip("matplotlib is not installed: the markdown was checked, the heat map cannot be drawn")
+    png = (tmp_path / "new" / report.PNG_NAME).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_compare_prints_per_cell_ratios_and_their_geometric_mean(tmp_path):
+    old = _doc([_record("batch/d128/h16:16/s1024/noncausal/fwd", 0.5, {"sdpa_flash": 0.45}),
+                _record("varlen/d128/h16:16/noncausal/fwd", 1.0, {"varlen_attn": 1.2}),
+                _record("smallseq/d128/h16:16/fwd", 0.7, {"varlen_attn": 5.9})])
+    new = _doc([_record("batch/d128/h16:16/s1024/noncausal/fwd", 0.4, {"sdpa_flash": 0.45}),
+                _record("varlen/d128/h16:16/noncausal/fwd", 1.25, {"varlen_attn": 1.2}),
+                _record("decode/d128/h32:8/b1/kv131072/fwd", 2.0, {"sdpa_flash": 0.3})])
+    text = report.compare_text(old, new)
+    assert "batch/d128/h16:16/s1024/noncausal/fwd" in text and "0.80×" in text and "1.25×" in text
+    assert "geometric mean new/old over 2 cells: 1.000; faster by more than 3% in 1, slower in 1" in text
+    assert "cells only in old: 1; only in new: 1" in text
+    _write(old, tmp_path / "old")
+    _write(new, tmp_path / "new")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--compare", str(tmp_path / "old" / run.JSON_NAME),
+                           str(tmp_path / "new")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "geometric mean new/old over 2 cells" in done.stdout
+
+
+def test_list_prints_the_cells_and_estimates_without_a_gpu():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--list", "--quick"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    listed = [line.split()[0] for line in done.stdout.splitlines() if "peers:" in line]
+    assert listed == list(cells.QUICK_CELLS)
+    assert f"total       {len(cells.QUICK_CELLS)} cells" in done.stdout
+
+
+# ---- orchestration, with a fake measurer ---------------------------------------------------------
+
+class FakeMeasurer:
+    """Runners are names; ``fail`` maps a runner to where it raises ("build", "first", or the number
+    of successful samples after which it raises); ``lose_context`` makes a failure poison everything."""
+
+    def __init__(self, fail: dict | None = None, lose_context: bool = False, times: dict | None = None):
+        self.fail, self.lose_context, self.times = fail or {}, lose_context, times or {}
+        self.calls: list[tuple[str, int, int]] = []
+        self.broken = False
+        self.samples: dict[str, int] = {}
+        self.released = 0
+
+    def prepare(self, cell):
+        return {"cell": cell.name}
+
+    def build(self, name, cell, data):
+        if self.fail.get(name) == "build":
+            import warnings
+
+            warnings.warn(f"{name} kernel not used because: a reason only the warning gives", UserWarning, stacklevel=1)
+            self.broken = self.lose_context
+            raise RuntimeError("No available kernel. Aborting execution.\nmore detail")
+        return name
+
+    def first_call(self, runner):
+        if self.fail.get(runner) == "first":
+            self.broken = self.lose_context
+            raise RuntimeError(f"{runner} failed")
+        return (runner,)
+
+    def sample(self, runner, start, calls):
+        done = self.samples.get(runner, 0)
+        if isinstance(self.fail.get(runner), int) and done >= self.fail[runner]:
+            self.broken = self.lose_context
+            raise RuntimeError(f"{runner} failed while timed")
+        self.samples[runner] = done + 1
+        self.calls.append((runner, start, calls))
+        return self.times.get(runner, 1.0)
+
+    def clock_mhz(self):
+        return 1980.0
+
+    def compare(self, outputs, reference):
+        return {"ok": True, "rel_l2": 1e-3, "max_abs_diff": 1e-2, "against": reference[0]}
+
+    def context_ok(self):
+        return not self.broken
+
+    def release(self):
+        self.released += 1
+
+    def environment(self):
+        return {"device": "fake GPU", "clock_source": "fake"}
+
+    def ceilings(self):
+        return {"copy_bytes_per_s": 4e12, "gemm_flops_per_s": 8e14}
+
+
+def test_interleave_alternates_the_order_and_a_failing_runner_drops_out():
+    measurer = FakeMeasurer(fail={"b": 2})  # b raises on its third timed sample
+    results = run.interleave({"hipattn": "hipattn", "a": "a", "b": "b"}, measurer, rounds=3)
+    first_of_each_sample = []
+    for runner, _, calls in measurer.calls[3:]:  # after one sizing sample each
+        if not first_of_each_sample or first_of_each_sample[-1] != runner:
+            first_of_each_sample.append(runner)
+        assert calls == 1  # 1.0 ms a call: one call per sample
+    # rounds: hipattn a b | b(fails after 1 more) a hipattn | hipattn a
+    assert first_of_each_sample == ["hipattn", "a", "b", "a", "hipattn", "a"]
+    assert len(results["hipattn"]["samples"]) == 3 * 3 and results["hipattn"]["median_ms"] == 1.0
+    assert results["b"]["error"] == "RuntimeError: b failed while timed" and "median_ms" not in results["b"]
+    assert results["a"]["clock_mhz_median"] == 1980.0
+    starts = [start for runner, start, _ in measurer.calls if runner == "a"]
+    assert starts == list(range(1, 1 + len(starts)))  # every call moves to the next input set
+
+
+def test_short_runners_take_several_calls_per_sample():
+    measurer = FakeMeasurer(times={"hipattn": 0.1})
+    results = run.interleave({"hipattn": "hipattn"}, measurer, rounds=1)
+    assert results["hipattn"]["calls_per_sample"] == 10
+    assert [calls for _, _, calls in measurer.calls] == [1, 10, 10, 10]
+    assert [start for _, start, _ in measurer.calls] == [1, 2, 12, 22]
+
+
+def test_a_cell_records_failing_and_prescreened_peers_and_still_appears():
+    cell = cells.by_name("smallseq/d128/h16:4/fwd")
+    measurer = FakeMeasurer(fail={"varlen_attn": "first", "sdpa_cudnn": "build", "sdpa_efficient": 1})
+    record = run.measure_cell(cell, measurer, cells.NOMINAL_CEILINGS, rounds=2)
+    runners = record["runners"]
+    assert runners["varlen_attn"]["error"] == "RuntimeError: varlen_attn failed"
+    assert runners["sdpa_cudnn"]["error"] == ("RuntimeError: No available kernel. Aborting execution. "
+                                              "[sdpa_cudnn kernel not used because: a reason only the warning gives]")
+    assert runners["sdpa_flash"]["error"].startswith("not run: B*Hq = 262144 > 65535")
+    assert runners["sdpa_efficient"]["error"] == "RuntimeError: sdpa_efficient failed while timed"
+    assert runners["sdpa_efficient"]["padded"] is True
+    assert record["checks"] == {}  # the one same-function peer failed
+    assert record["best_peer"] is None and record["vs_best_peer"] is None
+    assert record["vs_floor"] == pytest.approx(1.0 / record["floor"]["ms"])
+    assert record["shape"]["total_q"] == sum(cells.lengths(cell)[0])
+    assert measurer.released == 1
+
+
+def test_a_cell_checks_hipattn_against_every_same_function_peer():
+    cell = cells.by_name("batch/d64/h16:4/s2048/causal/fwdbwd")
+    record = run.measure_cell(cell, FakeMeasurer(times={"sdpa_flash": 2.0, "sdpa_cudnn": 0.5}), cells.NOMINAL_CEILINGS,
+                              rounds=1)
+    assert set(record["checks"]) == {"sdpa_flash", "sdpa_cudnn", "sdpa_efficient"}
+    assert record["best_peer"] == "sdpa_cudnn" and record["vs_best_peer"] == pytest.approx(2.0)
+    assert record["check"]["reference"] == "sdpa_cudnn" and record["check"]["against"] == "sdpa_cudnn"
+    assert record["checks"]["sdpa_flash"]["against"] == "sdpa_flash"
+
+
+def test_a_lost_context_stops_the_worker():
+    cell = cells.by_name("batch/d64/h16:4/s2048/causal/fwdbwd")
+    with pytest.raises(run.ContextLost, match="sdpa_cudnn"):
+        run.measure_cell(cell, FakeMeasurer(fail={"sdpa_cudnn": "first"}, lose_context=True), cells.NOMINAL_CEILINGS, 1)
+    with pytest.raises(run.ContextLost, match="hipattn"):
+        run.measure_cell(cell, FakeMeasurer(fail={"hipattn": 0}, lose_context=True), cells.NOMINAL_CEILINGS, 1)
+
+
+def _planned_doc(tmp_path, names, **extra):
+    options = {"quick": False, "only": None, "budget_seconds": 480, "rounds": 2, "warm": False, "warm_arch": "sm_90a"}
+    doc = run.new_document(["--out", str(tmp_path)], options, [cells.by_name(n) for n in names])
+    doc.update(extra)
+    run.save(doc, tmp_path)
+    return doc
+
+
+def test_the_worker_writes_the_json_after_every_cell_and_skips_what_the_budget_cannot_hold(tmp_path):
+    names = ["decode/d128/h32:8/b64/kv4096/fwd", "varlen/d128/h16:16/causal/fwd"]
+    _planned_doc(tmp_path, names)
+    saved = []
+    original_save = run.save
+
+    def recording_save(doc, directory):
+        saved.append(sorted(doc["cells"]))
+        original_save(doc, directory)
+
+    run.save = recording_save
+    try:
+        assert run.work_loop(tmp_path, time.time() + 1000, FakeMeasurer()) == 0
+    finally:
+        run.save = original_save
+    assert saved == [[], [names[0]], sorted(names)]  # ceilings, then after each cell
+    doc = run.load(tmp_path)
+    assert doc["environment"]["device"] == "fake GPU" and doc["ceilings"]["copy_bytes_per_s"] == 4e12
+    assert sorted(doc["cells"]) == sorted(names) and doc["skipped"] == {}
+    assert doc["cells"][names[0]]["floor"]["ms"] == pytest.approx(doc["cells"][names[0]]["work"]["bytes"] / 4e12 * 1e3)
+    assert run.read_progress(tmp_path)["phase"] == "done"
+
+    _planned_doc(tmp_path, names)
+    assert run.work_loop(tmp_path, time.time() - 1, FakeMeasurer()) == 0
+    doc = run.load(tmp_path)
+    assert doc["cells"] == {} and all(doc["skipped"][n].startswith("budget: ") for n in names)
+
+
+def test_the_budget_check_scales_the_estimates_by_what_the_cells_took():
+    assert run.estimate_scale({"cells": {}}) == 1.0
+    done = {"a": {"seconds": 3.0, "estimate_seconds": 1.0}, "b": {"seconds": 2.0, "estimate_seconds": 1.0},
+            "c": {"seconds": 8.0, "estimate_seconds": 2.0}, "d": {"name": "d", "error": "crashed"}}
+    assert run.estimate_scale({"cells": done}) == 3.0
+    assert run.estimate_scale({"cells": {"a": {"seconds": 100.0, "estimate_seconds": 1.0}}}) == 10.0
+
+
+def test_failed_ceilings_fall_back_to_the_nominal_ones_and_say_so(tmp_path):
+    class NoCeilings(FakeMeasurer):
+        def ceilings(self):
+            raise RuntimeError("CUDA out of memory")
+
+    _planned_doc(tmp_path, ["decode/d128/h32:8/b64/kv4096/fwd"])
+    assert run.work_loop(tmp_path, time.time() + 1000, NoCeilings()) == 0
+    doc = run.load(tmp_path)
+    assert doc["ceilings"]["nominal"] and doc["ceilings"]["copy_bytes_per_s"] == cells.NOMINAL_CEILINGS.copy_bytes_per_s
+    assert "NOT measured" in report.markdown(doc) and "CUDA out of memory" in report.markdown(doc)
+    assert len(doc["cells"]) == 1
+
+
+def test_a_new_worker_skips_the_cells_done_and_leaves_excluded_runners_out(tmp_path):
+    names = ["decode/d128/h32:8/b64/kv4096/fwd", "varlen/d128/h16:16/causal/fwd"]
+    _planned_doc(tmp_path, names, ceilings={"copy_bytes_per_s": 4e12, "gemm_flops_per_s": 8e14},
+                 excluded={names[0]: {"sdpa_cudnn": "ended the worker process (ended with status -11): Segfault"}})
+    assert run.work_loop(tmp_path, time.time() + 1000, FakeMeasurer()) == 0
+    doc = run.load(tmp_path)
+    assert doc["cells"][names[0]]["runners"]["sdpa_cudnn"]["error"].startswith("ended the worker process")
+    assert "median_ms" in doc["cells"][names[0]]["runners"]["sdpa_flash"]
+    measurer = FakeMeasurer()
+    assert run.work_loop(tmp_path, time.time() + 1000, measurer) == 0
+    assert measurer.calls == []  # nothing left to measure
+
+
+def test_the_worker_asks_for_a_new_process_when_the_context_is_lost(tmp_path):
+    names = ["batch/d64/h16:4/s2048/causal/fwdbwd", "varlen/d128/h16:16/causal/fwd"]
+    _planned_doc(tmp_path, names)
+    assert run.work_loop(tmp_path, time.time() + 1000,
+                         FakeMeasurer(fail={"sdpa_cudnn": "first"}, lose_context=True)) == run.EXIT_CONTEXT_LOST
+    assert run.read_progress(tmp_path) | {"time": 0} == {"cell": names[0], "runner": "sdpa_cudnn", "phase": "setup",
+                                                         "time": 0}
+    assert run.load(tmp_path)["cells"] == {}
+
+
+def test_after_a_crash_the_supervisor_excludes_the_runner_then_fails_the_cell():
+    name = "batch/d64/h16:4/s2048/causal/fwdbwd"
+    doc = {"cells": {}, "excluded": {}}
+    setup = {"cell": name, "runner": "sdpa_cudnn", "phase": "setup"}
+    assert run.after_worker(doc, setup, 0, "", False) == "done"
+    assert run.after_worker(doc, setup, -11, "Segmentation fault", False) == "restart"
+    assert doc["excluded"][name]["sdpa_cudnn"] == "ended the worker process (ended with status -11): Segmentation fault"
+    assert doc["cells"] == {}
+    assert run.after_worker(doc, setup, 3, "lost again", False) == "restart"  # the same runner again: the cell fails
+    assert doc["cells"][name]["error"].startswith("the worker ended with status 3 during setup of sdpa_cudnn")
+    doc = {"cells": {}, "excluded": {}}
+    assert run.after_worker(doc, {"cell": name, "runner": None, "phase": "timing"}, 3, "x", False) == "restart"
+    assert "during timing of the cell" in doc["cells"][name]["error"]
+    assert run.after_worker(doc, {"cell": name, "runner": "hipattn", "phase": "setup"}, -9, "", True) == "stop"
+    assert "killed past the budget" in doc["cells"][name]["error"]
+    assert run.after_worker(doc, {"cell": None, "phase": "ceilings"}, 1, "ImportError: no torch", False) == "stop"
+    assert doc["errors"] == ["worker ended with status 1 during ceilings: ImportError: no torch"]
+
+
+def test_the_supervisor_restarts_a_crashed_worker_without_the_runner_that_crashed(tmp_path, monkeypatch, capsys):
+    crashed_in = "decode/d128/h32:8/b1/kv131072/fwd"  # the second quick decode cell
+    launches = []
+
+    def fake_launch(directory, deadline):
+        launches.append(deadline)
+        if len(launches) == 1:  # measures one cell, then dies setting up sdpa_cudnn on the next
+            doc = run.load(directory)
+            doc["planned"], planned = doc["planned"][:1], doc["planned"]
+            run.save(doc, directory)
+            assert run.work_loop(directory, deadline, FakeMeasurer()) == 0
+            doc = run.load(directory)
+            doc["planned"] = planned
+            run.save(doc, directory)
+            run.set_progress(directory, crashed_in, "sdpa_cudnn", "setup")
+            return -11, "Fatal Python error: Segmentation fault", False
+        return run.work_loop(directory, deadline, FakeMeasurer()), "", False
+
+    monkeypatch.setattr(run, "launch_worker", fake_launch)
+    options = {"quick": True, "only": "decode", "budget_seconds": 480, "rounds": 1, "warm": False, "warm_arch": "sm_90a"}
+    assert run.supervise(tmp_path, ["--quick", "--only", "decode", "--no-warm", "--out", "x"], options) == 0
+    doc = run.load(tmp_path)
+    assert len(launches) == 2 and launches[0] == launches[1]  # one deadline for the whole run
+    assert sorted(doc["cells"]) == sorted(doc["planned"]) and doc["skipped"] == {}
+    assert doc["cells"][crashed_in]["runners"]["sdpa_cudnn"]["error"] == (
+        "ended the worker process (ended with status -11): Fatal Python error: Segmentation fault")
+    assert "median_ms" in doc["cells"][crashed_in]["runners"]["hipattn"]
+    assert [w["exit"] for w in doc["workers"]] == [-11, 0]
+    assert doc["finished"] and doc["elapsed_seconds"] >= 0
+    assert (tmp_path / report.MARKDOWN_NAME).exists()
+    out = capsys.readouterr().out
+    assert "starting another" in out and "hipattn is faster than the best peer in" in out
+
+
+def test_the_prewarm_records_how_hipattn_warm_ended():
+    warm = run.prewarm("not_an_arch", timeout=120)
+    assert warm["command"].endswith("-m hipattn warm --arch not_an_arch --jobs " + warm["command"].split()[-1])
+    assert warm["exit"] not in (0, "timeout") and warm["tail"] and warm["seconds"] >= 0
+
+
+def test_a_run_without_a_gpu_ends_with_a_report_that_says_why(tmp_path):
+    try:
+        import torch
+    except ImportError:
+        pass  # the worker fails to import it: the same outcome
+    else:
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU: the worker would measure")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--no-warm", "--only", "b64/kv4096", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    doc = run.load(tmp_path)
+    assert done.returncode == 1
+    assert doc["skipped"] == {"decode/d128/h32:8/b64/kv4096/fwd": "not reached: the worker stopped before it"}
+    assert doc["workers"][0]["exit"] == 1 and doc["errors"]
+    assert doc["command"] == f"python tools/bench_matrix.py --no-warm --only b64/kv4096 --out {tmp_path}"
+    assert (tmp_path / report.MARKDOWN_NAME).exists()

@@ -1,0 +1,382 @@
+"""The cells of the matrix, what each must compute, and how long the matrix should take. Pure Python.
+
+A cell is one workload in one direction with a stable name, e.g. ``smallseq/d128/h16:4/fwd``:
+
+- ``smallseq``: THD cross-attention, SMALLSEQ_SEQUENCES sequences whose query and key lengths are
+  drawn independently from 1..17 (fixed seed), head_dim 64/128/256, Hq:Hkv 16:16, 16:8, 16:4, 16:2,
+  16:1 and 8:1; forward (``fwd``) and backward (``bwd``) timed separately.
+- ``batch``: BSHD self-attention at BATCH_TOKENS tokens (B = tokens / S), head_dim 64/96/128/256,
+  MHA 16:16 and GQA 16:4, causal or not, S from 512 to 16384; ``fwd`` and ``fwdbwd``.
+- ``varlen``: THD self-attention, lengths drawn from 128..4096 summing to 16384 tokens (the lengths
+  of tools/bench_flash.py's varlen workload), head_dim 128, 16:16 and 16:4, causal or not.
+- ``decode``: one query token per sequence against a long KV, BSHD, forward only.
+
+The floor of a cell is the larger of its FLOPs over the measured bf16 GEMM rate and its bytes over
+the measured copy bandwidth (METHOD.md's two numbers); which one binds is recorded with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from dataclasses import asdict, dataclass
+
+SECTIONS = ("smallseq", "batch", "varlen", "decode")
+DIRECTIONS = ("fwd", "bwd", "fwdbwd")
+ELEMENT_BYTES = 2  # bf16
+LSE_BYTES = 4  # fp32
+
+SMALLSEQ_TILE = 17  # the longest small-seq sequence on either side (hipattn's SMALLSEQ_TILE)
+SMALLSEQ_SEQUENCES = 16384
+SMALLSEQ_SEED = 2026
+SMALLSEQ_HEAD_DIMS = (64, 128, 256)
+SMALLSEQ_HEADS = ((16, 16), (16, 8), (16, 4), (16, 2), (16, 1), (8, 1))
+
+BATCH_TOKENS = 16384
+BATCH_HEAD_DIMS = (64, 96, 128, 256)
+BATCH_HEADS = ((16, 16), (16, 4))
+BATCH_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+VARLEN_TOKENS = 16384
+VARLEN_RANGE = (128, 4096)
+VARLEN_SEED = 2026
+VARLEN_HEAD_DIM = 128
+
+DECODE_HEAD_DIM = 128
+# (batch, KV length, Hq, Hkv)
+DECODE_SHAPES = ((64, 4096, 32, 8), (8, 32768, 32, 8), (128, 1024, 32, 32), (1, 32768, 32, 8),
+                 (1, 131072, 32, 8), (4, 131072, 32, 8))
+
+# Backward FLOPs over forward FLOPs (the backward does 2.5 forwards' worth of matrix products).
+BACKWARD_FLOP_FACTOR = 2.5
+
+# Rotate among input sets until one pass over them touches this many bytes, so that L2 (60 MB on
+# the H200) does not serve repeated calls; at most MAX_INPUT_SETS sets.
+ROTATION_BYTES = 256 * 1024**2
+MAX_INPUT_SETS = 4
+
+# FA2 inside torch SDPA fails with a device-side assert when B * H exceeds this (BENCHMARKS.md,
+# small-seq runs 5-9), which would end the CUDA context of the whole process: such cells never run it.
+SDPA_FLASH_MAX_BATCH_HEADS = 65535
+
+
+@dataclass(frozen=True)
+class Cell:
+    section: str
+    direction: str
+    head_dim: int
+    heads_q: int
+    heads_kv: int
+    causal: bool = False
+    batch: int = 0  # sequences
+    seqlen_q: int = 0  # BSHD: the length of every sequence (THD: 0, the lengths are drawn)
+    seqlen_k: int = 0
+
+    @property
+    def name(self) -> str:
+        heads = f"h{self.heads_q}:{self.heads_kv}"
+        mask = "causal" if self.causal else "noncausal"
+        if self.section == "smallseq":
+            return f"smallseq/d{self.head_dim}/{heads}/{self.direction}"
+        if self.section == "batch":
+            return f"batch/d{self.head_dim}/{heads}/s{self.seqlen_q}/{mask}/{self.direction}"
+        if self.section == "varlen":
+            return f"varlen/d{self.head_dim}/{heads}/{mask}/{self.direction}"
+        return f"decode/d{self.head_dim}/{heads}/b{self.batch}/kv{self.seqlen_k}/{self.direction}"
+
+    @property
+    def layout(self) -> str:
+        return "thd" if self.section in ("smallseq", "varlen") else "bshd"
+
+    def params(self) -> dict:
+        return {"name": self.name, "layout": self.layout, **asdict(self)}
+
+
+# ---- the cell list -------------------------------------------------------------------------------
+
+def all_cells() -> list[Cell]:
+    """Every cell of the full matrix, in the order the report shows them."""
+    found = []
+    for head_dim in SMALLSEQ_HEAD_DIMS:
+        for heads_q, heads_kv in SMALLSEQ_HEADS:
+            for direction in ("fwd", "bwd"):
+                found.append(Cell("smallseq", direction, head_dim, heads_q, heads_kv, batch=SMALLSEQ_SEQUENCES))
+    for head_dim in BATCH_HEAD_DIMS:
+        for heads_q, heads_kv in BATCH_HEADS:
+            for causal in (False, True):
+                for seqlen in BATCH_SEQLENS:
+                    for direction in ("fwd", "fwdbwd"):
+                        found.append(Cell("batch", direction, head_dim, heads_q, heads_kv, causal,
+                                          batch=BATCH_TOKENS // seqlen, seqlen_q=seqlen, seqlen_k=seqlen))
+    for heads_q, heads_kv in BATCH_HEADS:
+        for causal in (False, True):
+            for direction in ("fwd", "fwdbwd"):
+                found.append(Cell("varlen", direction, VARLEN_HEAD_DIM, heads_q, heads_kv, causal,
+                                  batch=len(varlen_lengths())))
+    for batch, kv, heads_q, heads_kv in DECODE_SHAPES:
+        found.append(Cell("decode", "fwd", DECODE_HEAD_DIM, heads_q, heads_kv, batch=batch, seqlen_q=1, seqlen_k=kv))
+    return found
+
+
+# The A/B subset: a few cells of each section, chosen to span its parameters and its known cliffs.
+QUICK_CELLS = (
+    "smallseq/d128/h16:16/fwd",
+    "smallseq/d128/h16:16/bwd",
+    "smallseq/d128/h16:4/bwd",
+    "smallseq/d256/h16:16/fwd",
+    "smallseq/d64/h16:1/fwd",
+    "batch/d128/h16:16/s1024/noncausal/fwd",
+    "batch/d128/h16:16/s4096/noncausal/fwdbwd",
+    "batch/d128/h16:16/s16384/causal/fwd",
+    "batch/d64/h16:4/s2048/causal/fwdbwd",
+    "batch/d96/h16:16/s4096/noncausal/fwd",
+    "batch/d256/h16:16/s8192/causal/fwdbwd",
+    "batch/d128/h16:4/s512/noncausal/fwd",
+    "varlen/d128/h16:16/noncausal/fwd",
+    "varlen/d128/h16:16/causal/fwdbwd",
+    "varlen/d128/h16:4/noncausal/fwdbwd",
+    "decode/d128/h32:8/b64/kv4096/fwd",
+    "decode/d128/h32:8/b1/kv131072/fwd",
+    "decode/d128/h32:32/b128/kv1024/fwd",
+)
+
+
+def quick_cells() -> list[Cell]:
+    by_name = {cell.name: cell for cell in all_cells()}
+    missing = [name for name in QUICK_CELLS if name not in by_name]
+    if missing:
+        raise ValueError(f"QUICK_CELLS names cells that are not in the matrix: {missing}")
+    return [by_name[name] for name in QUICK_CELLS]
+
+
+# After the quick subset, the full run measures the small sections first: a run cut short by its
+# budget then loses cells of the largest section only.
+REST_ORDER = ("varlen", "decode", "smallseq", "batch")
+
+
+def select(quick: bool = False, only: str | None = None) -> list[Cell]:
+    """The cells a run measures, in the order it measures them: the quick subset alone, or the quick
+    subset first and then the rest section by section in REST_ORDER (so that a run cut short by its
+    budget still has a sample of every section); ``only`` keeps the cells whose name matches that
+    regular expression (re.search)."""
+    import re
+
+    first = quick_cells()
+    rest = sorted((c for c in all_cells() if c.name not in QUICK_CELLS), key=lambda c: REST_ORDER.index(c.section))
+    cells = first if quick else first + rest
+    if only:
+        pattern = re.compile(only)
+        cells = [c for c in cells if pattern.search(c.name)]
+    return cells
+
+
+def by_name(name: str) -> Cell:
+    for cell in all_cells():
+        if cell.name == name:
+            return cell
+    raise KeyError(f"no cell named {name!r}")
+
+
+# ---- peers ---------------------------------------------------------------------------------------
+
+PEERS = {
+    # SDPA's backends on the padded [B, H, 17, D] batch (no padding mask: a lower bound on what a user
+    # without varlen support pays), and torch's varlen attention on the same THD data.
+    "smallseq": ("varlen_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"),
+    "batch": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient"),
+    # SDPA padded to the longest of these sequences would compute other attention, 2-3x the tokens.
+    "varlen": ("varlen_attn",),
+    "decode": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "varlen_attn"),
+}
+
+
+def peers(cell: Cell) -> tuple[str, ...]:
+    return PEERS[cell.section]
+
+
+def padded_peer(cell: Cell, peer: str) -> bool:
+    """Whether ``peer`` runs on a padded copy of the cell's data (a different function: excluded from
+    the numeric check, marked in the report)."""
+    return cell.section == "smallseq" and peer.startswith("sdpa_")
+
+
+def prescreen(cell: Cell, peer: str) -> str | None:
+    """Why ``peer`` is not run on ``cell`` at all, or None. Only for peers known to end the process's
+    CUDA context on such a cell; every other failure is found by running the peer."""
+    if peer == "sdpa_flash" and cell.batch * cell.heads_q > SDPA_FLASH_MAX_BATCH_HEADS:
+        return (f"not run: B*Hq = {cell.batch * cell.heads_q} > {SDPA_FLASH_MAX_BATCH_HEADS}, where FA2 in SDPA "
+                "fails with a device-side assert (BENCHMARKS.md small-seq runs 5-9) that would end the CUDA context")
+    return None
+
+
+# ---- sequence lengths ----------------------------------------------------------------------------
+
+@functools.cache
+def smallseq_lengths(sequences: int = SMALLSEQ_SEQUENCES, seed: int = SMALLSEQ_SEED) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Query and key lengths, each drawn independently and uniformly from 1..SMALLSEQ_TILE."""
+    draw = random.Random(seed)
+    lengths_q = tuple(draw.randint(1, SMALLSEQ_TILE) for _ in range(sequences))
+    lengths_k = tuple(draw.randint(1, SMALLSEQ_TILE) for _ in range(sequences))
+    return lengths_q, lengths_k
+
+
+@functools.cache
+def varlen_lengths(tokens: int = VARLEN_TOKENS, seed: int = VARLEN_SEED) -> tuple[int, ...]:
+    """Lengths uniform in VARLEN_RANGE summing to ``tokens`` (the last one trimmed), as
+    tools/bench_flash.py draws them."""
+    draw = random.Random(seed)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(min(draw.randint(*VARLEN_RANGE), tokens - sum(lengths)))
+    return tuple(lengths)
+
+
+def lengths(cell: Cell) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-sequence (query lengths, key lengths) of a cell."""
+    if cell.section == "smallseq":
+        return smallseq_lengths(cell.batch)
+    if cell.section == "varlen":
+        drawn = varlen_lengths()
+        return drawn, drawn
+    return (cell.seqlen_q,) * cell.batch, (cell.seqlen_k,) * cell.batch
+
+
+# ---- work and floors -----------------------------------------------------------------------------
+
+def visible_pairs(len_q: int, len_k: int, causal: bool) -> int:
+    """(query, key) pairs a sequence computes. Causal is aligned bottom-right (query i sees key j when
+    j <= i + len_k - len_q), as in hipattn and flash-attn 2.1+."""
+    if not causal:
+        return len_q * len_k
+    if len_q <= len_k:  # every row sees at least one key; row i sees len_k - len_q + i + 1
+        return len_q * len_k - len_q * (len_q - 1) // 2
+    return len_k * (len_k + 1) // 2  # the first len_q - len_k rows see nothing
+
+
+@dataclass(frozen=True)
+class Work:
+    flops: float
+    bytes: float
+
+
+def thd_bytes(total_q: int, total_k: int, heads_q: int, heads_kv: int, head_dim: int, direction: str,
+              lse: bool = True) -> int:
+    """Bytes the math needs to move, each tensor once, real tokens only, K/V once per KV head.
+
+    Forward: q, k, v in; out (and the fp32 LSE, which training keeps) out. Backward: q, k, v, dout,
+    LSE in; dq, dk, dv out (out itself is not needed: D_i = rowsum(dO * O) = sum_j P_ij dP_ij).
+    Forward + backward: the two added, as every implementation runs them as two passes.
+    """
+    q_side = total_q * heads_q * head_dim * ELEMENT_BYTES
+    kv_side = total_k * heads_kv * head_dim * ELEMENT_BYTES
+    lse_bytes = total_q * heads_q * LSE_BYTES if lse else 0
+    forward = 2 * q_side + 2 * kv_side + lse_bytes
+    backward = 3 * q_side + 4 * kv_side + lse_bytes
+    return {"fwd": forward, "bwd": backward, "fwdbwd": forward + backward}[direction]
+
+
+def work(cell: Cell) -> Work:
+    """FLOPs (4 * Hq * D per visible pair forward; 2.5x that backward, 3.5x forward + backward) and
+    bytes (thd_bytes) of a cell. A decode forward writes no LSE (inference keeps none)."""
+    lengths_q, lengths_k = lengths(cell)
+    pairs = sum(visible_pairs(lq, lk, cell.causal) for lq, lk in zip(lengths_q, lengths_k, strict=True))
+    forward_flops = 4.0 * cell.heads_q * cell.head_dim * pairs
+    factor = {"fwd": 1.0, "bwd": BACKWARD_FLOP_FACTOR, "fwdbwd": 1.0 + BACKWARD_FLOP_FACTOR}[cell.direction]
+    total_bytes = thd_bytes(sum(lengths_q), sum(lengths_k), cell.heads_q, cell.heads_kv, cell.head_dim,
+                            cell.direction, lse=cell.section != "decode")
+    return Work(flops=forward_flops * factor, bytes=float(total_bytes))
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_bytes_per_s: float  # bytes read + written per second, device-to-device copy
+    gemm_flops_per_s: float  # bf16 matrix product on random data
+
+
+# What KINDS.md measured on an H200 here; used for estimates only, never for a recorded floor.
+NOMINAL_CEILINGS = Ceilings(copy_bytes_per_s=4.3e12, gemm_flops_per_s=7.8e14)
+
+
+def floor(cell_work: Work, ceilings: Ceilings) -> dict:
+    """The floor in ms: the larger of FLOPs / GEMM rate and bytes / copy bandwidth."""
+    flops_ms = cell_work.flops / ceilings.gemm_flops_per_s * 1e3
+    bytes_ms = cell_work.bytes / ceilings.copy_bytes_per_s * 1e3
+    return {"ms": max(flops_ms, bytes_ms), "flops_ms": flops_ms, "bytes_ms": bytes_ms,
+            "bound": "flops" if flops_ms >= bytes_ms else "bytes"}
+
+
+def set_bytes(cell: Cell) -> int:
+    """Bytes of one input set (q, k, v, and dout where the direction reads it)."""
+    lengths_q, lengths_k = lengths(cell)
+    q_side = sum(lengths_q) * cell.heads_q * cell.head_dim * ELEMENT_BYTES
+    kv_side = sum(lengths_k) * cell.heads_kv * cell.head_dim * ELEMENT_BYTES
+    return q_side * (1 if cell.direction == "fwd" else 2) + 2 * kv_side
+
+
+def input_sets(cell: Cell) -> int:
+    return max(1, min(MAX_INPUT_SETS, math.ceil(ROTATION_BYTES / set_bytes(cell))))
+
+
+# ---- timing plan and estimates -------------------------------------------------------------------
+
+ROUNDS = 3  # rounds of interleaved timing per cell (hipattn, peers..., then back: ..., peers, hipattn)
+SAMPLE_TARGET_MS = 1.0  # a sample runs back-to-back calls until it lasts about this long
+MAX_CALLS_PER_SAMPLE = 32
+
+
+def timing_plan(call_ms: float) -> tuple[int, int]:
+    """(calls per sample, samples per round) for a runner whose call takes about ``call_ms``: short
+    calls run back to back (a call's host overhead overlaps the previous call's kernels, as in a
+    training step); long ones take fewer samples (they vary less and cost more)."""
+    calls = max(1, min(MAX_CALLS_PER_SAMPLE, math.ceil(SAMPLE_TARGET_MS / max(call_ms, 1e-3))))
+    samples = 3 if call_ms < 5.0 else 2 if call_ms < 25.0 else 1
+    return calls, samples
+
+
+# Expected time / floor of each runner, from BENCHMARKS.md where measured, guessed where not (only
+# for estimates). hipattn's GQA/MQA small-seq backward runs the portable kernels.
+EXPECTED_FLOOR_RATIO = {
+    ("smallseq", "fwd"): {"hipattn": 1.4, "varlen_attn": 10, "sdpa_cudnn": 10, "sdpa_efficient": 10},
+    ("smallseq", "bwd"): {"hipattn": 1.5, "varlen_attn": 19, "sdpa_cudnn": 11, "sdpa_efficient": 50},
+    ("batch", "fwd"): {"hipattn": 2.5, "sdpa_flash": 2.8, "sdpa_cudnn": 1.6, "sdpa_efficient": 4.5},
+    ("batch", "fwdbwd"): {"hipattn": 3.0, "sdpa_flash": 3.3, "sdpa_cudnn": 2.0, "sdpa_efficient": 5.5},
+    ("varlen", "fwd"): {"hipattn": 2.5, "varlen_attn": 3.0},
+    ("varlen", "fwdbwd"): {"hipattn": 3.0, "varlen_attn": 3.5},
+    ("decode", "fwd"): {"hipattn": 15, "sdpa_flash": 4, "sdpa_cudnn": 4, "sdpa_efficient": 6, "varlen_attn": 4},
+}
+SMALLSEQ_PORTABLE_BACKWARD_RATIO = 15
+CELL_OVERHEAD_S = 0.3  # inputs, autograd graphs, the numeric check, freeing memory
+RUNNER_OVERHEAD_S = 0.05  # set-up and first call (cuDNN plans, module loads)
+SAMPLE_OVERHEAD_MS = 0.8  # the spin kernel before the sample, synchronize, clock read
+
+
+def runner_seconds(call_ms: float, rounds: int = ROUNDS) -> float:
+    """Device time of one runner on one cell: set-up call, check call, estimate call, then rounds."""
+    calls, samples = timing_plan(call_ms)
+    timed_ms = rounds * samples * (calls * call_ms + SAMPLE_OVERHEAD_MS)
+    return RUNNER_OVERHEAD_S + (3 * call_ms + timed_ms) / 1e3
+
+
+def estimate_seconds(cell: Cell, ceilings: Ceilings = NOMINAL_CEILINGS, rounds: int = ROUNDS) -> float:
+    """Expected wall time of one cell, every runner included."""
+    floor_ms = floor(work(cell), ceilings)["ms"]
+    ratios = dict(EXPECTED_FLOOR_RATIO[(cell.section, cell.direction)])
+    if cell.section == "smallseq" and cell.direction == "bwd" and cell.heads_q != cell.heads_kv:
+        ratios["hipattn"] = SMALLSEQ_PORTABLE_BACKWARD_RATIO
+    seconds = CELL_OVERHEAD_S
+    for runner in ("hipattn", *peers(cell)):
+        if prescreen(cell, runner) is None:
+            seconds += runner_seconds(floor_ms * ratios.get(runner, 5.0), rounds)
+    return seconds
+
+
+def estimate_by_section(cells: list[Cell], ceilings: Ceilings = NOMINAL_CEILINGS,
+                        rounds: int = ROUNDS) -> dict[str, tuple[int, float]]:
+    """{section: (cells, seconds)} in SECTIONS order, sections without cells left out."""
+    totals: dict[str, tuple[int, float]] = {}
+    for section in SECTIONS:
+        chosen = [c for c in cells if c.section == section]
+        if chosen:
+            totals[section] = (len(chosen), sum(estimate_seconds(c, ceilings, rounds) for c in chosen))
+    return totals
