@@ -1,4 +1,4 @@
-"""tools/bench_matrix.py on the CPU: the cell list, the floors' arithmetic, the ratios and summary,
+"""tools.bench_matrix on the CPU: the cell list, the floors' arithmetic, the ratios and summary,
 the markdown and heat map from a synthetic JSON, the A/B comparison, the CLI's GPU-free commands,
 and the orchestration (interleaving, failing peers, budget, crashed workers) with a fake measurer.
 
@@ -13,13 +13,12 @@ import sys
 import time
 
 import pytest
-from support.bench_matrix import TOOLS, load
 
-cells = load("cells")
-report = load("report")
-run = load("run")
+from tools.matrix import cells, report, run
 
-SCRIPT = TOOLS / "bench_matrix.py"
+# The tool's command line, run from the repository root as its users run it.
+TOOL = [sys.executable, "-m", "tools.bench_matrix"]
+REPOSITORY = run.REPOSITORY
 
 
 # ---- the cells -----------------------------------------------------------------------------------
@@ -192,7 +191,7 @@ def _record(name: str, hipattn_ms: float | None, peers: dict, floor_ms: float = 
 
 
 def _doc(records: list[dict], skipped: dict | None = None) -> dict:
-    return {"format": run.FORMAT, "date": "2026-12-01", "command": "python tools/bench_matrix.py --out out",
+    return {"format": run.FORMAT, "date": "2026-12-01", "command": "python -m tools.bench_matrix --out out",
             "source": {"commit": "0123456789abcdef", "dirty": False, "source_sha256": "ab" * 32},
             "environment": {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "driver": "580.159.04",
                             "clock_source": "nvml"},
@@ -254,7 +253,7 @@ def test_the_summary_counts_wins_failures_and_the_worst_cells():
 def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
     text = report.markdown(_synthetic())
     assert text.startswith("## Performance matrix — 2026-12-01, NVIDIA H200, commit 0123456789")
-    assert "`python tools/bench_matrix.py --out out`" in text
+    assert "`python -m tools.bench_matrix --out out`" in text
     assert "copy 4.25 TB/s" in text and "780 TFLOP/s" in text
     assert "SM clock 1965-1980 MHz" in text
     for section in cells.SECTIONS:
@@ -292,8 +291,8 @@ def _write(doc: dict, folder) -> None:
 
 def test_report_renders_the_markdown_and_the_png_from_a_json(tmp_path):
     _write(_synthetic(), tmp_path / "run")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--report", str(tmp_path / "run"), "--out", str(tmp_path / "new")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*TOOL, "--report", str(tmp_path / "run"), "--out", str(tmp_path / "new")],
+                          capture_output=True, text=True, timeout=120, cwd=REPOSITORY)
     assert done.returncode == 0, done.stderr
     assert "hipattn is faster than the best peer in 1 of 3" in done.stdout
     assert (tmp_path / "new" / report.MARKDOWN_NAME).read_text() == report.markdown(_synthetic())
@@ -318,14 +317,14 @@ def test_compare_prints_per_cell_ratios_and_their_geometric_mean(tmp_path):
     assert "cells only in old: 1; only in new: 1" in text
     _write(old, tmp_path / "old")
     _write(new, tmp_path / "new")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--compare", str(tmp_path / "old" / run.JSON_NAME),
-                           str(tmp_path / "new")], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*TOOL, "--compare", str(tmp_path / "old" / run.JSON_NAME),
+                           str(tmp_path / "new")], capture_output=True, text=True, timeout=120, cwd=REPOSITORY)
     assert done.returncode == 0, done.stderr
     assert "geometric mean new/old over 2 cells" in done.stdout
 
 
 def test_list_prints_the_cells_and_estimates_without_a_gpu():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--list", "--quick"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*TOOL, "--list", "--quick"], capture_output=True, text=True, timeout=120, cwd=REPOSITORY)
     assert done.returncode == 0, done.stderr
     listed = [line.split()[0] for line in done.stdout.splitlines() if "peers:" in line]
     assert listed == list(cells.QUICK_CELLS)
@@ -599,11 +598,11 @@ def test_a_run_without_a_gpu_ends_with_a_report_that_says_why(tmp_path):
     else:
         if torch.cuda.is_available():
             pytest.skip("this machine has a GPU: the worker would measure")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--no-warm", "--only", "b64/kv4096", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*TOOL, "--no-warm", "--only", "b64/kv4096", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=REPOSITORY)
     doc = run.load(tmp_path)
     assert done.returncode == 1
     assert doc["skipped"] == {"decode/d128/h32:8/b64/kv4096/fwd": "not reached: the worker stopped before it"}
     assert doc["workers"][0]["exit"] == 1 and doc["errors"]
-    assert doc["command"] == f"python tools/bench_matrix.py --no-warm --only b64/kv4096 --out {tmp_path}"
+    assert doc["command"] == f"python -m tools.bench_matrix --no-warm --only b64/kv4096 --out {tmp_path}"
     assert (tmp_path / report.MARKDOWN_NAME).exists()

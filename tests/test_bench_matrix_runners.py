@@ -13,13 +13,9 @@ import time
 import types
 
 import pytest
-from support.bench_matrix import load
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
-cells = load("cells")
-run = load("run")
-gpu = load("gpu")
-
+from tools.matrix import cells, gpu, run  # noqa: E402 - gpu.py imports torch
 
 # ---- a stand-in for hipattn's public API -----------------------------------------------------------
 

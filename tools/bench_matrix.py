@@ -1,11 +1,11 @@
 """The performance dashboard: hipattn against its peers on every cell of the matrix, in one GPU call.
 
-    python tools/bench_matrix.py --out DIR                  # the full matrix
-    python tools/bench_matrix.py --quick --out DIR          # the A/B subset, about 2 minutes
-    python tools/bench_matrix.py --only 'smallseq/d128' --out DIR
-    python tools/bench_matrix.py --list [--quick] [--only REGEX]    # the cells and time estimates; no GPU
-    python tools/bench_matrix.py --report DIR [--out OUTDIR]        # markdown + heat map again from the JSON
-    python tools/bench_matrix.py --compare OLD.json NEW.json        # hipattn per cell, A/B
+    python -m tools.bench_matrix --out DIR                  # the full matrix
+    python -m tools.bench_matrix --quick --out DIR          # the A/B subset, about 2 minutes
+    python -m tools.bench_matrix --only 'smallseq/d128' --out DIR
+    python -m tools.bench_matrix --list [--quick] [--only REGEX]    # the cells and time estimates; no GPU
+    python -m tools.bench_matrix --report DIR [--out OUTDIR]        # markdown + heat map again from the JSON
+    python -m tools.bench_matrix --compare OLD.json NEW.json        # hipattn per cell, A/B
 
 Sections (tools/matrix/cells.py): small-seq THD (head_dim 64/128/256, Hq:Hkv 16:16 .. 16:1 and 8:1,
 forward and backward), general batch BSHD (head_dim 64/96/128/256, 16:16 and 16:4, causal or not,
@@ -29,7 +29,7 @@ import pathlib
 import re
 import sys
 
-from matrix import cells, report, run  # tools/ is on sys.path when a tool runs as a script
+from tools.matrix import cells, report, run
 
 DEFAULT_BUDGET_S = 480
 
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     parser = _parser()
     options = parser.parse_args(argv)
     if options.worker:
-        from matrix import gpu  # the only module that needs a GPU
+        from tools.matrix import gpu  # the only module that needs a GPU
 
         return run.work_loop(options.worker, options.deadline, gpu.CudaMeasurer())
     try:

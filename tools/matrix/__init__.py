@@ -1,4 +1,4 @@
-"""The performance matrix behind tools/bench_matrix.py, one module per job.
+"""The performance matrix behind tools.bench_matrix, one module per job.
 
 - cells.py: the cells (names, parameters, sequence lengths), their FLOPs and bytes, floors, timing
   plans and run-time estimates. Pure Python.

@@ -42,7 +42,6 @@ EXIT_CONTEXT_LOST = 3
 GRACE_S = 60  # a worker still running this long after the budget is killed
 MAX_WORKERS = 6  # first worker plus restarts after crashes
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent.parent
-SCRIPT = REPOSITORY / "tools" / "bench_matrix.py"
 
 TIMING = ("per cell, every runner in one process on the same inputs: one check call, one call to size the "
           "samples, then rounds in alternating order (hipattn, peers..., then peers reversed, hipattn); "
@@ -335,7 +334,7 @@ def new_document(argv: list[str], options: dict, planned: list[cells.Cell]) -> d
         "format": FORMAT,
         "date": now.date().isoformat(),
         "started": now.isoformat(timespec="seconds"),
-        "command": "python tools/bench_matrix.py " + shlex.join(argv),
+        "command": "python -m tools.bench_matrix " + shlex.join(argv),
         "options": options,
         "source": source_identity(),
         "timing": TIMING,
@@ -408,7 +407,7 @@ def launch_worker(directory: pathlib.Path, deadline: float) -> tuple[int, str, b
     """Run one worker to its end or to deadline + GRACE_S; (status, last line of stderr, timed out)."""
     log_path = directory / WORKER_LOG_NAME
     offset = log_path.stat().st_size if log_path.exists() else 0
-    command = [sys.executable, str(SCRIPT), "--worker", str(directory), "--deadline", repr(deadline)]
+    command = [sys.executable, "-m", "tools.bench_matrix", "--worker", str(directory), "--deadline", repr(deadline)]
     with open(log_path, "ab") as log:
         worker = subprocess.Popen(command, stderr=log, env=child_environment())
         try:
