@@ -101,3 +101,55 @@ def test_the_small_seq_tensor_core_forward_matches_float64_with_gqa(device, team
                                            head_dim ** -0.5, causal)
     assert device.kernels == ["smallseq_forward_mma"]
     assert_forward_matches(out, lse, want_out, want_lse, dtype)
+
+
+# ---- flash kernels (mma.sync: FlashAttention-2's forward and its two-kernel backward) ---------------
+
+# THD sequences past the small-seq bound: one longer than a 128-row query block whose keys fill more
+# 64-key tiles than the forward's K/V ring has slots, Q longer and shorter than KV, an empty KV and an
+# empty Q.
+FLASH_LENGTHS_Q = [18, 150, 5, 33, 0, 40]
+FLASH_LENGTHS_K = [40, 200, 19, 0, 7, 21]
+# Every head_dim the flash kernels have, each with one dtype (every kernel is instantiated for both),
+# GQA at three of them.
+FLASH_CASES = [("bf16", 64, 2, 1), ("fp16", 96, 3, 1), ("bf16", 128, 2, 2), ("fp16", 256, 2, 1)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", FLASH_CASES)
+def test_the_flash_forward_matches_float64(device, dtype, head_dim, heads_q, heads_kv, causal):
+    rng = np.random.default_rng()
+    lengths_q, lengths_k = FLASH_LENGTHS_Q, FLASH_LENGTHS_K
+    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
+    out, lse = run_forward(device, bits, cu_q, cu_k, max(lengths_q), max(lengths_k), heads_q, dtype, causal)
+    want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k,
+                                           head_dim ** -0.5, causal)
+    assert device.kernels == ["flash_forward_mma"]
+    assert_forward_matches(out, lse, want_out, want_lse, dtype)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", FLASH_CASES)
+def test_the_flash_backward_matches_float64(device, dtype, head_dim, heads_q, heads_kv, causal, deterministic):
+    """Both dQ schedules: the dK/dV kernel adding dQ into dq_accum with atomics (then convert_dq), and
+    the dK/dV kernel without it plus the dQ kernel. The varlen work list comes from the device
+    (varlen_records). An empty KV (its rows get dQ = 0), an empty Q (its keys get dK = dV = 0), keys no
+    query sees (causal); max_seqlen_q/k are upper bounds above the real maxima, as a graph captured
+    for a capacity passes."""
+    rng = np.random.default_rng()
+    lengths_q = [18, 150, 5, 33, 0, 40]
+    lengths_k = [40, 200, 19, 0, 7, 80]
+    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
+    max_q, max_k = max(lengths_q) + 37, max(lengths_k) + 50
+    out, lse = run_forward(device, bits, cu_q, cu_k, max_q, max_k, heads_q, dtype, causal)
+    dout_bits = to_16bit(rng.standard_normal(bits["q"].shape), dtype)
+    got = run_backward(device, bits, to_16bit(out, dtype), lse.astype(np.float32), dout_bits, cu_q, cu_k, max_q,
+                       max_k, dtype, causal, deterministic=deterministic)
+    # The reference starts from the same rounded inputs; the kernel's O and LSE are the forward's.
+    want = reference_backward(exact["q"], exact["k"], exact["v"], from_16bit(dout_bits, dtype), lengths_q, lengths_k,
+                              head_dim ** -0.5, causal)
+    dq_kernels = ["flash_backward_dq_mma"] if deterministic else ["bwd_convert_dq"]
+    assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
+                              *dq_kernels]
+    assert_gradients_match(got, want, dtype)

@@ -77,9 +77,9 @@ struct Barrier {
 // Barrier 0 is __syncthreads's; NVIDIA's named barriers are 1..15.
 constexpr int kBlockBarriers = 16;
 
-// What one lane of a collective operation puts down for the others: two 16-byte slots of operands.
+// What one lane of a collective operation puts down for the others: three 16-byte slots of operands.
 struct LaneSlots {
-  unsigned char bytes[2][16];
+  unsigned char bytes[3][16];
 };
 
 constexpr int kWidthLevels = 7;  // lane-group widths 1, 2, ..., 64
@@ -93,8 +93,9 @@ struct Block {
   Dim3 block_dim{1, 1, 1}, grid_dim{1, 1, 1}, block_index{0, 0, 0};
   unsigned int dynamic_shared_bytes = 0;
   Barrier barriers[kBlockBarriers];
-  // Lane-group barriers, per (wave, width level, first lane of the group), and the tag of the
-  // operation their lanes of this generation meet at.
+  // Lane-group barriers, per (wave, width level, first lane of the group): the group's lanes that have
+  // not exited, its arrivals, and the tag of the operation its lanes of this generation meet at.
+  std::vector<int> group_live;
   std::vector<int> group_arrived;
   std::vector<long long> group_generation;
   std::vector<unsigned int> group_tag;
@@ -175,21 +176,11 @@ inline int width_level(int width) {
   return level;
 }
 
-// The barrier slot of the aligned group of `width` lanes that `rank` belongs to, and its live lanes.
+// The barrier slot of the aligned group of `width` lanes that `rank` belongs to.
 inline size_t group_slot(int rank, int width) {
   const int wave = rank / kWave;
   const int first = (rank % kWave) & ~(width - 1);
   return (static_cast<size_t>(wave) * kWidthLevels + width_level(width)) * kWave + first;
-}
-
-inline int group_first(int rank, int width) { return rank - (rank % kWave) + ((rank % kWave) & ~(width - 1)); }
-
-inline int group_live(int rank, int width) {
-  const Block& b = block();
-  const int first = group_first(rank, width);
-  int live = 0;
-  for (int r = first; r < first + width && r < static_cast<int>(b.fibers.size()); ++r) live += !b.fibers[r].done;
-  return live;
 }
 
 // Tags of collective operations: the operation in the high bits, its variant (width, matrix count,
@@ -212,7 +203,7 @@ inline void group_barrier(int width, unsigned int tag) {
          tag_name(b.group_tag[slot]));
   }
   const long long generation = b.group_generation[slot];
-  const int live = group_live(rank, width);
+  const int live = b.group_live[slot];
   if (++b.group_arrived[slot] == live) {
     if ((tag & kWholeGroup) && live < width)
       fail(tag_name(tag) + " with " + std::to_string(live) + " of its " + std::to_string(width) +
@@ -288,7 +279,8 @@ inline void release_on_exit(int rank) {
   }
   for (int width = 1; width <= kWave; width *= 2) {
     const size_t slot = group_slot(rank, width);
-    if (b.group_arrived[slot] > 0 && b.group_arrived[slot] == group_live(rank, width)) {
+    --b.group_live[slot];
+    if (b.group_arrived[slot] > 0 && b.group_arrived[slot] == b.group_live[slot]) {
       if (b.group_tag[slot] & kWholeGroup) fail("exits while lanes of its group wait at " + tag_name(b.group_tag[slot]));
       b.group_arrived[slot] = 0;
       ++b.group_generation[slot];
@@ -342,6 +334,9 @@ inline int launch(Dim3 grid, Dim3 block_dim, unsigned int shared_bytes, void (*b
         std::memset(hipattn::shared_bytes, 0xff, sizeof hipattn::shared_bytes);
         b.live = threads;
         for (Barrier& barrier : b.barriers) barrier = Barrier{};
+        b.group_live.assign(static_cast<size_t>(waves) * kWidthLevels * kWave, 0);
+        for (int t = 0; t < threads; ++t)
+          for (int width = 1; width <= kWave; width *= 2) ++b.group_live[group_slot(t, width)];
         b.group_arrived.assign(static_cast<size_t>(waves) * kWidthLevels * kWave, 0);
         b.group_generation.assign(static_cast<size_t>(waves) * kWidthLevels * kWave, 0);
         b.group_tag.assign(static_cast<size_t>(waves) * kWidthLevels * kWave, 0);

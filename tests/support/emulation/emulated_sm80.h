@@ -197,32 +197,41 @@ inline void ldmatrix(unsigned int (&r)[N], unsigned int row_address) {
 //              a6a7 = A[g+8][2t+8, 2t+9], two elements per register a[0..3]
 //   B (16x8):  b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]
 //   C, D (16x8 fp32): d[0], d[1] = D[g][2t, 2t+1], d[2], d[3] = D[g+8][2t, 2t+1]
-// Products are exact in fp32 for 16-bit inputs; they are summed in k order, then added to C.
+// Products are exact in fp32 for 16-bit inputs; they are summed in k order, then added to C. Each lane
+// puts its elements down as floats: A's eight in slots 0 and 1, B's four in slot 2.
 template <typename ToFloat>
 inline void mma_m16n8k16(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1,
                          unsigned int variant, ToFloat to_float) {
   Collective exchange(kWave, kWholeGroup | kMma | variant);
-  std::memcpy(exchange.mine(0), a, sizeof a);
-  const unsigned int b[2] = {b0, b1};
-  std::memcpy(exchange.mine(1), b, sizeof b);
+  const unsigned int registers[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  float elements[12];
+  for (int i = 0; i < 12; ++i) elements[i] = to_float(static_cast<unsigned short>(registers[i / 2] >> (16 * (i % 2))));
+  std::memcpy(exchange.mine(0), elements, 8 * sizeof(float));
+  std::memcpy(exchange.mine(2), elements + 8, 4 * sizeof(float));
   exchange.meet();
-  // Element `half` of register `reg` of operand `slot` (0: A, 1: B) of lane `lane`.
-  auto element = [&](int lane, int slot, int reg, int half) {
-    unsigned short bits;
-    std::memcpy(&bits, exchange.of(lane, slot) + 4 * reg + 2 * half, 2);
-    return to_float(bits);
+  // Element `half` of register `reg` of lane `lane`'s A (reg 0..3) or B (reg 4, 5).
+  auto element = [&](int lane, int reg, int half) {
+    float value;
+    const int index = 2 * reg + half;
+    std::memcpy(&value, exchange.of(lane, index / 4) + 4 * (index % 4), sizeof value);
+    return value;
   };
+  // This lane's rows of A (g and g + 8) and columns of B (2t and 2t + 1), over k. By the layouts above,
+  // A[row][k] is element k % 2 of register row / 8 + 2 (k / 8) of lane 4 (row % 8) + (k % 8) / 2, and
+  // B[k][n] element k % 2 of register k / 8 of lane 4 n + (k % 8) / 2.
   const int g = lane_id() / 4;
   const int t = lane_id() % 4;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2);
-    const int column = 2 * t + e % 2;
-    float sum = 0.0f;
-    for (int k = 0; k < 16; ++k) {
-      const float a_value = element(4 * (row % 8) + (k % 8) / 2, 0, row / 8 + 2 * (k / 8), k % 2);
-      const float b_value = element(4 * column + (k % 8) / 2, 1, k / 8, k % 2);
-      sum += a_value * b_value;
+  float a_rows[2][16], b_columns[2][16];
+  for (int k = 0; k < 16; ++k) {
+    for (int r = 0; r < 2; ++r) {
+      const int row = g + 8 * r;
+      a_rows[r][k] = element(4 * (row % 8) + (k % 8) / 2, row / 8 + 2 * (k / 8), k % 2);
     }
+    for (int c = 0; c < 2; ++c) b_columns[c][k] = element(4 * (2 * t + c) + (k % 8) / 2, 4 + k / 8, k % 2);
+  }
+  for (int e = 0; e < 4; ++e) {
+    float sum = 0.0f;
+    for (int k = 0; k < 16; ++k) sum += a_rows[e / 2][k] * b_columns[e % 2][k];
     d[e] += sum;
   }
 }
