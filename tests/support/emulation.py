@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -95,10 +96,11 @@ class EmulatedLaunchError(RuntimeError):
 
 
 class _EmulatedFunction(NamedTuple):
-    """A loaded kernel library's two entry points."""
+    """A loaded kernel library's two entry points: the launch (its result: 0, 1 for a deadlock, 2 for
+    another error) and the reason of the last failed launch."""
 
-    launch: ctypes._CFuncPtr
-    error: ctypes._CFuncPtr
+    launch: Callable[..., int]
+    error: Callable[[], bytes]
 
 
 class EmulationBackend(Backend):

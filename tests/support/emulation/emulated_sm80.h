@@ -13,10 +13,12 @@
 //     the block's start, 0xff: NaN). A thread that exits with copies it never waited for is an error.
 //   - ldmatrix reads each row as the lane that gives its address arrives at the instruction: a row
 //     that other lanes write (plain stores, or their copies landing at their own waits) without a
-//     barrier in between is read as it was, since a thread runs until it waits.
-// What this cannot show: hazards that a later collective operation happens to order (a lane writes
-// a tile that others read, with no barrier, but after a shuffle or an mma that all lanes took part
-// in), the hardware's timing, and ex2.approx's and lg2.approx's approximation error (exact here).
+//     barrier in between is read as it was, since a thread runs until it waits (threads in rank
+//     order: what a later lane writes is not there yet; what an earlier one wrote already is).
+// What this cannot show: a missing barrier whose two accesses some other collective operation
+// happens to order (lanes read a tile with ldmatrix, then one overwrites it with no __syncwarp in
+// between, but an mma or a shuffle of all lanes is), a race whose writer runs before its reader, the
+// hardware's timing, and ex2.approx's and lg2.approx's approximation error (exact here).
 // bar.sync counts threads here, where the hardware counts whole warps: the same for kernels whose
 // warps reach it whole.
 #pragma once
