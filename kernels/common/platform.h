@@ -6,9 +6,13 @@
 // (PLATFORM_NOTES.md), so hipattn carries its own numeric types (types.h).
 #pragma once
 
-// HIPATTN_EMULATION is the AMD build on a CPU, for tests: g++ force-includes
-// tests/support/emulation/emulated_device.h (threads as fibers, wave64), which defines the HIP names used here.
-#if defined(__HIPCC_RTC__) || defined(__HIP__) || defined(HIPATTN_EMULATION)
+// HIPATTN_EMULATION is a build on a CPU, for tests: g++ force-includes
+// tests/support/emulation/emulated_device.h (threads as fibers), which defines the device names used
+// here, of an AMD gfx90a (wave64) or, with HIPATTN_EMULATED_NVIDIA, of an NVIDIA sm_80 (warp32). Its
+// NVIDIA build replaces each inline-asm instruction with the emulation's function of that instruction.
+#if defined(HIPATTN_EMULATION) && defined(HIPATTN_EMULATED_NVIDIA)
+#define HIPATTN_NVIDIA 1
+#elif defined(__HIPCC_RTC__) || defined(__HIP__) || defined(HIPATTN_EMULATION)
 #define HIPATTN_AMD 1
 #elif defined(__CUDACC_RTC__) || defined(__CUDACC__)
 #define HIPATTN_NVIDIA 1
@@ -65,6 +69,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 HIPATTN_DEVICE float fast_exp2(float x) {
 #if defined(HIPATTN_AMD)
   return exp2f(x);  // lowers to v_exp_f32
+#elif defined(HIPATTN_EMULATION)
+  return ::hipattn_emulation::ex2_approx_ftz_f32(x);
 #else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -75,6 +81,8 @@ HIPATTN_DEVICE float fast_exp2(float x) {
 HIPATTN_DEVICE float fast_log2(float x) {
 #if defined(HIPATTN_AMD)
   return log2f(x);  // lowers to v_log_f32
+#elif defined(HIPATTN_EMULATION)
+  return ::hipattn_emulation::lg2_approx_ftz_f32(x);
 #else
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

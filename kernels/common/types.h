@@ -17,6 +17,8 @@ HIPATTN_DEVICE float to_float(bf16_t x) { return bits_to_float(static_cast<unsig
 HIPATTN_DEVICE float to_float(half_t x) {
 #if defined(HIPATTN_AMD)
   return static_cast<float>(__builtin_bit_cast(_Float16, x.bits));
+#elif defined(HIPATTN_EMULATION)
+  return ::hipattn_emulation::cvt_f32_f16(x.bits);
 #else
   float y;
   asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(x.bits));
@@ -42,6 +44,8 @@ HIPATTN_DEVICE bf16_t from_float<bf16_t>(float x) {
     u += 0x7fffu + ((u >> 16) & 1u);
     y.bits = static_cast<unsigned short>(u >> 16);
   }
+#elif defined(HIPATTN_EMULATION)
+  y.bits = ::hipattn_emulation::cvt_rn_bf16_f32(x);
 #else
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(y.bits) : "f"(x));
 #endif
@@ -53,6 +57,8 @@ HIPATTN_DEVICE half_t from_float<half_t>(float x) {
   half_t y;
 #if defined(HIPATTN_AMD)
   y.bits = __builtin_bit_cast(unsigned short, static_cast<_Float16>(x));
+#elif defined(HIPATTN_EMULATION)
+  y.bits = ::hipattn_emulation::cvt_rn_f16_f32(x);
 #else
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(y.bits) : "f"(x));
 #endif

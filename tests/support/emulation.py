@@ -1,12 +1,13 @@
-"""An AMD GPU emulated on the CPU, so that the AMD kernels run in tests on machines without one.
+"""GPUs emulated on the CPU, so that the kernels run in tests on machines without one.
 
-``EmulationBackend`` is a hipattn backend whose device is a gfx90a (wave64, MFMA): it compiles a
-kernel's real compile unit with g++ against tests/support/emulation/emulated_device.h (threads as fibers,
-blocks in turn, MFMA and cross-lane operations through per-lane slots) into a shared library, and
-launches run it on host memory. Arrays are NumPy arrays passed by address, so the whole launch path
-(dispatch, validation, parameter packing, grid sizing) runs as on a GPU, and results can be compared
-with a float64 reference. ``EmulatedDevice`` puts the backend behind the seams the launch path looks
-up, for the duration of a test.
+``EmulationBackend`` is a hipattn backend whose device is an AMD gfx90a (wave64, MFMA) or an NVIDIA
+sm_80 (warp32, mma.sync, ldmatrix, cp.async): it compiles a kernel's real compile unit with g++
+against tests/support/emulation/emulated_device.h (threads as fibers, blocks in turn, matrix and
+cross-lane operations through per-lane slots) into a shared library, and launches run it on host
+memory. Arrays are NumPy arrays passed by address, so the whole launch path (dispatch, validation,
+parameter packing, grid sizing, workspace) runs as on a GPU, and results can be compared with a
+float64 reference. ``EmulatedDevice`` installs the backend as the active runtime (hipattn.runtime)
+for the duration of a test.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -29,12 +33,32 @@ from hipattn.backends.base import Backend, CompiledKernel
 from hipattn.errors import CompileError
 from hipattn.jit.cache import DiskCache
 from hipattn.jit.registry import Registry
-from hipattn.jit.target import AMD, Target
+from hipattn.jit.target import Target
 
-RUNTIME_HEADER = Path(__file__).parent / "emulation" / "emulated_device.h"
-EMULATED_ARCH = "gfx90a"
+RUNTIME_DIR = Path(__file__).parent / "emulation"
+RUNTIME_HEADER = RUNTIME_DIR / "emulated_device.h"
 
-# Appended to a compile unit: the kernel named by NAME, run over a grid by the emulated device.
+
+@dataclass(frozen=True)
+class EmulatedArch:
+    """What one emulated device is: its arch, the macros its build defines, and its shared memory."""
+
+    arch: str
+    defines: tuple[str, ...]
+    shared_bytes_per_block: int
+    shared_memory: str  # the vendor's word for it, for messages
+
+
+EMULATED_ARCHS = {
+    "gfx90a": EmulatedArch("gfx90a", ("-DHIPATTN_EMULATION",), 64 * 1024, "LDS per workgroup"),
+    # sm_80's opt-in maximum of dynamic shared memory per block (A100): 163 KiB.
+    "sm_80": EmulatedArch("sm_80", ("-DHIPATTN_EMULATION", "-DHIPATTN_EMULATED_NVIDIA"), 163 * 1024,
+                          "shared memory per block"),
+}
+EMULATED_ARCH = "gfx90a"  # the default device
+
+# Appended to a compile unit: the kernel named by NAME, run over a grid by the emulated device, and
+# the reason of a launch that failed.
 _DRIVER = """
 namespace {
 template <typename F> struct KernelArgument;
@@ -45,9 +69,11 @@ void hipattn_emulated_body(const void* params) {
 }
 }  // namespace
 extern "C" int hipattn_emulated_launch(unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-                                       unsigned int by, unsigned int bz, const void* params) {
-  return hipattn_emulation::launch({gx, gy, gz}, {bx, by, bz}, hipattn_emulated_body, params);
+                                       unsigned int by, unsigned int bz, unsigned int shared_bytes,
+                                       const void* params) {
+  return hipattn_emulation::launch({gx, gy, gz}, {bx, by, bz}, shared_bytes, hipattn_emulated_body, params);
 }
+extern "C" const char* hipattn_emulated_error() { return hipattn_emulation::block().error.c_str(); }
 """
 
 
@@ -68,14 +94,25 @@ class EmulatedLaunchError(RuntimeError):
     pass
 
 
+class _EmulatedFunction(NamedTuple):
+    """A loaded kernel library's two entry points: the launch (its result: 0, 1 for a deadlock, 2 for
+    another error) and the reason of the last failed launch."""
+
+    launch: Callable[..., int]
+    error: Callable[[], bytes]
+
+
 class EmulationBackend(Backend):
-    """A gfx90a made of the CPU: compiles with g++, launches on host memory, in call order."""
+    """A GPU made of the CPU (``arch``: gfx90a or sm_80): compiles with g++, launches on host memory,
+    in call order."""
 
     name = "emulation"
-    vendor = AMD
 
-    def __init__(self, build_dir: str):
+    def __init__(self, build_dir: str, arch: str = EMULATED_ARCH):
         self.build_dir = build_dir
+        self.emulated = EMULATED_ARCHS[arch]
+        self.target = Target.parse(arch)
+        self.vendor = self.target.vendor
         self.launches = 0
         self._identity: str | None = None
 
@@ -83,12 +120,14 @@ class EmulationBackend(Backend):
         # Asked for every kernel's cache key: run the compiler and hash the runtime once.
         if self._identity is None:
             version = subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=True)
-            runtime = hashlib.sha256(RUNTIME_HEADER.read_bytes()).hexdigest()[:16]
-            self._identity = f"{version.stdout.splitlines()[0]} emulation {runtime}"
+            runtime = hashlib.sha256()
+            for path in sorted(RUNTIME_DIR.glob("*.h")):
+                runtime.update(path.name.encode() + b"\0" + path.read_bytes())
+            self._identity = f"{version.stdout.splitlines()[0]} emulation {runtime.hexdigest()[:16]}"
         return self._identity
 
     def compile_options(self, target: Target) -> tuple[str, ...]:
-        return ("-std=c++17", "-O1", "-fPIC", "-shared", "-DHIPATTN_EMULATION", "-Wno-unknown-pragmas",
+        return ("-std=c++17", "-O1", "-fPIC", "-shared", *EMULATED_ARCHS[target.arch].defines, "-Wno-unknown-pragmas",
                 "-Wno-ignored-attributes")
 
     def compile(self, source, headers, name_expression, target, options, spec_text) -> CompiledKernel:
@@ -110,10 +149,10 @@ class EmulationBackend(Backend):
         return 1
 
     def device_target(self, device: int) -> Target:
-        return Target.parse(EMULATED_ARCH)
+        return self.target
 
     def device_name(self, device: int) -> str:
-        return f"emulated {EMULATED_ARCH}"
+        return f"emulated {self.target.arch}"
 
     def get_device(self) -> int:
         return 0
@@ -121,22 +160,30 @@ class EmulationBackend(Backend):
     def set_device(self, device: int) -> None:
         pass
 
-    def load_function(self, binary: bytes, lowered_name: str):
+    def load_function(self, binary: bytes, lowered_name: str) -> _EmulatedFunction:
         path = Path(tempfile.mkdtemp(dir=self.build_dir)) / "kernel.so"
         path.write_bytes(binary)
-        function = getattr(ctypes.CDLL(str(path)), lowered_name)
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p]
-        return function
+        library = ctypes.CDLL(str(path))
+        launch = getattr(library, lowered_name)
+        launch.restype = ctypes.c_int
+        launch.argtypes = [ctypes.c_uint] * 7 + [ctypes.c_void_p]
+        error = library.hipattn_emulated_error
+        error.restype = ctypes.c_char_p
+        return _EmulatedFunction(launch, error)
 
     def set_max_dynamic_shared_memory(self, function, nbytes: int) -> None:
-        if nbytes > 64 * 1024:
-            raise ValueError(f"{nbytes} bytes of LDS requested; a gfx90a workgroup has 64 KiB")
+        limit = self.emulated.shared_bytes_per_block
+        if nbytes > limit:
+            raise ValueError(f"{nbytes} bytes of shared memory requested; the emulated {self.target.arch} has "
+                             f"{limit // 1024} KiB of {self.emulated.shared_memory}")
 
-    def launch(self, function, grid, block, shared_bytes, stream, params) -> None:
+    def launch(self, function: _EmulatedFunction, grid, block, shared_bytes, stream, params) -> None:
         self.launches += 1
-        if function(*grid, *block, ctypes.addressof(params)):
+        result = function.launch(*grid, *block, shared_bytes, ctypes.addressof(params))
+        if result == 1:
             raise EmulatedLaunchError("deadlock: threads of a block wait at a barrier the others never reach")
+        if result:
+            raise EmulatedLaunchError(function.error().decode())
 
     # Memory operations run at once: host memory, one stream, calls in order.
     def memset_async(self, ptr, byte_value, nbytes, stream) -> None:
@@ -161,14 +208,34 @@ for _name in sorted(EmulationBackend.__abstractmethods__):
 EmulationBackend.__abstractmethods__ = frozenset()
 
 
+class _RecordingRuntime(runtime.Runtime):
+    """The emulated device's runtime, which also records the family of every kernel asked for."""
+
+    __slots__ = ("kernels",)
+
+    def __init__(self, backend: Backend, registry: Registry):
+        super().__init__(backend, registry=registry)
+        self.kernels: list[str] = []
+
+    def kernel(self, spec, device):
+        self.kernels.append(spec.family.name)
+        return super().kernel(spec, device)
+
+
 class EmulatedDevice:
     """The emulation backend and a registry over it, installed as the active runtime for the test
     (monkeypatch restores the previous one)."""
 
-    def __init__(self, build_dir, cache_dir, monkeypatch: pytest.MonkeyPatch):
-        self.backend = EmulationBackend(str(build_dir))
+    def __init__(self, build_dir, cache_dir, monkeypatch: pytest.MonkeyPatch, arch: str = EMULATED_ARCH):
+        self.backend = EmulationBackend(str(build_dir), arch)
         self.registry = Registry(self.backend, DiskCache(str(cache_dir)))
-        monkeypatch.setattr(runtime, "_active", runtime.Runtime(self.backend, registry=self.registry))
+        self.runtime = _RecordingRuntime(self.backend, self.registry)
+        monkeypatch.setattr(runtime, "_active", self.runtime)
+
+    @property
+    def kernels(self) -> list[str]:
+        """The family of every kernel the launch path asked for, in order."""
+        return self.runtime.kernels
 
     @staticmethod
     def array(values: np.ndarray):

@@ -1,0 +1,72 @@
+// The AMD gfx90a of the emulated device (emulated_device.h): wave64, HIP's cross-lane shuffle, and
+// MFMA 16x16x16 with the fragment layouts of AMD's matrix instruction calculator (written from that
+// description, not from the kernels).
+#pragma once
+
+#define __AMDGCN_WAVEFRONT_SIZE 64
+#define __gfx90a__ 1
+
+namespace hipattn_emulation {
+
+constexpr int kMfmaTile = 16;
+
+enum AmdOperation : unsigned int { kShflXor = 1u << 8, kMfma = 2u << 8 };
+
+inline std::string tag_name(unsigned int tag) {
+  switch (tag & ~0xffu) {
+    case kShflXor:
+      return "__shfl_xor (width " + std::to_string(tag & 0xffu) + ")";
+    case kMfma:
+      return "an MFMA";
+    default:
+      return "no operation";
+  }
+}
+
+inline void on_block_start(int) {}
+inline void on_thread_exit(int) {}
+
+// HIP's __shfl_xor: the value of lane (lane ^ mask) within the caller's aligned group of `width`
+// lanes (xor_source). Lanes of the group that have exited are left out.
+inline float shfl_xor(float value, int lane_mask, int width) {
+  Collective exchange(width, kShflXor | static_cast<unsigned int>(width));
+  std::memcpy(exchange.mine(0), &value, sizeof value);
+  exchange.meet();
+  float result;
+  std::memcpy(&result, exchange.of(xor_source(lane_id(), lane_mask, width), 0), sizeof result);
+  return result;
+}
+
+// D = A B + C for one 16x16x16 MFMA, fp32 accumulation. With column = lane % 16 and quarter =
+// lane / 16 (AMD's matrix instruction calculator, v_mfma_f32_16x16x16f16 / bf16_1k): a lane holds
+// A[column][4 quarter + e], B[4 quarter + e][column] and C, D[4 quarter + e][column], e = 0..3.
+template <typename Operand, typename Accumulator, typename ToFloat>
+inline Accumulator mfma_16x16x16(Operand a, Operand b, Accumulator c, ToFloat to_float) {
+  static_assert(sizeof(Operand) == 8 && sizeof(Accumulator) == 16, "four 16-bit operands, four fp32 sums");
+  Collective exchange(kWave, kMfma);
+  std::memcpy(exchange.mine(0), &a, sizeof a);
+  std::memcpy(exchange.mine(1), &b, sizeof b);
+  exchange.meet();
+  const int lane = lane_id();
+  const int column = lane % kMfmaTile;
+  const int quarter = lane / kMfmaTile;
+  Accumulator d = c;
+  for (int e = 0; e < 4; ++e) {
+    const int row = 4 * quarter + e;
+    float sum = 0.0f;
+    for (int k = 0; k < kMfmaTile; ++k) {
+      unsigned short a_bits, b_bits;
+      std::memcpy(&a_bits, exchange.of(row + kMfmaTile * (k / 4), 0) + 2 * (k % 4), 2);
+      std::memcpy(&b_bits, exchange.of(column + kMfmaTile * (k / 4), 1) + 2 * (k % 4), 2);
+      sum += to_float(a_bits) * to_float(b_bits);
+    }
+    d[e] += sum;
+  }
+  return d;
+}
+
+}  // namespace hipattn_emulation
+
+inline float __shfl_xor(float value, int lane_mask, int width) {
+  return ::hipattn_emulation::shfl_xor(value, lane_mask, width);
+}

@@ -1,0 +1,69 @@
+"""float64 attention references for the emulated-device tests, in flash-attn's conventions: THD inputs
+(rows of all sequences packed, cu_seqlens boundaries), bottom-right aligned causal masks, and a row
+that sees no key gets O = 0 and LSE = +inf."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# bf16/fp16 inputs, fp32 accumulation: relative error of O and gradients against float64.
+TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3}
+
+
+def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal):
+    """float64 O [total_q, Hq, D] and LSE [Hq, total_q] of THD inputs (flash-attn's conventions)."""
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    out = np.zeros(q.shape)
+    lse = np.full((heads_q, q.shape[0]), np.inf)
+    start_q = start_k = 0
+    for len_q, len_k in zip(lengths_q, lengths_k, strict=True):
+        for h in range(heads_q):
+            qs = q[start_q:start_q + len_q, h]
+            ks = k[start_k:start_k + len_k, h // (heads_q // heads_kv)]
+            vs = v[start_k:start_k + len_k, h // (heads_q // heads_kv)]
+            s = scale * qs @ ks.T
+            if causal:  # bottom-right aligned: query i sees key j <= i + len_k - len_q
+                visible = np.arange(len_k)[None, :] <= np.arange(len_q)[:, None] + (len_k - len_q)
+                s = np.where(visible, s, -np.inf)
+            for i in range(len_q):
+                if np.isneginf(s[i]).all():
+                    continue  # sees no key: O = 0, LSE = +inf
+                m = s[i].max()
+                p = np.exp(s[i] - m)
+                out[start_q + i, h] = p @ vs / p.sum()
+                lse[h, start_q + i] = m + np.log(p.sum())
+        start_q += len_q
+        start_k += len_k
+    return out, lse
+
+
+def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal):
+    """float64 dQ, dK, dV of THD inputs; dK and dV summed over each KV head's group of query heads."""
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    group = heads_q // heads_kv
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    start_q = start_k = 0
+    for len_q, len_k in zip(lengths_q, lengths_k, strict=True):
+        rows, keys = slice(start_q, start_q + len_q), slice(start_k, start_k + len_k)
+        for h in range(heads_q):
+            qs, ks, vs, dos = q[rows, h], k[keys, h // group], v[keys, h // group], dout[rows, h]
+            s = scale * qs @ ks.T
+            visible = np.ones(s.shape, bool)
+            if causal:
+                visible = np.arange(len_k)[None, :] <= np.arange(len_q)[:, None] + (len_k - len_q)
+            s = np.where(visible, s, -np.inf)
+            m = np.where(visible.any(1), s.max(1, initial=-np.inf), 0.0)
+            p = np.where(visible, np.exp(s - m[:, None]), 0.0)
+            p /= np.maximum(p.sum(1, keepdims=True), 1e-300)
+            dp = dos @ vs.T
+            ds = p * (dp - (p * dp).sum(1, keepdims=True))
+            dq[rows, h] = scale * ds @ ks
+            dk[keys, h // group] += scale * ds.T @ qs
+            dv[keys, h // group] += p.T @ dos
+        start_q += len_q
+        start_k += len_k
+    return dq, dk, dv
+
+
+def relative_error(got, want):
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))

@@ -1,0 +1,155 @@
+"""The NVIDIA mma.sync kernels, run on an emulated sm_80 (tests/support/emulation.py: the CPU as a warp32
+GPU with mma.sync m16n8k16, ldmatrix, cp.async and named barriers), against a float64 reference,
+through hipattn's own launch path (hipattn.forward / hipattn.backward with raw arrays): the small-seq
+tensor-core forward and backward, and the flash forward and backward. Outputs are poisoned with NaN
+first and every element is compared; the emulated instructions follow PTX's documented layouts, cp.async
+copies land only at the waits that cover them, and ldmatrix reads each row as its lane arrives (see
+emulation/emulated_sm80.h for what emulation cannot show). These run before a kernel reaches a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from support.emulation import EmulatedDevice, compiler, from_16bit, to_16bit
+from support.raw_calls import run_backward, run_forward, thd_inputs
+from support.reference import TOLERANCE, reference_backward, reference_forward, relative_error
+
+from hipattn.ops import smallseq
+
+# CI installs g++ (.ci/run) and must run these; elsewhere they need it on PATH (or CXX).
+pytestmark = pytest.mark.skipif(compiler() is None and not os.environ.get("CI"),
+                                reason="needs g++ (CXX) to build the emulated kernels")
+
+
+@pytest.fixture(scope="module")
+def build_dirs(tmp_path_factory):
+    return tmp_path_factory.mktemp("emulated-sm80-build"), tmp_path_factory.mktemp("emulated-sm80-cache")
+
+
+@pytest.fixture
+def device(build_dirs, monkeypatch):
+    monkeypatch.delenv("HIPATTN_SMALLSEQ", raising=False)
+    monkeypatch.delenv("HIPATTN_SMALLSEQ_KERNEL", raising=False)
+    monkeypatch.delenv("HIPATTN_VARLEN_PREP", raising=False)
+    return EmulatedDevice(*build_dirs, monkeypatch, arch="sm_80")
+
+
+def assert_forward_matches(out, lse, want_out, want_lse, dtype):
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output element was never written"
+    assert relative_error(out, want_out) < TOLERANCE[dtype]
+    finite = np.isfinite(want_lse)
+    assert (np.isinf(lse) == ~finite).all(), "rows that see no key have LSE = +inf, all others a finite one"
+    assert np.abs(lse[finite] - want_lse[finite]).max() < 1e-3
+
+
+def assert_gradients_match(got, want, dtype):
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert not np.isnan(g).any(), f"d{name}: an element was never written"
+        assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"
+
+
+# ---- small-seq tensor-core kernels (every sequence within the 17-token tile) ----------------------
+
+# Sequences of 0 to 17 tokens, Q longer and shorter than KV, an empty Q and an empty KV.
+SMALLSEQ_LENGTHS_Q = [17, 1, 0, 9, 17, 4]
+SMALLSEQ_LENGTHS_K = [17, 5, 3, 0, 12, 17]
+
+
+@pytest.fixture(params=["one problem per team", "the table's run"])
+def team_runs(request, monkeypatch):
+    """Teams walk one problem each (a small call), or their table row's run of problems, as in a call
+    of tens of thousands: each problem's tiles then land over the last one's."""
+    if request.param == "the table's run":
+        monkeypatch.setattr(smallseq, "smallseq_problems_per_team", lambda problems, tiles: tiles.problems_per_team)
+    return request.param
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim", [("bf16", 64), ("fp16", 128), ("bf16", 256)])
+def test_the_small_seq_tensor_core_kernels_match_float64(device, team_runs, dtype, head_dim, causal):
+    """Forward, then backward (Hq == Hkv, the tensor-core backward's case). At head_dim 256 two warps
+    share each problem's columns and meet at named barriers."""
+    rng = np.random.default_rng()
+    heads = 4
+    lengths_q, lengths_k = SMALLSEQ_LENGTHS_Q, SMALLSEQ_LENGTHS_K
+    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads, heads, head_dim, dtype)
+    out, lse = run_forward(device, bits, cu_q, cu_k, 17, 17, heads, dtype, causal)
+    scale = head_dim ** -0.5
+    want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k, scale, causal)
+    assert_forward_matches(out, lse, want_out, want_lse, dtype)
+
+    dout_bits = to_16bit(rng.standard_normal(bits["q"].shape), dtype)
+    got = run_backward(device, bits, to_16bit(out, dtype), lse.astype(np.float32), dout_bits, cu_q, cu_k, 17, 17,
+                       dtype, causal)
+    want = reference_backward(exact["q"], exact["k"], exact["v"], from_16bit(dout_bits, dtype), lengths_q, lengths_k,
+                              scale, causal)
+    assert device.kernels == ["smallseq_forward_mma", "smallseq_backward_mma"]
+    assert_gradients_match(got, want, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [("fp16", 64, 4, 1), ("fp16", 256, 4, 2)])
+def test_the_small_seq_tensor_core_forward_matches_float64_with_gqa(device, team_runs, dtype, head_dim, heads_q,
+                                                                    heads_kv, causal):
+    rng = np.random.default_rng()
+    lengths_q, lengths_k = SMALLSEQ_LENGTHS_Q, SMALLSEQ_LENGTHS_K
+    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
+    out, lse = run_forward(device, bits, cu_q, cu_k, 17, 17, heads_q, dtype, causal)
+    want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k,
+                                           head_dim ** -0.5, causal)
+    assert device.kernels == ["smallseq_forward_mma"]
+    assert_forward_matches(out, lse, want_out, want_lse, dtype)
+
+
+# ---- flash kernels (mma.sync: FlashAttention-2's forward and its two-kernel backward) ---------------
+
+# THD sequences past the small-seq bound: one longer than a 128-row query block whose keys fill more
+# 64-key tiles than the forward's K/V ring has slots, Q longer and shorter than KV, an empty KV and an
+# empty Q.
+FLASH_LENGTHS_Q = [18, 150, 5, 33, 0, 40]
+FLASH_LENGTHS_K = [40, 200, 19, 0, 7, 21]
+# Every head_dim the flash kernels have, each with one dtype (every kernel is instantiated for both),
+# GQA at three of them.
+FLASH_CASES = [("bf16", 64, 2, 1), ("fp16", 96, 3, 1), ("bf16", 128, 2, 2), ("fp16", 256, 2, 1)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", FLASH_CASES)
+def test_the_flash_forward_matches_float64(device, dtype, head_dim, heads_q, heads_kv, causal):
+    rng = np.random.default_rng()
+    lengths_q, lengths_k = FLASH_LENGTHS_Q, FLASH_LENGTHS_K
+    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
+    out, lse = run_forward(device, bits, cu_q, cu_k, max(lengths_q), max(lengths_k), heads_q, dtype, causal)
+    want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k,
+                                           head_dim ** -0.5, causal)
+    assert device.kernels == ["flash_forward_mma"]
+    assert_forward_matches(out, lse, want_out, want_lse, dtype)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", FLASH_CASES)
+def test_the_flash_backward_matches_float64(device, dtype, head_dim, heads_q, heads_kv, causal, deterministic):
+    """Both dQ schedules: the dK/dV kernel adding dQ into dq_accum with atomics (then convert_dq), and
+    the dK/dV kernel without it plus the dQ kernel. The varlen work list comes from the device
+    (varlen_records). An empty KV (its rows get dQ = 0), an empty Q (its keys get dK = dV = 0), keys no
+    query sees (causal); max_seqlen_q/k are upper bounds above the real maxima, as a graph captured
+    for a capacity passes."""
+    rng = np.random.default_rng()
+    lengths_q = [18, 150, 5, 33, 0, 40]
+    lengths_k = [40, 200, 19, 0, 7, 80]
+    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
+    max_q, max_k = max(lengths_q) + 37, max(lengths_k) + 50
+    out, lse = run_forward(device, bits, cu_q, cu_k, max_q, max_k, heads_q, dtype, causal)
+    dout_bits = to_16bit(rng.standard_normal(bits["q"].shape), dtype)
+    got = run_backward(device, bits, to_16bit(out, dtype), lse.astype(np.float32), dout_bits, cu_q, cu_k, max_q,
+                       max_k, dtype, causal, deterministic=deterministic)
+    # The reference starts from the same rounded inputs; the kernel's O and LSE are the forward's.
+    want = reference_backward(exact["q"], exact["k"], exact["v"], from_16bit(dout_bits, dtype), lengths_q, lengths_k,
+                              head_dim ** -0.5, causal)
+    dq_kernels = ["flash_backward_dq_mma"] if deterministic else ["bwd_convert_dq"]
+    assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
+                              *dq_kernels]
+    assert_gradients_match(got, want, dtype)
