@@ -16,7 +16,7 @@ from support.emulation import EmulatedDevice, compiler, from_16bit, to_16bit
 from support.raw_calls import run_backward, run_forward, thd_inputs
 from support.reference import TOLERANCE, reference_backward, reference_forward, relative_error
 
-from hipattn.ops import smallseq
+from hipattn.catalog.smallseq import SmallSeqMmaTiles
 
 # CI installs g++ (.ci/run) and must run these; elsewhere they need it on PATH (or CXX).
 pytestmark = pytest.mark.skipif(compiler() is None and not os.environ.get("CI"),
@@ -62,7 +62,7 @@ def team_runs(request, monkeypatch):
     """Teams walk one problem each (a small call), or their table row's run of problems, as in a call
     of tens of thousands: each problem's tiles then land over the last one's."""
     if request.param == "the table's run":
-        monkeypatch.setattr(smallseq, "smallseq_problems_per_team", lambda problems, tiles: tiles.problems_per_team)
+        monkeypatch.setattr(SmallSeqMmaTiles, "run_length", lambda tiles, problems: tiles.problems_per_team)
     return request.param
 
 
