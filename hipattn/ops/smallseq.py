@@ -8,8 +8,8 @@ from host-known facts only (batch and heads), so a call can be captured into a g
 from __future__ import annotations
 
 import functools
-import os
 
+from .. import env
 from ..families import (
     SMALLSEQ_BACKWARD,
     SMALLSEQ_BACKWARD_MMA,
@@ -33,8 +33,9 @@ from .fields import forward_fields, put_row_statistic, put_tensor, sequence_fiel
 
 # HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) kernels, forward
 # and backward, on a GPU that has the tensor-core ones: for A/B comparisons and to test both on one
-# machine.
+# machine. "auto" (the default) takes the tensor-core kernels where the GPU has them.
 KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"
+KERNEL_CHOICES = ("auto", "portable")
 
 
 def ineligibility(problem: Problem) -> str | None:
@@ -66,7 +67,8 @@ def _backward_spec(tensor_cores: bool, dtype: str, head_dim: int, heads: int) ->
 
 
 def _tensor_cores(device: int) -> bool:
-    return has_nvidia_mma(device) and os.environ.get(KERNEL_SWITCH) != "portable"
+    # The switch is read first, so a typo in it is reported whatever the GPU.
+    return env.choice(KERNEL_SWITCH, KERNEL_CHOICES, "auto") != "portable" and has_nvidia_mma(device)
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
