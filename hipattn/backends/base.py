@@ -120,6 +120,11 @@ class Backend(ABC):
     def set_device(self, device: int) -> None:
         """Make ``device`` current on the calling thread (its primary context, shared with the frameworks)."""
 
+    @abstractmethod
+    def pointer_device(self, ptr: int) -> int:
+        """The ordinal of the device ``ptr`` was allocated on or registered with; DriverError when the
+        runtime does not know the pointer. Asked only for arrays whose producer names no device."""
+
     # ---- modules and launches (on the current device) -------------------------------------------
     @abstractmethod
     def load_function(self, binary: bytes, lowered_name: str) -> Any:

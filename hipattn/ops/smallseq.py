@@ -37,6 +37,9 @@ from .fields import forward_fields, put_row_statistic, put_tensor, sequence_fiel
 KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"
 KERNEL_CHOICES = ("auto", "portable")
 
+# The teams go on grid.x, whose limit is 2^31 - 1 blocks on both vendors.
+MAX_GRID_X = 2**31 - 1
+
 
 def ineligibility(problem: Problem) -> str | None:
     """Why the small-seq path cannot take ``problem``, or None when it can."""
@@ -89,7 +92,6 @@ def _launch(direction: str, tensor_cores: bool, problem: Problem, problems: int,
     """
     spec_of = _forward_spec if direction == "forward" else _backward_spec
     spec = spec_of(tensor_cores, problem.dtype, problem.head_dim, problem.heads_q)
-    kernel = get_kernel(spec, problem.device)
     if tensor_cores:
         table = SMALLSEQ_FORWARD_MMA_TILES if direction == "forward" else SMALLSEQ_BACKWARD_MMA_TILES
         tiles = table[problem.head_dim]
@@ -99,9 +101,17 @@ def _launch(direction: str, tensor_cores: bool, problem: Problem, problems: int,
     else:
         teams, teams_per_block, threads = problems, smallseq_teams_per_block(spec), spec.arg("block_threads")
         shared = backward_shared_bytes(problem, teams_per_block) if direction == "backward" else 0
-    kernel.reserve_dynamic_shared_memory(shared)
-    # The teams go on grid.x (up to 2^31 - 1 blocks): no 65535 limit on batch.
+    # The teams go on grid.x: no 65535 limit on batch, but 2^31 - 1 blocks all the same. Checked
+    # before the kernel is loaded, so a call too large for one launch enqueues and compiles nothing.
     blocks = (teams + teams_per_block - 1) // teams_per_block
+    if blocks > MAX_GRID_X:
+        heads = problem.heads_q if direction == "forward" else problem.heads_kv
+        raise ValueError(
+            f"batch {problem.batch} x {heads} heads needs {blocks} blocks of small-seq {direction} work; "
+            f"one launch takes at most {MAX_GRID_X}: split the batch"
+        )
+    kernel = get_kernel(spec, problem.device)
+    kernel.reserve_dynamic_shared_memory(shared)
     kernel.launch((blocks, 1, 1), (threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
 
 
