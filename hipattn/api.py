@@ -7,16 +7,21 @@ ALiBi and paged KV (``block_table``) are out of scope for now.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from . import attention
 
 
 def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table=None) -> None:
+    _check_number(dropout_p, "dropout_p", "0.0")
+    _check_number(softcap, "softcap", "0.0")
     try:
         window = tuple(window_size)
     except TypeError:
         raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}; hipattn supports (-1, -1)") from None
+    if len(window) != 2 or not all(_is_integer(side) for side in window):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}; hipattn supports (-1, -1)")
     unsupported = []
     if dropout_p != 0.0:
         unsupported.append(f"dropout_p={dropout_p} (hipattn has no dropout; pass 0.0)")
@@ -30,6 +35,18 @@ def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_tab
         unsupported.append("block_table (paged KV is not supported)")
     if unsupported:
         raise ValueError("hipattn does not support: " + "; ".join(unsupported))
+
+
+def _check_number(value: Any, name: str, supported: str) -> None:
+    """A host scalar (an int or float, NumPy's too), not a string, a bool or an array."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        # Named by type: the repr of an array could be large, or read device memory to print it.
+        given = repr(value) if isinstance(value, (str, bool)) or value is None else type(value).__qualname__
+        raise TypeError(f"{name} must be a host number, got {given}; hipattn supports {supported}")
+
+
+def _is_integer(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
 def flash_attn_varlen_func(

@@ -22,6 +22,7 @@ Nothing here touches the GPU runtime, so every check runs before anything is enq
 from __future__ import annotations
 
 import ctypes
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -88,8 +89,13 @@ _DL_DTYPE = {
 _TORCH_DTYPE_ATTRS = _NUMPY_NAME
 
 # A CAI array whose producer says nothing about its device (CAI has no device field) and for
-# which no pointer_device resolver was given. streams.launch_device lets the other arrays decide.
+# which no pointer_device resolver was given. The launch path asks the runtime about its pointer or
+# lets the other arrays decide (attention._settle_devices); -1 never reaches the runtime.
 UNKNOWN_DEVICE = -1
+
+# The widths of the fields these values end up in: kernel pointers are u64, strides i64.
+POINTER_LIMIT = 1 << 64
+_STRIDE_MIN, _STRIDE_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def element_size(dtype: str) -> int:
@@ -123,6 +129,24 @@ class DeviceArray:
     owner: Any = field(default=None, compare=False, repr=False)
     stream: int | None = None
     readonly: bool = False
+
+    def __post_init__(self) -> None:
+        # Runs for DeviceArrays built by hand only: the readers below build theirs through
+        # _device_array, after checking each field with the argument's name.
+        shape = _int_tuple(self.shape, "shape", "DeviceArray")
+        strides = _int_tuple(self.strides, "strides", "DeviceArray", allow_negative=True)
+        if len(strides) != len(shape):
+            raise ValueError(f"DeviceArray got {len(shape)}-d shape {shape} but strides {strides}")
+        _check_strides(strides, "DeviceArray")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "strides", strides)
+        _check_pointer(self.ptr, "DeviceArray")
+        element_size(self.dtype)
+        if isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < UNKNOWN_DEVICE:
+            raise ValueError(
+                f"DeviceArray got device {self.device!r}; expected a device ordinal >= 0 "
+                f"(or {UNKNOWN_DEVICE}: unknown, settled from the other arrays of a call)"
+            )
 
     @property
     def ndim(self) -> int:
@@ -164,6 +188,14 @@ def _device_array(
     return array
 
 
+def derived_array(
+    base: DeviceArray, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, owner: Any
+) -> DeviceArray:
+    """A view hipattn itself carves out of ``base`` (a workspace section): on ``base``'s device and
+    framework, built without checking its fields again, as they were derived from checked ones."""
+    return _device_array(ptr, shape, strides, dtype, base.device, base.framework, owner)
+
+
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """C-order strides in elements for ``shape``."""
     strides = [0] * len(shape)
@@ -187,12 +219,11 @@ def raw_array(
     strides: Sequence[int] | None = None,
 ) -> DeviceArray:
     """Describe memory a user has only a pointer to. ``strides`` in elements; None means C-contiguous."""
-    if isinstance(ptr, bool) or not isinstance(ptr, int):
-        raise TypeError(f"raw_array needs the pointer as an int; got {type(ptr).__name__}")
-    if ptr < 0:
-        raise ValueError(f"raw_array got a negative pointer {ptr}")
+    _check_pointer(ptr, "raw_array")
     element_size(dtype)  # validates the name
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"raw_array needs the device ordinal as an int; got {device!r}")
+    if device < 0:
         raise ValueError(f"raw_array needs a device ordinal >= 0; got {device!r}")
     shape_t = _int_tuple(shape, "shape", "raw_array")
     if strides is None:
@@ -201,9 +232,10 @@ def raw_array(
         strides_t = _int_tuple(strides, "strides", "raw_array", allow_negative=True)
         if len(strides_t) != len(shape_t):
             raise ValueError(f"raw_array got {len(shape_t)}-d shape {shape_t} but strides {strides_t}")
+    _check_strides(strides_t, "raw_array")
     if ptr == 0 and _nonzero_size(shape_t):
         raise ValueError(f"raw_array got a null pointer for a non-empty array of shape {shape_t}")
-    return DeviceArray(ptr, shape_t, strides_t, dtype, device, "raw")
+    return _device_array(ptr, shape_t, strides_t, dtype, device, "raw", None)
 
 
 # ---- entry point ------------------------------------------------------------------------------
@@ -230,6 +262,10 @@ def as_device_array(
     only consulted for CAI objects, whose interface carries no device.
     """
     if isinstance(obj, DeviceArray):
+        # Its fields were checked when it was built; a null pointer is only wrong once it is a
+        # call's argument (an empty array may have no memory), so it is named here.
+        if not obj.ptr and _nonzero_size(obj.shape):
+            raise ValueError(_null_pointer(name, obj.shape))
         return obj
     cls = type(obj)
     kind = _KIND_BY_TYPE.get(cls)
@@ -343,6 +379,11 @@ def _from_cupy(a: Any, name: str) -> DeviceArray:
 
 
 def _cai_dtype(typestr: Any, name: str) -> str:
+    if not isinstance(typestr, str):
+        raise TypeError(
+            f"{name}.__cuda_array_interface__['typestr'] is {typestr!r} ({type(typestr).__name__}); "
+            "expected a typestring such as '<f2'"
+        )
     dtype = _TYPESTR.get(typestr)
     if dtype is not None:
         return dtype
@@ -362,34 +403,41 @@ def _cai_dtype(typestr: Any, name: str) -> str:
 def _from_cai(obj: Any, cai: Any, name: str, pointer_device: Callable[[int], int] | None) -> DeviceArray:
     if not isinstance(cai, dict):
         raise TypeError(f"{name}.__cuda_array_interface__ is a {type(cai).__name__}, expected a dict")
+    interface = f"{name}.__cuda_array_interface__"
     try:
-        shape = _int_tuple(cai["shape"], "shape", name)
+        shape = _int_tuple(cai["shape"], "shape", interface)
         typestr = cai["typestr"]
         data = cai["data"]
     except KeyError as missing:
-        raise TypeError(f"{name}.__cuda_array_interface__ has no {missing} entry") from None
+        raise TypeError(f"{interface} has no {missing} entry") from None
     if cai.get("mask") is not None:
         raise TypeError(
             f"{name} is a masked array (__cuda_array_interface__ 'mask'); hipattn does not take masks"
         )
+    version = cai.get("version", 0)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"{interface}['version'] is {version!r} ({type(version).__name__}); expected an int")
     dtype = _cai_dtype(typestr, name)
     if not (isinstance(data, tuple) and len(data) == 2):
-        raise TypeError(f"{name}.__cuda_array_interface__['data'] must be (pointer, readonly); got {data!r}")
+        raise TypeError(f"{interface}['data'] must be (pointer, readonly); got {data!r}")
     ptr, readonly = data
-    ptr = 0 if ptr is None else int(ptr)
+    ptr = 0 if ptr is None else ptr
+    _check_pointer(ptr, f"{interface}['data']")
+    if ptr == 0 and _nonzero_size(shape):
+        raise ValueError(_null_pointer(name, shape))
     byte_strides = cai.get("strides")
     if byte_strides is None:
         strides = contiguous_strides(shape)
     else:
-        strides = _byte_strides_to_elements(
-            _int_tuple(byte_strides, "strides", name, allow_negative=True), _ELEMENT_SIZE[dtype], name
-        )
-        if len(strides) != len(shape):
-            raise TypeError(f"{name}.__cuda_array_interface__ has shape {shape} but strides {byte_strides}")
+        byte_strides = _int_tuple(byte_strides, "strides", interface, allow_negative=True)
+        if len(byte_strides) != len(shape):
+            raise TypeError(f"{interface} has shape {shape} but strides {byte_strides}")
+        _check_strides(byte_strides, interface)
+        strides = _byte_strides_to_elements(byte_strides, _ELEMENT_SIZE[dtype], name)
     stream = None
-    if cai.get("version", 0) >= 3:
+    if version >= 3:
         stream = _cai_stream(cai.get("stream"), name)
-    device = _cai_device(obj, ptr, pointer_device, shape)
+    device = _cai_device(obj, ptr, pointer_device, name)
     return _device_array(ptr, shape, strides, dtype, device, "cai", obj, stream, bool(readonly))
 
 
@@ -405,24 +453,35 @@ def _cai_stream(stream: Any, name: str) -> int | None:
             f"{name}.__cuda_array_interface__['stream'] is 0, which the interface forbids (ambiguous "
             "between the legacy and per-thread default streams); the producer should say 1 or 2"
         )
-    return stream
+    if stream < 0 or stream >= POINTER_LIMIT:
+        raise ValueError(
+            f"{name}.__cuda_array_interface__['stream'] is {stream}; a stream handle is a pointer "
+            "(0 < handle < 2**64)"
+        )
+    return int(stream)
 
 
-def _cai_device(
-    obj: Any, ptr: int, pointer_device: Callable[[int], int] | None, shape: tuple[int, ...]
-) -> int:
+def _cai_device(obj: Any, ptr: int, pointer_device: Callable[[int], int] | None, name: str) -> int:
     if pointer_device is not None and ptr != 0:
-        return int(pointer_device(ptr))
+        return _checked_device(pointer_device(ptr), f"the device of {name}'s pointer")
     # Some CAI producers carry a device attribute: an int, or an object with .id (CuPy) / .index
-    # (torch). Anything else is left for launch_device to settle from the other arrays.
+    # (torch). Anything else is left for the launch path to settle (attention._settle_devices).
     device = getattr(obj, "device", None)
     if isinstance(device, int) and not isinstance(device, bool):
-        return device
+        return _checked_device(device, f"{name}.device")
     for attr in ("id", "index"):
         value = getattr(device, attr, None)
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return _checked_device(value, f"{name}.device.{attr}")
     return UNKNOWN_DEVICE
+
+
+def _checked_device(device: Any, what: str) -> int:
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"{what} is {device!r}; expected a device ordinal (an int)")
+    if device < 0:
+        raise ValueError(f"{what} is {device}; expected a device ordinal >= 0")
+    return int(device)
 
 
 # ---- DLPack -----------------------------------------------------------------------------------
@@ -601,13 +660,25 @@ def _from_dlpack(obj: Any, name: str, stream: int | None) -> DeviceArray:
             f"{', '.join(_ELEMENT_SIZE)}"
         )
     ndim = tensor.ndim
+    if ndim < 0:
+        raise ValueError(f"{name} exports a DLPack tensor with ndim {ndim}; expected >= 0")
     shape = tuple(tensor.shape[i] for i in range(ndim))
+    if any(extent < 0 for extent in shape):
+        raise ValueError(f"{name} exports a DLPack tensor of shape {shape}, which has a negative extent")
     if tensor.strides:
-        strides = tuple(tensor.strides[i] for i in range(ndim))
+        strides = tuple(tensor.strides[i] for i in range(ndim))  # int64 by the struct: always in range
     else:
         strides = contiguous_strides(shape)
     ptr = (tensor.data or 0) + tensor.byte_offset
-    return DeviceArray(ptr, shape, strides, dtype, tensor.device.device_id, "dlpack", owner, None, readonly)
+    if ptr >= POINTER_LIMIT:
+        raise ValueError(
+            f"{name} exports a DLPack tensor at 0x{tensor.data or 0:x} + byte_offset {tensor.byte_offset}, "
+            "past the end of a 64-bit address space"
+        )
+    if ptr == 0 and _nonzero_size(shape):
+        raise ValueError(_null_pointer(name, shape))
+    device = _checked_device(tensor.device.device_id, f"{name}'s DLPack device_id")
+    return _device_array(ptr, shape, strides, dtype, device, "dlpack", owner, None, readonly)
 
 
 def _dlpack_wrong_device(obj: Any, name: str, device_type: int) -> str:
@@ -689,13 +760,43 @@ def _empty_cupy(
 
 
 def _int_tuple(values: Any, what: str, name: str, allow_negative: bool = False) -> tuple[int, ...]:
+    """``values`` as a tuple of ints. Only true integers count (NumPy's among them, through
+    ``__index__``): 3.7 is refused, not truncated, and so are "3" and True."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{name}: {what} must be a sequence of ints; got {values!r}")
     try:
-        result = tuple(int(v) for v in values)
-    except (TypeError, ValueError):
+        result = tuple(_index(v) for v in values)
+    except TypeError:
         raise TypeError(f"{name}: {what} must be a sequence of ints; got {values!r}") from None
     if not allow_negative and any(v < 0 for v in result):
         raise ValueError(f"{name}: {what} {result} has a negative entry")
     return result
+
+
+def _index(value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not an extent")
+    return operator.index(value)
+
+
+def _check_pointer(ptr: Any, what: str) -> None:
+    """A device address: an int in [0, 2**64) (the kernels take u64 pointers)."""
+    if isinstance(ptr, bool) or not isinstance(ptr, int):
+        raise TypeError(f"{what} needs the pointer as an int; got {ptr!r} ({type(ptr).__name__})")
+    if ptr < 0:
+        raise ValueError(f"{what} got a negative pointer {ptr}")
+    if ptr >= POINTER_LIMIT:
+        raise ValueError(f"{what} got pointer 0x{ptr:x}, which does not fit in 64 bits")
+
+
+def _check_strides(strides: tuple[int, ...], what: str) -> None:
+    for stride in strides:
+        if not _STRIDE_MIN <= stride <= _STRIDE_MAX:
+            raise ValueError(f"{what}: strides {strides} has {stride}, which does not fit in 64 bits (the kernels take int64 strides)")
+
+
+def _null_pointer(name: str, shape: tuple[int, ...]) -> str:
+    return f"{name} has a null data pointer (0) but shape {shape} is not empty; pass the array's device memory"
 
 
 def _byte_strides_to_elements(byte_strides: Sequence[int], itemsize: int, name: str) -> tuple[int, ...]:

@@ -7,10 +7,13 @@ enqueue. Nothing synchronizes, so the call can be captured into a CUDA/HIP graph
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 from . import arrays, checks, dispatch, runtime
 from . import problem as problem_mod
+from .arrays import UNKNOWN_DEVICE
+from .errors import HipattnError
 from .ops import flash, flash_backward, smallseq
 from .streams import on_device, resolve_stream, wait_for_producers
 from .workspace import WORKSPACE_ALIGNMENT, WorkspacePlan, backward_workspace
@@ -20,36 +23,87 @@ def _array(obj: Any, name: str, stream: int | None = None) -> arrays.DeviceArray
     return None if obj is None else arrays.as_device_array(obj, name, stream=stream)
 
 
-def _input_spans(inputs, *outputs: Any) -> tuple:
-    """The inputs' memory spans when the caller gave any output buffer to check them against.
+def _pointer_device(a: arrays.DeviceArray) -> int | None:
+    """The runtime's answer to "which device holds this pointer", or None when it cannot say."""
+    if not a.ptr:
+        return None
+    try:
+        device = runtime.active().backend.pointer_device(a.ptr)
+    except HipattnError:  # no runtime here, or a pointer it does not know: the other arrays decide
+        return None
+    return device if isinstance(device, int) and device >= 0 else None
+
+
+def _settle_devices(described: tuple, device: int | None = None) -> tuple:
+    """``described`` (DeviceArrays or None) with every unknown device (a CAI producer that names
+    none) settled: the runtime's answer for its pointer, else ``device``, else the device of the
+    first array that knows its own. UNKNOWN_DEVICE never reaches the runtime."""
+    settled = list(described)
+    pending = []
+    for i, a in enumerate(settled):
+        if a is not None and a.device == UNKNOWN_DEVICE:
+            found = _pointer_device(a)
+            if found is None:
+                pending.append(i)
+            else:
+                settled[i] = dataclasses.replace(a, device=found)
+    if pending:
+        if device is None:
+            device = next((a.device for a in settled if a is not None and a.device != UNKNOWN_DEVICE), None)
+        if device is None:
+            raise ValueError(
+                "cannot tell which device the arrays live on (their __cuda_array_interface__ does not say and "
+                "the runtime does not know their pointers); describe one with "
+                "hipattn.arrays.raw_array(..., device=N) or pass torch/CuPy/DLPack arrays"
+            )
+        for i in pending:
+            settled[i] = dataclasses.replace(settled[i], device=device)
+    return tuple(settled)
+
+
+def _input_spans(call: _Inputs, more: tuple, *outputs: Any) -> tuple:
+    """The memory spans of every input (q, k, v, ``more`` as (array, name) pairs, and the sequence
+    arrays) when the caller gave any output buffer to check them against.
 
     Worked out once per call rather than once per (output, input) pair; not at all when every
     output is allocated here (a fresh allocation cannot alias an input).
     """
     for given in outputs:
         if given is not None:
-            return problem_mod.memory_spans(inputs)
+            return problem_mod.memory_spans(_named_inputs(call, more))
     return ()
 
 
+def _named_inputs(call: _Inputs, more: tuple = ()) -> list:
+    """(array, name) of every input of the call that was given."""
+    named = [(call.q, "q"), (call.k, "k"), (call.v, "v"), *more]
+    for name, a in call.sequences.items():
+        if a is not None:
+            named.append((a, name))
+    return named
+
+
 def _output(given: Any, name: str, like: arrays.DeviceArray, shape, dtype, problem, input_spans, stream):
-    """(object to return, DeviceArray) for an output: the caller's buffer checked, or a new one."""
+    """(object to return, DeviceArray, memory span or None) for an output: the caller's buffer
+    checked, or a new one (which cannot alias anything: no span to check)."""
     if given is None:
-        return arrays.empty(like, shape, dtype, stream=stream)
+        return (*arrays.empty(like, shape, dtype, stream=stream), None)
     described = arrays.as_device_array(given, name)
-    problem_mod.check_output(described, name, shape, dtype, problem, input_spans)
-    return given, described
+    if described.device == UNKNOWN_DEVICE:
+        (described,) = _settle_devices((described,), problem.device)
+    span = problem_mod.check_output(described, name, shape, dtype, problem, input_spans)
+    return given, described, span
 
 
-def _check_outputs_disjoint(outputs) -> None:
-    """Caller-given outputs, as (given object, DeviceArray, name), must not share memory either:
-    the kernels write every one of them. Allocated outputs cannot overlap anything."""
-    for i, (given, a, name) in enumerate(outputs):
-        if given is None:
+def _check_outputs_disjoint(spans) -> None:
+    """Caller-given outputs, by their memory spans (None: allocated here), must not share memory
+    either: the kernels write every one of them."""
+    for i, span in enumerate(spans):
+        if span is None:
             continue
-        for other_given, b, other in outputs[:i]:
-            if other_given is not None and problem_mod.overlaps(a, b):
-                raise ValueError(f"{name} overlaps {other} in memory; outputs must not alias each other")
+        for other in spans[:i]:
+            if other is not None and span[0] == other[0] and span[1] < other[2] and other[1] < span[2]:
+                raise ValueError(f"{span[3]} overlaps {other[3]} in memory; outputs must not alias each other")
 
 
 class _Inputs(NamedTuple):
@@ -72,12 +126,17 @@ def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     qa = arrays.as_device_array(q, "q", stream=consumer)
     ka = arrays.as_device_array(k, "k", stream=consumer)
     va = arrays.as_device_array(v, "v", stream=consumer)
-    sequences = {
-        "cu_seqlens_q": _array(cu_seqlens_q, "cu_seqlens_q", consumer),
-        "cu_seqlens_k": _array(cu_seqlens_k, "cu_seqlens_k", consumer),
-        "seqused_q": _array(seqused_q, "seqused_q", consumer),
-        "seqused_k": _array(seqused_k, "seqused_k", consumer),
-    }
+    cu_q = _array(cu_seqlens_q, "cu_seqlens_q", consumer)
+    cu_k = _array(cu_seqlens_k, "cu_seqlens_k", consumer)
+    used_q = _array(seqused_q, "seqused_q", consumer)
+    used_k = _array(seqused_k, "seqused_k", consumer)
+    # Unknown devices (UNKNOWN_DEVICE, the only negative one a DeviceArray holds) are settled before
+    # the devices are compared; spelled out, as this runs on every launch.
+    if (qa.device < 0 or ka.device < 0 or va.device < 0 or (cu_q is not None and cu_q.device < 0)
+            or (cu_k is not None and cu_k.device < 0) or (used_q is not None and used_q.device < 0)
+            or (used_k is not None and used_k.device < 0)):
+        qa, ka, va, cu_q, cu_k, used_q, used_k = _settle_devices((qa, ka, va, cu_q, cu_k, used_q, used_k))
+    sequences = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_q": used_q, "seqused_k": used_k}
     problem = problem_mod.describe(qa, ka, va, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale)
     return _Inputs(qa, ka, va, sequences, problem)
@@ -124,14 +183,15 @@ def forward(
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
         _order_after_inputs(backend, launch_stream, call)
-        spans = _input_spans(((qa, "q"), (ka, "k"), (va, "v")), out, lse)
-        out_obj, out_a = _output(out, "out", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
-        lse_obj, lse_a = _output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, spans,
-                                 launch_stream)
+        spans = _input_spans(call, (), out, lse)
+        out_obj, out_a, out_span = _output(out, "out", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
+        lse_obj, lse_a, lse_span = _output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, spans,
+                                           launch_stream)
         if lse_a.strides and lse_a.strides[-1] != 1:
             raise ValueError(f"lse has strides {lse_a.strides}; its last dimension must be contiguous")
+        problem_mod.check_row_statistic_alignment(lse_a, "lse")
         problem_mod.check_alignment(out_a, "out", problem.layout)
-        _check_outputs_disjoint(((out, out_a, "out"), (lse, lse_a, "lse")))
+        _check_outputs_disjoint((out_span, lse_span))
         run = smallseq.forward if path == dispatch.SMALLSEQ else flash.forward
         run(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences)
     return out_obj, lse_obj
@@ -178,6 +238,8 @@ def backward(
     douta = arrays.as_device_array(dout, "dout", stream=consumer)
     outa = arrays.as_device_array(out, "out", stream=consumer)
     lsea = arrays.as_device_array(lse, "lse", stream=consumer)
+    if UNKNOWN_DEVICE in (douta.device, outa.device, lsea.device):
+        douta, outa, lsea = _settle_devices((douta, outa, lsea), problem.device)
     for a, name in ((douta, "dout"), (outa, "out")):
         if a.dtype != qa.dtype:
             raise TypeError(f"{name} has dtype {a.dtype}; expected q's {qa.dtype}")
@@ -194,21 +256,21 @@ def backward(
     expected_lse = problem_mod.lse_shape(problem)
     if tuple(lsea.shape) != expected_lse or lsea.strides[-1] != 1:
         raise ValueError(f"lse has shape {lsea.shape}; expected {expected_lse} fp32, last dimension contiguous")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    problem_mod.check_row_statistic_alignment(lsea, "lse")
+    deterministic = problem_mod.check_bool(deterministic, "deterministic")
     path = dispatch.choose_path(problem, "backward")
-    inputs = ((qa, "q"), (ka, "k"), (va, "v"), (douta, "dout"), (outa, "out"), (lsea, "lse"))
+    more_inputs = ((douta, "dout"), (outa, "out"), (lsea, "lse"))
     backend = runtime.active().backend
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va, douta), stream, device=problem.device)
         _order_after_inputs(backend, launch_stream, call, douta, outa, lsea)
-        spans = _input_spans(inputs, dq, dk, dv)
-        dq_obj, dqa = _output(dq, "dq", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
-        dk_obj, dka = _output(dk, "dk", ka, ka.shape, ka.dtype, problem, spans, launch_stream)
-        dv_obj, dva = _output(dv, "dv", va, va.shape, va.dtype, problem, spans, launch_stream)
+        spans = _input_spans(call, more_inputs, dq, dk, dv)
+        dq_obj, dqa, dq_span = _output(dq, "dq", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
+        dk_obj, dka, dk_span = _output(dk, "dk", ka, ka.shape, ka.dtype, problem, spans, launch_stream)
+        dv_obj, dva, dv_span = _output(dv, "dv", va, va.shape, va.dtype, problem, spans, launch_stream)
         for a, name in ((dqa, "dq"), (dka, "dk"), (dva, "dv")):
             problem_mod.check_alignment(a, name, problem.layout)
-        _check_outputs_disjoint(((dq, dqa, "dq"), (dk, dka, "dk"), (dv, dva, "dv")))
+        _check_outputs_disjoint((dq_span, dk_span, dv_span))
         if path == dispatch.SMALLSEQ:
             smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, **call.sequences)
         else:
@@ -217,7 +279,7 @@ def backward(
             # ordered, so its memory is not handed out again before the launch stream has passed
             # the kernels that use it.
             sections = _workspace_sections(workspace, plan, qa, launch_stream,
-                                           (*(a for a, _ in inputs), dqa, dka, dva))
+                                           (*_named_inputs(call, more_inputs), (dqa, "dq"), (dka, "dk"), (dva, "dv")))
             flash_backward.backward(problem, qa, ka, va, outa, douta, lsea, dqa, dka, dva, launch_stream,
                                     deterministic=deterministic, **sections, **call.sequences)
     return dq_obj, dk_obj, dv_obj
@@ -237,13 +299,18 @@ def backward_workspace_bytes(q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None
 
 
 def _workspace_sections(workspace: Any, plan: WorkspacePlan, like: arrays.DeviceArray, stream: int,
-                        others: tuple[arrays.DeviceArray, ...]) -> dict[str, arrays.DeviceArray]:
-    """One DeviceArray per section of ``plan``, in the caller's ``workspace`` (checked) or in a new
-    allocation (which the sections' ``owner`` keeps alive)."""
+                        others: tuple[tuple[arrays.DeviceArray, str], ...]) -> dict[str, arrays.DeviceArray]:
+    """One DeviceArray per section of ``plan``, in the caller's ``workspace`` (checked: writable,
+    large enough, aligned, and disjoint from every named array in ``others``) or in a new allocation
+    (which the sections' ``owner`` keeps alive)."""
     if workspace is None:
         owner, base = arrays.empty(like, (plan.total_bytes // 4,), "fp32", stream=stream)
     else:
         owner, base = workspace, arrays.as_device_array(workspace, "workspace")
+        if base.device == UNKNOWN_DEVICE:
+            (base,) = _settle_devices((base,), like.device)
+        if base.readonly:
+            raise ValueError("workspace is read-only (its producer exported it so); hipattn writes it: pass a writable buffer")
         if base.device != like.device:
             raise ValueError(f"workspace is on device {base.device} but q is on device {like.device}")
         if base.nbytes < plan.total_bytes or arrays.contiguous_strides(base.shape) != base.strides:
@@ -252,12 +319,12 @@ def _workspace_sections(workspace: Any, plan: WorkspacePlan, like: arrays.Device
                 f"(backward_workspace_bytes); got shape {base.shape}, strides {base.strides}, {base.nbytes} bytes")
         if base.ptr % WORKSPACE_ALIGNMENT:
             raise ValueError(f"workspace must be {WORKSPACE_ALIGNMENT}-byte aligned; it starts at 0x{base.ptr:x}")
-        for other in others:
+        for other, name in others:
             if problem_mod.overlaps(base, other):
-                raise ValueError("workspace overlaps an input or output of the call; it must be memory of its own")
+                raise ValueError(f"workspace overlaps {name} in memory; it must be memory of its own")
     sections = {
-        s.name: arrays.DeviceArray(plan.pointer(base.ptr, s.name), s.shape, arrays.contiguous_strides(s.shape),
-                                   s.dtype, base.device, base.framework, owner=owner)
+        s.name: arrays.derived_array(base, plan.pointer(base.ptr, s.name), s.shape, arrays.contiguous_strides(s.shape),
+                                     s.dtype, owner)
         for s in plan.sections
     }
     return sections

@@ -12,10 +12,10 @@ cannot run under graph capture: a debugging aid, off by default.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 
+from . import env
 from .arrays import DeviceArray
 from .backends.base import Backend
 from .problem import THD, Problem
@@ -24,7 +24,8 @@ SWITCH = "HIPATTN_CHECK"
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH, "0") not in ("", "0")
+    """Whether HIPATTN_CHECK is on (read now): an on/off switch as env.flag reads it, off by default."""
+    return env.flag(SWITCH, False)
 
 
 def _to_host(backend: Backend, stream: int, array: DeviceArray) -> np.ndarray:

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import __version__, catalog
 from .errors import CompileError, HipattnError
-from .jit.cache import DiskCache, default_cache_dir
+from .jit.cache import DiskCache, default_cache_dir, printable
 from .jit.spec import KernelSpec
 from .jit.target import Target
 
@@ -101,7 +103,7 @@ def _warm(args: argparse.Namespace) -> int:
     cache = DiskCache(args.cache_dir)
     if not cache.writable:
         print(
-            f"hipattn warm: cache dir {cache.directory} is not usable (see the warning above)",
+            f"hipattn warm: cache dir {printable(cache.directory)} is not usable (see the warning above)",
             file=sys.stderr,
         )
         return EXIT_FAILED
@@ -161,7 +163,7 @@ def _warm(args: argparse.Namespace) -> int:
 
     archs = ", ".join(t.arch for t in targets)
     print(
-        f"hipattn warm ({archs}): {counts['compiled']} compiled, {counts['cached']} already cached, {counts['failed']} failed; cache {cache.directory}"
+        f"hipattn warm ({archs}): {counts['compiled']} compiled, {counts['cached']} already cached, {counts['failed']} failed; cache {printable(cache.directory)}"
     )
     return EXIT_FAILED if counts["failed"] else 0
 
@@ -171,15 +173,16 @@ def run_compile_pool(
     jobs: int,
     cache_dir: str,
     report: Callable[[KernelSpec, Target, WarmResult | BaseException], None],
+    compile_one: Callable[[str, str, str], WarmResult] = _warm_one,
 ) -> list[tuple[KernelSpec, Target]]:
     """Compile ``work`` in ``jobs`` spawned processes, reporting each outcome; returns the items
     lost to a dead worker (not reported), to be retried in isolation. Tools that precompile the
-    kernels they time call it too (tools/sweep_flash_backward.py)."""
+    kernels they time call it too (tools/sweep_flash_backward.py). ``compile_one(spec text, arch,
+    cache dir)`` is what each worker runs (a module-level function: it is pickled by name)."""
     crashed = []
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+    with compile_pool(jobs) as pool:
         futures = {
-            pool.submit(_warm_one, spec.canonical(), target.arch, cache_dir): (spec, target)
+            pool.submit(compile_one, spec.canonical(), target.arch, cache_dir): (spec, target)
             for spec, target in work
         }
         for future in concurrent.futures.as_completed(futures):
@@ -193,6 +196,45 @@ def run_compile_pool(
                 outcome = error
             report(spec, target, outcome)
     return crashed
+
+
+def compile_pool(jobs: int) -> concurrent.futures.ProcessPoolExecutor:
+    """``jobs`` spawned worker processes that exit when the process that started them dies, also
+    when it is killed with SIGKILL and has no chance to shut them down."""
+    context = multiprocessing.get_context("spawn")
+    return concurrent.futures.ProcessPoolExecutor(
+        max_workers=jobs, mp_context=context, initializer=_exit_with_parent, initargs=(os.getpid(),)
+    )
+
+
+# How often a worker's watchdog looks for its parent, where the kernel cannot be asked to signal it.
+_PARENT_POLL_SECONDS = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Worker initializer: die with ``parent``. On Linux the kernel sends SIGKILL when the parent
+    goes (prctl PR_SET_PDEATHSIG; the pool starts its workers from the thread that owns it, which
+    lives as long as they do); everywhere a daemon thread also polls os.getppid(), which changes
+    once the parent is gone. A compile in progress is abandoned: its temporary file is left for
+    ``hipattn clear``, never published."""
+    if sys.platform.startswith("linux"):
+        try:
+            unsigned = ctypes.c_ulong
+            ctypes.CDLL(None, use_errno=True).prctl(
+                ctypes.c_int(_PR_SET_PDEATHSIG), unsigned(signal.SIGKILL), unsigned(0), unsigned(0), unsigned(0)
+            )
+        except (OSError, AttributeError):
+            pass  # the watchdog below still covers it
+    if os.getppid() != parent:  # the parent died before the signal was asked for
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hipattn-parent-watchdog", daemon=True).start()
 
 
 # ---- list / clear / info ----------------------------------------------------------------------
@@ -212,17 +254,20 @@ def _human_age(seconds: float) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    cache = DiskCache(args.cache_dir)
+    cache = DiskCache(args.cache_dir, create=False)
     entries = sorted(cache.entries(), key=lambda e: (e.arch, e.family, e.spec))
     if entries:
+        # Metadata is data read from files: escaped, so that it cannot drive the terminal.
         rows = [
-            (_spec_name(e.spec), e.arch, e.compiler, _human_size(e.size), _human_age(e.age_seconds)) for e in entries
+            (printable(_spec_name(e.spec)), printable(e.arch), printable(e.compiler), _human_size(e.size),
+             _human_age(e.age_seconds))
+            for e in entries
         ]
         header = ("SPEC", "ARCH", "COMPILER", "SIZE", "AGE")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-    print(f"{len(entries)} entries, {_human_size(cache.total_size())} in {cache.directory}")
+    print(f"{len(entries)} entries, {_human_size(cache.total_size())} in {printable(cache.directory)}")
     return 0
 
 
@@ -236,9 +281,9 @@ def _spec_name(spec_text: str) -> str:
 
 
 def _clear(args: argparse.Namespace) -> int:
-    cache = DiskCache(args.cache_dir)
+    cache = DiskCache(args.cache_dir, create=False)
     removed = cache.clear()
-    print(f"removed {removed} entries from {cache.directory}")
+    print(f"removed {removed} entries from {printable(cache.directory)}")
     return 0
 
 
@@ -273,10 +318,13 @@ def _info(args: argparse.Namespace) -> int:
         return "\n".join(lines)
 
     print(f"backend: {_probe(devices)}")
-    cache = DiskCache(args.cache_dir)
-    state = "writable" if cache.writable else "read-only" if cache.readable else "unusable (memory only)"
+    cache = DiskCache(args.cache_dir, create=False)
+    if cache.missing:
+        state = "not created yet"
+    else:
+        state = "writable" if cache.writable else "read-only" if cache.readable else "unusable (memory only)"
     entries = len(cache.entries())
-    print(f"cache:   {cache.directory} ({state}; {entries} entries, {_human_size(cache.total_size())})")
+    print(f"cache:   {printable(cache.directory)} ({state}; {entries} entries, {_human_size(cache.total_size())})")
     return 0
 
 
@@ -286,6 +334,12 @@ def _arch(text: str) -> Target:
         return Target.parse(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _cache_dir(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"--cache-dir {text!r}: expected a directory, not an empty path")
+    return text
 
 
 def _jobs(text: str) -> int:
@@ -301,9 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cache-dir",
-        type=Path,
+        type=_cache_dir,
         default=None,
-        help=f"cache directory (default: $HIPATTN_CACHE_DIR, else the XDG cache dir; now {default_cache_dir()})",
+        help=f"cache directory (default: $HIPATTN_CACHE_DIR, else the XDG cache dir; now {printable(default_cache_dir())})",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

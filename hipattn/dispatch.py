@@ -3,8 +3,8 @@
 The small-seq path takes every call whose static configuration it supports and whose host-given
 bounds max_seqlen_q/k fit its tile; the general flash path takes the rest. A call neither can take
 raises NotImplementedError naming both reasons. Nothing here reads device memory or synchronizes.
-``HIPATTN_LOG=debug`` logs each decision and its reason; ``HIPATTN_SMALLSEQ=0`` turns the small-seq
-path off (A/B comparisons).
+``HIPATTN_LOG=debug`` logs each decision and its reason; ``HIPATTN_SMALLSEQ=0`` (or false, no,
+off) turns the small-seq path off (A/B comparisons).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+from . import env
 from .ops import flash, smallseq
 from .problem import Problem
 
@@ -20,13 +21,19 @@ logger = logging.getLogger("hipattn")
 SMALLSEQ = "smallseq"
 FLASH = "flash"
 
+SMALLSEQ_SWITCH = "HIPATTN_SMALLSEQ"
+
+
 def smallseq_enabled() -> bool:
-    return os.environ.get("HIPATTN_SMALLSEQ", "1") != "0"  # read per call: a change applies at once
+    return env.flag(SMALLSEQ_SWITCH, True)  # read per call: a change applies at once
 
 
 def choose_path(problem: Problem, direction: str) -> str:
     """``SMALLSEQ`` or ``FLASH`` for a ``"forward"`` or ``"backward"`` call."""
-    why_not_smallseq = "HIPATTN_SMALLSEQ=0" if not smallseq_enabled() else smallseq.ineligibility(problem)
+    if smallseq_enabled():
+        why_not_smallseq = smallseq.ineligibility(problem)
+    else:
+        why_not_smallseq = f"{SMALLSEQ_SWITCH}={os.environ[SMALLSEQ_SWITCH].strip()}"
     if why_not_smallseq is None:
         path, reason = SMALLSEQ, "every sequence fits the small-seq tile"
     else:

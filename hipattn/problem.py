@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .arrays import _ELEMENT_SIZE as _ITEMSIZE
 from .arrays import DeviceArray, element_size
 
 SUPPORTED_DTYPES = ("fp16", "bf16")
@@ -89,7 +91,7 @@ def _check_seqlens(a: DeviceArray | None, name: str, length: int, device: int) -
         raise ValueError(f"{name} is on device {a.device} but q is on device {device}; move it to device {device}")
 
 
-def _check_max_seqlen(value: object, name: str) -> int:
+def check_max_seqlen(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a host int (flash-attn's varlen convention), got {type(value).__name__}")
     if value < 0:
@@ -103,15 +105,47 @@ def _is_numpy_bool(value: object) -> bool:
     return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
 
 
+def check_bool(value: object, name: str) -> bool:
+    """``value`` as a bool: True, False or a NumPy bool; anything else (1, "yes", None) is a TypeError."""
+    if type(value) is bool:
+        return value
+    if _is_numpy_bool(value):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+# The kernels take softmax_scale as a float32: a double beyond its range would become inf (and the
+# output NaN), and one below half its smallest subnormal would become 0 (a uniform average).
+FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_ROUNDS_TO_ZERO = 2.0**-150
+
+
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
-    """``softmax_scale`` checked (a finite host number), or 1/sqrt(head_dim) when None."""
+    """``softmax_scale`` checked, or 1/sqrt(head_dim) when None.
+
+    It must be a host number that float32 represents: finite, at most FLOAT32_MAX in magnitude,
+    and not so small that it rounds to 0 (0 itself, negative values and float32 subnormals are
+    accepted: each keeps its meaning).
+    """
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a number (a host float), got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    return softmax_scale
+    try:
+        value = float(softmax_scale)
+    except OverflowError:  # an int beyond even a double, such as 10**400: finite, but far too large
+        value = None
+    else:
+        if not math.isfinite(value):
+            raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    if value is None or abs(value) > FLOAT32_MAX:
+        raise ValueError(
+            f"softmax_scale {softmax_scale!r} does not fit in float32, which the kernels take "
+            f"(|softmax_scale| <= {FLOAT32_MAX:.8g})"
+        )
+    if value and abs(value) <= _FLOAT32_ROUNDS_TO_ZERO:
+        raise ValueError(f"softmax_scale {softmax_scale!r} rounds to 0 in float32, which the kernels take")
+    return value
 
 
 def describe(
@@ -151,14 +185,17 @@ def describe(
         raise ValueError(
             f"q has {heads_q} heads and k/v {heads_kv}; the query heads must be a multiple of the key/value heads (GQA/MQA)"
         )
+    if heads_q == 0:
+        # 0 is a multiple of any head count, but the backward would then never write dK and dV.
+        raise ValueError(f"q has 0 heads (shape {q.shape}); it needs at least one, as k/v have {heads_kv}")
     device = q.device
     for a, name in ((k, "k"), (v, "v")):
         if a.device != device:
             raise ValueError(f"{name} is on device {a.device} but q is on device {device}; all inputs must share one device")
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         check_alignment(a, name, layout)
-    if type(causal) is not bool and not _is_numpy_bool(causal):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if type(causal) is not bool:  # the common case costs one comparison: this runs on every call
+        causal = check_bool(causal, "causal")
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)
 
     if layout == THD:
@@ -171,20 +208,22 @@ def describe(
         _check_seqlens(cu_seqlens_k, "cu_seqlens_k", batch + 1, device)
         if max_seqlen_q is None or max_seqlen_k is None:
             raise ValueError("varlen calls need max_seqlen_q and max_seqlen_k (host ints, upper bounds of the lengths)")
-        max_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-        max_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+        max_q = check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+        max_k = check_max_seqlen(max_seqlen_k, "max_seqlen_k")
         total_q, total_k = q_tokens, k_tokens
     else:
         batch = qb
         # The padded lengths bound every sequence; a caller's smaller bound is honoured.
-        max_q = q_tokens if max_seqlen_q is None else min(_check_max_seqlen(max_seqlen_q, "max_seqlen_q"), q_tokens)
-        max_k = k_tokens if max_seqlen_k is None else min(_check_max_seqlen(max_seqlen_k, "max_seqlen_k"), k_tokens)
+        max_q = q_tokens if max_seqlen_q is None else min(check_max_seqlen(max_seqlen_q, "max_seqlen_q"), q_tokens)
+        max_k = k_tokens if max_seqlen_k is None else min(check_max_seqlen(max_seqlen_k, "max_seqlen_k"), k_tokens)
         total_q, total_k = q_tokens, k_tokens
     _check_seqlens(seqused_q, "seqused_q", batch, device)
     _check_seqlens(seqused_k, "seqused_k", batch, device)
-    _check_fits_int32(total_q=total_q, total_k=total_k, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    if max(total_q, total_k, batch, max_q, max_k, heads_q, heads_kv) > _INT32_MAX:
+        _check_fits_int32(total_q=total_q, total_k=total_k, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                          heads_q=heads_q, heads_kv=heads_kv)
     return _problem(layout, q.dtype, batch, heads_q, heads_kv, head_dim, max_q, max_k, total_q, total_k,
-                    bool(causal), float(softmax_scale), device)
+                    causal, softmax_scale, device)
 
 
 # The kernels take token counts, batch and bounds as 32-bit ints (ctypes would wrap larger values
@@ -230,14 +269,20 @@ def lse_strides(lse: DeviceArray, problem: Problem) -> tuple[int, int]:
 Span = tuple[int, int, int, str]
 
 
-def memory_spans(inputs: tuple[tuple[DeviceArray, str], ...]) -> tuple[Span, ...]:
-    """The byte range of each named input, worked out once per call and checked against every output."""
-    return tuple((a.device, *_extent(a), input_name) for a, input_name in inputs)
+def memory_spans(inputs: Sequence[tuple[DeviceArray, str]]) -> list[Span]:
+    """The byte range of each named input, (array, name) pairs, worked out once per call and
+    checked against every output."""
+    spans = []
+    for a, input_name in inputs:
+        start, end = _extent(a)
+        spans.append((a.device, start, end, input_name))
+    return spans
 
 
 def check_output(out: DeviceArray, name: str, shape: tuple[int, ...], dtype: str, problem: Problem,
-                 inputs: tuple[Span, ...]) -> None:
-    """A caller-provided output buffer: shape, dtype, device, layout, and no overlap with any input.
+                 inputs: Sequence[Span]) -> Span:
+    """A caller-provided output buffer: shape, dtype, device, layout, no element written twice, and
+    no overlap with any input. Returns its own span, to check the outputs against each other.
 
     ``inputs`` are the inputs' ``memory_spans``.
     """
@@ -251,25 +296,67 @@ def check_output(out: DeviceArray, name: str, shape: tuple[int, ...], dtype: str
         raise ValueError(f"{name} is on device {out.device} but the inputs are on device {problem.device}")
     if out.strides and out.strides[-1] != 1 and out.shape[-1] > 1:
         raise ValueError(f"{name} has strides {out.strides}; its last dimension must be contiguous")
-    for n, stride in zip(out.shape, out.strides, strict=True):
-        if stride <= 0 and n > 1:
-            # An expanded (stride 0) or reversed output would have several rows written to one place.
-            raise ValueError(f"{name} has strides {out.strides}; an output needs positive strides (no broadcast views)")
+    check_no_self_overlap(out, name)
     device = out.device
     start, end = _extent(out)
     for input_device, input_start, input_end, input_name in inputs:
         if input_device == device and start < input_end and input_start < end:
             raise ValueError(f"{name} overlaps {input_name} in memory; outputs must not alias inputs")
+    return device, start, end, name
+
+
+def check_no_self_overlap(out: DeviceArray, name: str) -> None:
+    """Refuse an output in which two elements share memory: a broadcast (stride 0), reversed or
+    otherwise too tightly strided view, which the kernels would write through twice.
+
+    Sufficient and exact for the views frameworks make: with the dimensions ordered by stride, each
+    stride must step past everything the dimensions inside it span.
+    """
+    shape, strides = out.shape, out.strides
+    if 0 in shape:
+        return  # nothing is written
+    inner = 1  # elements spanned by the dimensions inside the current one, in the order given
+    ordered = True
+    for i in range(len(shape) - 1, -1, -1):
+        n = shape[i]
+        if n > 1:
+            stride = strides[i]
+            if stride <= 0:
+                raise ValueError(f"{name} has strides {strides}; an output needs positive strides (no broadcast or reversed views)")
+            if stride < inner:
+                ordered = False
+            inner += (n - 1) * stride
+    if ordered:  # the common case, any C-ordered view: no sort needed
+        return
+    inner = 1
+    for stride, n in sorted((stride, n) for n, stride in zip(shape, strides, strict=True) if n > 1):
+        if stride < inner:
+            raise ValueError(
+                f"{name} has shape {shape} and strides {strides}, so some of its elements share memory; "
+                "an output needs every element at its own address (pass a contiguous buffer)"
+            )
+        inner += (n - 1) * stride
+
+
+def check_row_statistic_alignment(a: DeviceArray, name: str) -> None:
+    """An fp32 LSE array: the kernels read and write it as 4-byte scalars (copy_async_4 on NVIDIA)."""
+    if a.ptr % 4:
+        raise ValueError(f"{name}'s data pointer 0x{a.ptr:x} is not aligned to its 4-byte fp32 elements")
 
 
 def _extent(a: DeviceArray) -> tuple[int, int]:
-    """[first byte, one past the last byte] an array can touch (strides assumed non-negative)."""
-    last = 0
+    """[lowest byte, one past the highest byte] an array can touch, for strides of any sign."""
+    ptr = a.ptr
+    low = high = 0
     for n, s in zip(a.shape, a.strides, strict=True):
         if n == 0:
-            return a.ptr, a.ptr
-        last += (n - 1) * s
-    return a.ptr, a.ptr + (last + 1) * element_size(a.dtype)
+            return ptr, ptr
+        if s >= 0:
+            high += (n - 1) * s
+        else:
+            low += (n - 1) * s
+    size = _ITEMSIZE[a.dtype]
+    return ptr + low * size, ptr + (high + 1) * size
 
 
 def overlaps(a: DeviceArray, b: DeviceArray) -> bool:

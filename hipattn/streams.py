@@ -114,8 +114,9 @@ def resolve_stream(arrays: Sequence[DeviceArray], stream: Any = None, *, device:
                 raise ValueError(
                     f"stream belongs to device {stream_device} but the arrays are on device {expected}"
                 )
-    if handle < 0:
-        raise ValueError(f"stream handle {handle} is negative; expected a stream pointer or 0")
+    if handle < 0 or handle >> 64:
+        what = "negative" if handle < 0 else "wider than 64 bits"
+        raise ValueError(f"stream handle {handle} is {what}; expected a stream pointer (0 <= handle < 2**64) or 0")
     return handle
 
 
@@ -220,8 +221,11 @@ def _stream_handle(stream: Any) -> int:
     if protocol is not None:
         value = protocol()
         if not (isinstance(value, tuple) and len(value) == 2):
-            raise TypeError(f"__cuda_stream__() must return (version, handle); got {value!r}")
-        return int(value[1])
+            raise TypeError(f"stream.__cuda_stream__() must return (version, handle); got {value!r}")
+        handle = value[1]
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise TypeError(f"stream.__cuda_stream__() returned handle {handle!r}; expected an int")
+        return int(handle)
     for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
         handle = getattr(stream, attr, None)
         if isinstance(handle, int) and not isinstance(handle, bool):

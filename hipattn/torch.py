@@ -21,7 +21,7 @@ import torch
 
 from . import attention
 from .api import _reject_unsupported
-from .problem import resolve_softmax_scale
+from .problem import check_bool, check_max_seqlen, resolve_softmax_scale
 
 Tensor = torch.Tensor
 
@@ -110,6 +110,15 @@ def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
     return float(resolve_softmax_scale(softmax_scale, q.shape[-1]))
 
 
+def _host_arguments(max_seqlen_q, max_seqlen_k, causal, deterministic) -> tuple:
+    """The scalars checked as the core API checks them, before the op's schema sees them (its
+    RuntimeError would name no argument)."""
+    for value, name in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
+        if value is not None:
+            check_max_seqlen(value, name)
+    return check_bool(causal, "causal"), check_bool(deterministic, "deterministic")
+
+
 def flash_attn_varlen_func(
     q: Tensor,
     k: Tensor,
@@ -134,8 +143,9 @@ def flash_attn_varlen_func(
     hipattn's backward, bit-identical run to run with ``deterministic=True``.
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    causal, deterministic = _host_arguments(max_seqlen_q, max_seqlen_k, causal, deterministic)
     out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale),
-                           causal, bool(deterministic))
+                           causal, deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -154,5 +164,6 @@ def flash_attn_func(
 ):
     """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd."""
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
-    out, lse = _forward_op(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal, bool(deterministic))
+    causal, deterministic = _host_arguments(None, None, causal, deterministic)
+    out, lse = _forward_op(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal, deterministic)
     return (out, lse, None) if return_attn_probs else out

@@ -36,12 +36,11 @@ alike:
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 
 import numpy as np
 
-from . import runtime
+from . import env, runtime
 from .backends.base import Backend
 from .catalog.varlen import VARLEN_RECORDS_BLOCK_THREADS, records_spec
 from .pinned import PinnedBlock, PinnedPool, device_pool, launch_python_host_func, size_class
@@ -192,10 +191,7 @@ def prepare_varlen_metadata_on_device(
 
 def prep_way() -> str:
     """``HIPATTN_VARLEN_PREP``'s value (read now), or the default."""
-    way = os.environ.get(PREP_SWITCH, "").strip().lower() or DEFAULT_PREP
-    if way not in PREP_WAYS:
-        raise ValueError(f"{PREP_SWITCH}={os.environ[PREP_SWITCH]!r}; expected one of {', '.join(PREP_WAYS)}")
-    return way
+    return env.choice(PREP_SWITCH, PREP_WAYS, DEFAULT_PREP)
 
 
 def prepare_varlen_records(backend: Backend, stream: int, device: int, cu_seqlens_q: int, cu_seqlens_k: int,

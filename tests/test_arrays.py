@@ -359,7 +359,8 @@ class DLPackProducer:
     if no consumer renamed the capsule."""
 
     def __init__(self, shape, strides=None, code=2, bits=16, device_type=2, device_id=0,
-                 byte_offset=0, versioned=False, readonly=False, knows_max_version=True, has_device=True):  # fmt: skip
+                 byte_offset=0, versioned=False, readonly=False, knows_max_version=True, has_device=True,
+                 data=0x10000):  # fmt: skip
         self.stream_seen = "not called"
         self.max_version_seen = None
         self._shape = (ctypes.c_int64 * len(shape))(*shape)
@@ -382,7 +383,7 @@ class DLPackProducer:
         self.device = (device_type, device_id)
         if not has_device:
             self.__dlpack_device__ = None
-        t = DLTensor(0x10000, device_type, device_id, len(shape), code, bits, 1,
+        t = DLTensor(data, device_type, device_id, len(shape), code, bits, 1,
                      ctypes.addressof(self._shape),
                      ctypes.addressof(self._strides) if strides else None, byte_offset)  # fmt: skip
         if versioned:
@@ -495,3 +496,126 @@ def test_dlpack_reader_with_numpy_as_a_real_producer_releases_its_reference():
         as_device_array(ClaimsGPU(), "q")
     gc.collect()
     assert sys.getrefcount(host) == before
+
+
+# ---- values that do not describe memory, or do not fit the kernels' fields ---------------------
+
+
+def test_non_empty_array_at_address_zero_is_refused_naming_the_argument():
+    with pytest.raises(ValueError, match=r"q has a null data pointer \(0\) but shape \(2, 4\) is not empty"):
+        as_device_array(CAIArray(0, (2, 4), "<f2", device=0), "q")
+    with pytest.raises(ValueError, match="k has a null data pointer"):
+        as_device_array(CAIArray(None, (2,), "<f2", device=0), "k")
+    with pytest.raises(ValueError, match="v has a null data pointer"):
+        as_device_array(DeviceArray(0, (3,), (1,), "fp16", 0, "raw"), "v")
+    producer = DLPackProducer((2, 3), data=0)
+    with pytest.raises(ValueError, match="cu_seqlens_q has a null data pointer"):
+        as_device_array(producer, "cu_seqlens_q")
+    gc.collect()
+    assert producer.deleted == 1
+
+
+def test_empty_arrays_may_sit_at_address_zero():
+    assert as_device_array(CAIArray(0, (0, 4), "<f2", device=0), "q").ptr == 0
+    assert as_device_array(DeviceArray(0, (0,), (1,), "fp16", 0, "raw"), "q").size == 0
+    assert as_device_array(DLPackProducer((2, 0), data=0), "q").size == 0
+
+
+def test_negative_dlpack_shapes_and_devices_are_refused():
+    with pytest.raises(ValueError, match="negative extent"):
+        as_device_array(DLPackProducer((2, -3)), "q")
+    with pytest.raises(ValueError, match="q's DLPack device_id is -1; expected a device ordinal >= 0"):
+        as_device_array(DLPackProducer((2,), device_id=-1), "q")
+
+
+def test_negative_cai_devices_are_refused():
+    with pytest.raises(ValueError, match=r"k\.device is -2"):
+        as_device_array(CAIArray(0x1000, (1,), "<f4", device=-2), "k")
+    with pytest.raises(ValueError, match=r"k\.device\.id is -1"):
+        as_device_array(CAIArray(0x1000, (1,), "<f4", device=types.SimpleNamespace(id=-1)), "k")
+    with pytest.raises(ValueError, match="the device of k's pointer is -1"):
+        as_device_array(CAIArray(0x1000, (1,), "<f4"), "k", pointer_device=lambda ptr: -1)
+
+
+@pytest.mark.parametrize("ptr", [2**64, 2**64 + 0x1000, -0x1000])
+def test_pointers_outside_64_bits_are_refused(ptr):
+    with pytest.raises(ValueError, match=r"q.__cuda_array_interface__\['data'\] got"):
+        as_device_array(CAIArray(ptr, (2,), "<f2", device=0), "q")
+    with pytest.raises(ValueError, match="raw_array got"):
+        raw_array(ptr, (2,), "fp16", 0)
+    with pytest.raises(ValueError, match="DeviceArray got"):
+        DeviceArray(ptr, (2,), (1,), "fp16", 0, "raw")
+
+
+def test_dlpack_pointer_plus_offset_past_64_bits_is_refused():
+    with pytest.raises(ValueError, match="past the end of a 64-bit address space"):
+        as_device_array(DLPackProducer((2,), data=2**64 - 16, byte_offset=32), "q")
+
+
+def test_strides_outside_int64_are_refused():
+    with pytest.raises(ValueError, match="does not fit in 64 bits"):
+        raw_array(0x1000, (2, 2), "fp16", 0, strides=(2**63, 1))
+    with pytest.raises(ValueError, match="does not fit in 64 bits"):
+        raw_array(0x1000, (2, 2), "fp16", 0, strides=(-(2**63) - 1, 1))
+    with pytest.raises(ValueError, match=r"q.__cuda_array_interface__: strides .* does not fit in 64 bits"):
+        as_device_array(CAIArray(0x1000, (2, 2), "<f2", strides=(2**64, 2), device=0), "q")
+
+
+@pytest.mark.parametrize("stream", [-1, 2**64])
+def test_cai_v3_streams_outside_a_pointer_are_refused(stream):
+    with pytest.raises(ValueError, match=r"q.__cuda_array_interface__\['stream'\] is"):
+        as_device_array(CAIArray(0x1000, (2,), "<i4", version=3, stream=stream, device=0), "q")
+
+
+@pytest.mark.parametrize(
+    ("interface", "message"),
+    [
+        ({"typestr": ["<f2"]}, r"q.__cuda_array_interface__\['typestr'\] is \['<f2'\] \(list\)"),
+        ({"version": "3"}, r"q.__cuda_array_interface__\['version'\] is '3' \(str\); expected an int"),
+        ({"data": ("0x1000", False)}, r"needs the pointer as an int; got '0x1000' \(str\)"),
+        ({"data": (4096.7, False)}, r"needs the pointer as an int; got 4096.7 \(float\)"),
+        ({"shape": (2.5, 2)}, r"q.__cuda_array_interface__: shape must be a sequence of ints"),
+        ({"shape": "22"}, r"shape must be a sequence of ints"),
+        ({"strides": (4.0, 2)}, r"strides must be a sequence of ints"),
+    ],
+    ids=["typestr list", "version str", "pointer str", "pointer float", "shape float", "shape str", "strides float"],
+)
+def test_malformed_cai_fields_are_type_errors_naming_the_argument(interface, message):
+    a = CAIArray(0x1000, (2, 2), "<f2", version=3, device=0)
+    a.__cuda_array_interface__.update(interface)
+    with pytest.raises(TypeError, match=message):
+        as_device_array(a, "q")
+
+
+def test_float_and_bool_extents_are_refused_not_truncated():
+    with pytest.raises(TypeError, match="raw_array: shape must be a sequence of ints; got \\(3.7,\\)"):
+        raw_array(0x1000, (3.7,), "fp16", 0)
+    with pytest.raises(TypeError, match="raw_array: strides must be a sequence of ints"):
+        raw_array(0x1000, (3,), "fp16", 0, strides=(True,))
+    with pytest.raises(TypeError, match="raw_array needs the device ordinal as an int"):
+        raw_array(0x1000, (3,), "fp16", 0.0)
+    assert raw_array(0x1000, (np.int64(3),), "fp16", 0).shape == (3,)  # NumPy's ints are ints
+
+
+def test_hand_built_device_arrays_are_checked_when_built():
+    with pytest.raises(ValueError, match="DeviceArray got 2-d shape"):
+        DeviceArray(0x1000, (2, 2), (1,), "fp16", 0, "raw")
+    with pytest.raises(ValueError, match="DeviceArray got device -5"):
+        DeviceArray(0x1000, (2,), (1,), "fp16", -5, "raw")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        DeviceArray(0x1000, (2,), (1,), "float16", 0, "raw")
+    assert DeviceArray(0x1000, [2, 3], [3, 1], "fp16", arrays.UNKNOWN_DEVICE, "raw").shape == (2, 3)
+
+
+def test_stream_handles_outside_a_pointer_are_refused():
+    from hipattn.streams import resolve_stream
+
+    with pytest.raises(ValueError, match="wider than 64 bits"):
+        resolve_stream([raw_array(0x10, (1,), "fp16", 0)], 2**64)
+
+    class Stream:
+        def __cuda_stream__(self):
+            return (0, "0x5000")
+
+    with pytest.raises(TypeError, match=r"stream.__cuda_stream__\(\) returned handle '0x5000'; expected an int"):
+        resolve_stream([raw_array(0x10, (1,), "fp16", 0)], Stream())

@@ -297,3 +297,29 @@ def test_hip_error_names_come_from_the_runtime(hip_fake):
     assert caught.value.call == "hipSetDevice"
     assert caught.value.name == "hipErrorInvalidDevice"
     assert caught.value.code == int(hip.hipError_t.hipErrorInvalidDevice)
+
+
+def test_cuda_pointer_device_asks_for_the_device_ordinal(cuda):
+    backend, fake, driver = cuda
+    fake.cuPointerGetAttribute = fake._recorder("cuPointerGetAttribute", (driver.CUresult.CUDA_SUCCESS, 3))
+    assert backend.pointer_device(0x7000) == 3
+    assert fake.called("cuPointerGetAttribute") == [
+        (driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, 0x7000)
+    ]
+    fake.cuPointerGetAttribute = fake._recorder("cuPointerGetAttribute", (driver.CUresult.CUDA_ERROR_INVALID_VALUE, 0))
+    with pytest.raises(DriverError, match="cuPointerGetAttribute"):
+        backend.pointer_device(0x7000)
+
+
+def test_hip_pointer_device_reads_the_pointers_attributes(hip_fake):
+    backend, fake, hip = hip_fake
+
+    class Attributes:
+        device = 2
+
+    fake.hipPointerGetAttributes = fake._recorder("hipPointerGetAttributes", (hip.hipError_t.hipSuccess, Attributes()))
+    assert backend.pointer_device(0x7000) == 2
+    assert fake.called("hipPointerGetAttributes") == [(0x7000,)]
+    fake.hipPointerGetAttributes = fake._recorder("hipPointerGetAttributes", (hip.hipError_t.hipErrorInvalidValue, None))
+    with pytest.raises(DriverError, match="hipPointerGetAttributes"):
+        backend.pointer_device(0x7000)

@@ -11,6 +11,7 @@ import struct
 
 import pytest
 from support.fake_backend import FAKE_FAMILY, FakeBackend, put_same_key
+from support.unprivileged import run_unprivileged, unprivileged_directory, unprivileged_uid
 
 from hipattn.backends.base import CompiledKernel
 from hipattn.jit import cache as cache_module
@@ -254,25 +255,42 @@ def test_unusable_directory_degrades_to_memory(tmp_path, backend, caplog):
     assert cache.entries() == [] and cache.total_size() == 0
 
 
-@pytest.mark.skipif(
-    hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only directories"
-)
-def test_read_only_directory_serves_entries_and_keeps_new_ones_in_memory(tmp_path, backend, caplog):
-    directory = tmp_path / "cache"
-    compile_spec(SPEC, SM90, backend, DiskCache(directory))
-    directory.chmod(0o500)
+def _compile_then_serve_read_only(directory: str) -> tuple:
+    """Fill a cache, make its directory read-only, and use it again: (compiles, readable, writable,
+    effective uid, read-only warnings). Returns plain values: it may run in a child process."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger("hipattn")
+    handler = Collect(logging.WARNING)
+    logger.addHandler(handler)
     try:
-        with caplog.at_level(logging.WARNING, logger="hipattn"):
-            cache = DiskCache(directory)
-            compile_spec(SPEC, SM90, backend, cache)  # the entry already there: read, no compile
-            other = FAKE_FAMILY.spec(dtype="fp16", head_dim=64)
-            compile_spec(other, SM90, backend, cache)
-            compile_spec(other, SM90, backend, cache)
-        assert backend.compiles == 2
-        assert cache.readable and not cache.writable
-        assert len([m for m in warnings_in(caplog) if "read-only" in m]) == 1
+        backend = FakeBackend()
+        compile_spec(SPEC, SM90, backend, DiskCache(directory))
+        os.chmod(directory, 0o500)
+        cache = DiskCache(directory)
+        compile_spec(SPEC, SM90, backend, cache)  # the entry already there: read, no compile
+        other = FAKE_FAMILY.spec(dtype="fp16", head_dim=64)
+        compile_spec(other, SM90, backend, cache)
+        compile_spec(other, SM90, backend, cache)
+        return backend.compiles, cache.readable, cache.writable, os.geteuid(), [m for m in messages if "read-only" in m]
     finally:
-        directory.chmod(0o700)
+        logger.removeHandler(handler)
+
+
+def test_read_only_directory_serves_entries_and_keeps_new_ones_in_memory():
+    # Root writes into read-only directories, so under root this runs as an unprivileged user.
+    with unprivileged_directory() as home:
+        compiles, readable, writable, uid, read_only_warnings = run_unprivileged(
+            _compile_then_serve_read_only, os.path.join(home, "cache")
+        )
+    assert uid == unprivileged_uid() != 0
+    assert compiles == 2
+    assert readable and not writable
+    assert len(read_only_warnings) == 1
 
 
 def test_full_disk_warns_once_and_continues_in_memory(cache, backend, caplog, monkeypatch):
@@ -343,14 +361,15 @@ def test_publication_is_temp_file_then_rename(cache, backend, monkeypatch):
     renames = []
     real_replace = os.replace
 
-    def watching_replace(source, destination):
+    def watching_replace(source, destination, *, src_dir_fd, dst_dir_fd):
         # At the moment of publication the final name does not exist yet and the data sits,
-        # complete, in a hidden temporary file of the same directory.
-        assert not os.path.exists(destination)
-        assert os.path.dirname(source) == os.path.dirname(destination)
-        assert os.path.basename(source).startswith(".")
-        renames.append(os.path.getsize(source))
-        real_replace(source, destination)
+        # complete, in a hidden temporary file of the same directory (the one the cache holds open).
+        assert src_dir_fd == dst_dir_fd
+        assert destination not in os.listdir(dst_dir_fd)
+        assert os.sep not in source and os.sep not in destination
+        assert source.startswith(".")
+        renames.append(os.stat(source, dir_fd=src_dir_fd).st_size)
+        real_replace(source, destination, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(cache_module.os, "replace", watching_replace)
     compile_spec(SPEC, SM90, backend, cache)
@@ -361,7 +380,7 @@ def test_publication_is_temp_file_then_rename(cache, backend, monkeypatch):
 def test_clear_removes_entries_and_stray_temporary_files(cache, backend):
     compile_spec(SPEC, SM90, backend, cache)
     compile_spec(SPEC, Target.parse("sm_80"), backend, cache)
-    (cache.directory / f".{'cd' * 32}.123.abcd.tmp").write_bytes(b"half an entr")  # a killed writer's
+    (cache.directory / f".{'cd' * 32}.123.abcdef012345.tmp").write_bytes(b"half an entr")  # a killed writer's
     assert cache.clear() == 2
     assert list(cache.directory.iterdir()) == []
     assert cache.entries() == [] and cache.total_size() == 0

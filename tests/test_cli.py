@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from hipattn import catalog
+from hipattn import catalog, cli
+from hipattn.backends.base import CompiledKernel
 from hipattn.jit.cache import DiskCache
 from hipattn.jit.target import Target
 
@@ -57,8 +60,10 @@ def test_info_works_without_a_gpu(tmp_path):
     out = result.stdout
     for label in ("hipattn ", "nvrtc:", "hiprtc:", "backend:", "cache:"):
         assert label in out
-    assert f"cache:   {tmp_path / 'cache'} (writable; 0 entries, 0 B)" in out
+    assert f"cache:   {tmp_path / 'cache'} (not created yet; 0 entries, 0 B)" in out
     assert "Traceback" not in result.stderr
+    (tmp_path / "cache").mkdir(mode=0o700)
+    assert f"cache:   {tmp_path / 'cache'} (writable; 0 entries, 0 B)" in hipattn("info", cache_dir=tmp_path / "cache").stdout
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "gfx90a"])
@@ -127,3 +132,89 @@ def test_list_and_clear_an_empty_cache(tmp_path):
     assert listing.returncode == 0 and f"0 entries, 0 B in {cache_dir}" in listing.stdout
     cleared = hipattn("clear", cache_dir=cache_dir)
     assert cleared.returncode == 0 and f"removed 0 entries from {cache_dir}" in cleared.stdout
+
+
+# ---- what the commands must not do ---------------------------------------------------------------
+def test_list_info_and_clear_do_not_create_a_missing_cache_dir(tmp_path, capsys):
+    missing = tmp_path / "not" / "yet"
+    for command in ("list", "info", "clear"):
+        assert cli.main(["--cache-dir", str(missing), command]) == 0
+        assert not (tmp_path / "not").exists(), f"hipattn {command} created the cache dir"
+    assert "not created yet" in capsys.readouterr().out
+
+
+def test_clear_with_an_empty_cache_dir_is_refused_and_deletes_nothing(tmp_path):
+    (tmp_path / "thesis.hipattn").write_text("four years of work")
+    (tmp_path / ".report.docx.tmp").write_text("an autosave")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-m", "hipattn", "--cache-dir", "", "clear"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--cache-dir ''" in result.stderr
+    assert sorted(os.listdir(tmp_path)) == [".report.docx.tmp", "thesis.hipattn"]
+
+
+def test_list_escapes_control_characters_in_entry_metadata(tmp_path, capsys):
+    spec = next(iter(catalog.shipped_specs(Target.parse("sm_90"))))
+    DiskCache(tmp_path).put(
+        "ab" * 32,
+        CompiledKernel(b"binary", "_Z", ""),
+        {"spec": spec.canonical(), "family": spec.family.name, "arch": "sm_90\x1b]0;owned\x07",
+         "compiler": "nvrtc\r\nFAKE  ROW  FROM  A  FILE"},
+    )
+    assert cli.main(["--cache-dir", str(tmp_path), "list"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "\x07" not in out
+    assert "sm_90\\x1b]0;owned\\x07" in out and "nvrtc\\x0d\\x0aFAKE" in out
+    assert len(out.splitlines()) == 3  # the header, one row, the summary
+
+
+# ---- warm's workers ---------------------------------------------------------------------------------
+_POOL_PARENT = """
+import sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+from hipattn import catalog, cli
+from hipattn.jit.target import Target
+from support.slow_compile import record_pid_then_sleep
+target = Target.parse("sm_90")
+work = [(spec, target) for spec in list(catalog.shipped_specs(target))[:2]]
+cli.run_compile_pool(work, 2, {directory!r}, lambda *outcome: None, compile_one=record_pid_then_sleep)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as status:
+            return status.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_compile_workers_exit_when_warm_is_killed(tmp_path):
+    script = _POOL_PARENT.format(repo=str(REPO), tests=str(REPO / "tests"), directory=str(tmp_path))
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("worker-*"))) < 2:
+            assert parent.poll() is None, "the pool's parent exited on its own"
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.1)
+        workers = [int(path.name.split("-")[1]) for path in tmp_path.glob("worker-*")]
+        assert all(_alive(pid) for pid in workers)
+    finally:
+        parent.kill()  # SIGKILL: the pool gets no chance to shut its workers down
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in workers if _alive(pid)]
+    for pid in survivors:  # do not leave them behind on the unfixed code
+        os.kill(pid, signal.SIGKILL)
+    assert survivors == [], "compile workers outlived the killed parent"

@@ -25,6 +25,7 @@ import hipattn
 from hipattn import runtime
 from hipattn.arrays import DeviceArray, element_size, raw_array
 from hipattn.catalog import smallseq as smallseq_catalog
+from hipattn.errors import DriverError
 from hipattn.jit.cache import DiskCache
 from hipattn.jit.registry import Registry
 from hipattn.ops import smallseq
@@ -38,6 +39,17 @@ class RecordingBackend(FakeBackend):
     def __init__(self):
         super().__init__(device_arch="sm_90")
         self.enqueued: list[tuple] = []
+        self.devices_set: list[int] = []
+        self.pointer_devices: dict[int, int] = {}  # what the runtime knows; other pointers it does not
+
+    def set_device(self, device):
+        self.devices_set.append(device)
+
+    def pointer_device(self, ptr):
+        try:
+            return self.pointer_devices[ptr]
+        except KeyError:
+            raise DriverError("cuPointerGetAttribute(DEVICE_ORDINAL)", 1, "CUDA_ERROR_INVALID_VALUE") from None
 
     def memset_async(self, ptr, byte_value, nbytes, stream):
         self.enqueued.append(("memset_async", ptr, nbytes, stream))
@@ -91,6 +103,8 @@ class FakeDevice:
     def reset(self) -> None:
         self.backend.launches.clear()
         self.backend.enqueued.clear()
+        self.backend.devices_set.clear()
+        self.backend.pointer_devices.clear()
         self.runtime.requests = 0
 
     def work(self) -> list[tuple]:
@@ -255,6 +269,51 @@ def _same_head_dim(head_dim):
         "v": thd_array((TOTAL_K, HEADS_KV, head_dim), strides=kv_strides),
         "out": thd_array((TOTAL_Q, HEADS_Q, head_dim), strides=q_strides),
     }
+
+
+class CAI:
+    """A bare __cuda_array_interface__ producer (v2: no stream, no device attribute)."""
+
+    def __init__(self, ptr, shape, typestr="<f2"):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 2}
+
+
+def reversed_tokens(shape):
+    """A raw array whose token axis runs backwards (stride < 0) through fresh memory."""
+    tokens, heads, head_dim = shape
+
+    def make(m, _):
+        memory = m.array(shape)
+        row = heads * head_dim
+        return raw_array(memory.ptr + (tokens - 1) * row * 2, shape, "fp16", 0, strides=(-row, head_dim, 1))
+
+    return make
+
+
+FLASH_BOUNDS = {"max_seqlen_q": 64, "max_seqlen_k": 64}  # past the small-seq tile: the flash path
+
+
+def _workspace_bytes(call) -> int:
+    return hipattn.backward_workspace_bytes(call["q"], call["k"], call["v"], cu_seqlens_q=call["cu_seqlens_q"],
+                                            cu_seqlens_k=call["cu_seqlens_k"], **FLASH_BOUNDS)
+
+
+def cu_seqlens_with_room_below(m, _):
+    """cu_seqlens_q 256 bytes into a fresh 64 KiB range nothing else uses (room for a workspace)."""
+    return raw_array(m.array((1 << 16,), "uint8").ptr + 256, (BATCH + 1,), "int32", 0)
+
+
+def workspace_over_cu_seqlens_q(m, call):
+    return raw_array(call["cu_seqlens_q"].ptr - 256, (_workspace_bytes(call),), "uint8", 0)
+
+
+def read_only_workspace(m, call):
+    n = _workspace_bytes(call)
+    return DeviceArray(m.array((n,), "uint8").ptr, (n,), (1,), "uint8", 0, "cai", readonly=True)
+
+
+# batch 2^31 - 1 (mostly empty sequences) x 32 heads: more small-seq blocks than one launch may have
+HUGE_BATCH, MANY_HEADS = 2**31 - 1, 32
 
 
 CASES = [
@@ -449,6 +508,65 @@ CASES = [
          GUARDED, dv=lambda m, call: call["dk"]),
     case("dq pointer 8 bytes off", backward_thd, ValueError, "dq's data pointer", GUARDED,
          dq=thd_array(Q_SHAPE, offset=8)),
+    # null pointers from every kind of producer
+    case("CAI q at address 0", forward_thd, ValueError, "q has a null data pointer",
+         q=lambda m, _: CAI(0, Q_SHAPE)),
+    case("hand-built DeviceArray k at address 0", forward_thd, ValueError, "k has a null data pointer",
+         k=lambda m, _: DeviceArray(0, KV_SHAPE, (HEADS_KV * HEAD_DIM, HEAD_DIM, 1), "fp16", 0, "raw")),
+    # outputs and the workspace against the sequence arrays
+    case("out overlaps cu_seqlens_q", forward_thd, ValueError, "out overlaps cu_seqlens_q in memory", GUARDED,
+         out=lambda m, call: m.inside(call["cu_seqlens_q"], Q_SHAPE, "fp16")),
+    case("lse overlaps seqused_k", forward_bshd, ValueError, "lse overlaps seqused_k in memory", GUARDED,
+         seqused_k=thd_array((BATCH,), "int32"),
+         lse=lambda m, call: m.inside(call["seqused_k"], (BATCH, HEADS_Q, SEQLEN_Q), "fp32")),
+    case("dq overlaps cu_seqlens_k", backward_thd, ValueError, "dq overlaps cu_seqlens_k in memory", GUARDED,
+         dq=lambda m, call: m.inside(call["cu_seqlens_k"], Q_SHAPE, "fp16")),
+    case("workspace overlaps cu_seqlens_q", backward_thd, ValueError, "workspace overlaps cu_seqlens_q in memory",
+         GUARDED, cu_seqlens_q=cu_seqlens_with_room_below, workspace=workspace_over_cu_seqlens_q, **FLASH_BOUNDS),
+    case("read-only workspace", backward_thd, ValueError, "workspace is read-only", GUARDED,
+         workspace=read_only_workspace, **FLASH_BOUNDS),
+    # overlaps with strides of any sign, and outputs that overlap themselves
+    case("lse inside a reversed v", forward_thd, ValueError, "lse overlaps v in memory", GUARDED,
+         v=reversed_tokens(KV_SHAPE),  # its pointer is its last row: its memory lies below it
+         lse=lambda m, call: raw_array(call["v"].ptr - (TOTAL_K - 1) * HEADS_KV * HEAD_DIM * 2, (HEADS_Q, TOTAL_Q),
+                                       "fp32", 0)),
+    case("out whose rows overlap each other", forward_thd, ValueError, "some of its elements share memory", GUARDED,
+         out=thd_array(Q_SHAPE, strides=(HEAD_DIM, HEAD_DIM, 1))),
+    case("lse whose heads overlap each other", forward_thd, ValueError,
+         "lse has shape (4, 10) and strides (5, 1), so some of its elements share memory", GUARDED,
+         lse=thd_array((HEADS_Q, TOTAL_Q), "fp32", strides=(5, 1))),
+    # lse alignment
+    case("lse pointer 2 bytes off", forward_thd, ValueError, "is not aligned to its 4-byte fp32 elements", GUARDED,
+         lse=thd_array((HEADS_Q, TOTAL_Q), "fp32", offset=2)),
+    case("lse pointer 2 bytes off in backward", backward_thd, ValueError, "lse's data pointer",
+         lse=thd_array((HEADS_Q, TOTAL_Q), "fp32", offset=2)),
+    # softmax_scale must be a float32
+    case("softmax_scale beyond float32", forward_thd, ValueError, "softmax_scale 1e+39 does not fit in float32",
+         softmax_scale=1e39),
+    case("softmax_scale 10**400", varlen_api, ValueError, "does not fit in float32", softmax_scale=10**400),
+    case("softmax_scale that rounds to 0 in float32", forward_bshd, ValueError, "rounds to 0 in float32",
+         softmax_scale=1e-50),
+    # head counts and grids
+    case("zero query heads", forward_thd, ValueError, "q has 0 heads",
+         q=thd_array((TOTAL_Q, 0, HEAD_DIM)), out=thd_array((TOTAL_Q, 0, HEAD_DIM))),
+    case("zero query heads in backward", backward_thd, ValueError, "q has 0 heads",
+         q=thd_array((TOTAL_Q, 0, HEAD_DIM)), dout=thd_array((TOTAL_Q, 0, HEAD_DIM)),
+         out=thd_array((TOTAL_Q, 0, HEAD_DIM)), dq=thd_array((TOTAL_Q, 0, HEAD_DIM))),
+    case("query heads beyond 32-bit", forward_thd, ValueError, "heads_q is 2147483648; hipattn's kernels index",
+         q=thd_array((TOTAL_Q, 2**31, HEAD_DIM)), k=thd_array((TOTAL_K, 2**31, HEAD_DIM)),
+         v=thd_array((TOTAL_K, 2**31, HEAD_DIM))),
+    case("small-seq grid beyond 2**31 - 1 blocks", forward_thd, ValueError, "one launch takes at most 2147483647",
+         GUARDED, cu_seqlens_q=thd_array((HUGE_BATCH + 1,), "int32"), cu_seqlens_k=thd_array((HUGE_BATCH + 1,), "int32"),
+         q=thd_array((TOTAL_Q, MANY_HEADS, HEAD_DIM)), k=thd_array((TOTAL_K, MANY_HEADS, HEAD_DIM)),
+         v=thd_array((TOTAL_K, MANY_HEADS, HEAD_DIM)), out=thd_array((TOTAL_Q, MANY_HEADS, HEAD_DIM)),
+         lse=thd_array((MANY_HEADS, TOTAL_Q), "fp32")),
+    # field widths and the types of flash-attn's scalars
+    case("stream handle wider than 64 bits", forward_thd, ValueError, "wider than 64 bits", GUARDED, stream=2**64),
+    case("dropout_p as a string", varlen_api, TypeError, "dropout_p must be a host number, got '0'", dropout_p="0"),
+    case("softcap as an array", batch_api, TypeError, "softcap must be a host number, got DeviceArray",
+         softcap=thd_array((1,), "fp32")),
+    case("window_size of strings", varlen_api, TypeError, "window_size must be a pair of ints",
+         window_size=("-1", "-1")),
 ]
 
 
@@ -639,3 +757,41 @@ def test_numpy_scalars_are_valid_causal_and_softmax_scale(fake):
     forward_thd(Memory(), causal=np.bool_(True), softmax_scale=np.float32(0.125))
     assert len(fake.backend.launches) == 1
     assert fake.backend.launches[0][-1].softmax_scale == 0.125
+
+
+
+def test_numpy_bools_are_valid_deterministic_as_for_causal(fake):
+    backward_thd(Memory(), deterministic=np.bool_(True), causal=np.bool_(False))
+    assert len(fake.backend.launches) == 1
+
+
+# ---- arrays whose producer names no device ------------------------------------------------------------
+
+
+def test_arrays_of_unknown_device_follow_the_others_and_minus_one_never_reaches_the_runtime(fake):
+    m = Memory()
+    forward_thd(m, q=lambda m, _: CAI(m.array(Q_SHAPE).ptr, Q_SHAPE), k=thd_array(KV_SHAPE, device=1),
+                v=thd_array(KV_SHAPE, device=1), cu_seqlens_q=thd_array((BATCH + 1,), "int32", device=1),
+                cu_seqlens_k=thd_array((BATCH + 1,), "int32", device=1),
+                out=lambda m, _: CAI(m.array(Q_SHAPE).ptr, Q_SHAPE), lse=thd_array((HEADS_Q, TOTAL_Q), "fp32", device=1))
+    assert len(fake.backend.launches) == 1
+    assert fake.backend.devices_set == [1, 0]  # into device 1 for the call, and back
+
+
+def test_the_runtime_is_asked_where_a_pointer_lives_when_its_producer_does_not_say(fake):
+    m = Memory()
+    q = m.array(Q_SHAPE)
+    fake.backend.pointer_devices[q.ptr] = 1
+    with pytest.raises(ValueError, match="k is on device 0 but q is on device 1"):
+        forward_thd(m, q=lambda m, _: CAI(q.ptr, Q_SHAPE))
+    assert fake.work() == [] and -1 not in fake.backend.devices_set
+
+
+def test_arrays_none_of_which_knows_its_device_are_refused_before_anything_runs(fake):
+    def unknown(shape, dtype="<f2"):
+        return lambda m, _: CAI(m.array(shape, "int32" if dtype == "<i4" else "fp16").ptr, shape, dtype)
+
+    with pytest.raises(ValueError, match="cannot tell which device the arrays live on"):
+        forward_thd(Memory(), q=unknown(Q_SHAPE), k=unknown(KV_SHAPE), v=unknown(KV_SHAPE),
+                    cu_seqlens_q=unknown((BATCH + 1,), "<i4"), cu_seqlens_k=unknown((BATCH + 1,), "<i4"))
+    assert fake.work() == [] and fake.backend.devices_set == []

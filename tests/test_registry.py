@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
 from support.fake_backend import FAKE_FAMILY, FakeBackend
 
-from hipattn.errors import CompileError, HipattnError
+from hipattn.backends.base import CompiledKernel
+from hipattn.errors import CompileError, DriverError, HipattnError
 from hipattn.jit.cache import DiskCache
-from hipattn.jit.registry import LoadedKernel, Registry, compile_spec
+from hipattn.jit.registry import LoadedKernel, Registry, compile_inputs, compile_spec
 from hipattn.jit.target import Target
 
 SPEC = FAKE_FAMILY.spec(dtype="bf16", head_dim=64)
@@ -139,3 +141,51 @@ def test_shared_memory_reservation_reaches_the_backend_only_when_it_grows(cache)
     for nbytes in (64 << 10, 32 << 10, 64 << 10, 96 << 10):
         kernel.reserve_dynamic_shared_memory(nbytes)
     assert backend.calls.count("set_max_dynamic_shared_memory") == 2
+
+
+class RefusesBinaries(FakeBackend):
+    """A backend whose runtime will not load binaries that start with ``refused``."""
+
+    def __init__(self, refused: bytes = b"stale"):
+        super().__init__()
+        self.refused = refused
+
+    def load_function(self, binary: bytes, lowered_name: str):
+        if binary.startswith(self.refused):
+            self._record("load_function")
+            raise DriverError("cuModuleLoadData", 200, "CUDA_ERROR_INVALID_IMAGE")
+        return super().load_function(binary, lowered_name)
+
+
+def test_cached_binary_that_fails_to_load_is_discarded_and_rebuilt(cache, caplog):
+    backend = RefusesBinaries()
+    key = compile_inputs(SPEC, backend.device_target(0), backend).key
+    stale = CompiledKernel(binary=b"stale binary that verifies", lowered_name="_Zstale", log="")
+    cache.put(key, stale, {"spec": SPEC.canonical(), "family": SPEC.family.name, "arch": "sm_90"})
+    registry = Registry(backend, cache)
+    with caplog.at_level(logging.WARNING, logger="hipattn"):
+        kernel = registry.get_kernel(SPEC, 0)
+    assert kernel.function[1].startswith(b"sm_90|")
+    assert backend.compiles == 1 and registry.compile_count == 1
+    assert any("does not load" in r.getMessage() for r in caplog.records)
+    # The rebuilt entry replaced the stale one: a new process loads it without compiling.
+    fresh_backend = RefusesBinaries()
+    Registry(fresh_backend, DiskCache(cache.directory)).get_kernel(SPEC, 1)
+    assert fresh_backend.compiles == 0
+
+
+def test_fresh_binary_that_fails_to_load_too_raises(cache):
+    backend = RefusesBinaries(refused=b"")  # every binary
+    key = compile_inputs(SPEC, backend.device_target(0), backend).key
+    cache.put(key, CompiledKernel(b"stale", "_Zstale", ""), {"spec": SPEC.canonical(), "family": SPEC.family.name,
+                                                              "arch": "sm_90"})
+    with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_IMAGE"):
+        Registry(backend, cache).get_kernel(SPEC, 0)
+    assert backend.compiles == 1 and backend.calls.count("load_function") == 2
+
+
+def test_a_load_failure_of_a_fresh_compile_is_not_retried(cache):
+    backend = RefusesBinaries(refused=b"")
+    with pytest.raises(DriverError):
+        Registry(backend, cache).get_kernel(SPEC, 0)
+    assert backend.compiles == 1 and backend.calls.count("load_function") == 1

@@ -186,3 +186,30 @@ def test_torch_compile_traces_around_the_opaque_ops_and_matches_eager(kernels):
     torch.testing.assert_close(loss, step(q, k, v))
     for grad, t in zip(grads, (q, k, v), strict=True):
         torch.testing.assert_close(grad, t.grad)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"max_seqlen_q": 5.5}, TypeError, "max_seqlen_q must be a host int"),
+        ({"max_seqlen_k": "9"}, TypeError, "max_seqlen_k must be a host int"),
+        ({"causal": 1}, TypeError, "causal must be a bool, got 1"),
+        ({"deterministic": "yes"}, TypeError, "deterministic must be a bool, got 'yes'"),
+        ({"dropout_p": "0"}, TypeError, "dropout_p must be a host number"),
+    ],
+    ids=["float max_seqlen_q", "str max_seqlen_k", "int causal", "str deterministic", "str dropout_p"],
+)
+def test_odd_host_scalars_are_named_before_the_op_schema_sees_them(kernels, change, error, message):
+    q, k, v, cu_q, cu_k = _varlen([3, 2], [1, 4])
+    arguments = {"max_seqlen_q": 3, "max_seqlen_k": 4, **change}
+    with pytest.raises(error, match=message):
+        hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, **arguments)
+    assert kernels.forward_calls == 0
+
+
+def test_numpy_bools_pass_as_causal_and_deterministic(kernels):
+    import numpy as np
+
+    q, k, v, cu_q, cu_k = _varlen([3, 2], [1, 4])
+    hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, causal=np.bool_(True), deterministic=np.bool_(False))
+    assert kernels.forward_calls == 1

@@ -9,13 +9,13 @@ raises ``DriverError`` naming the call; compile failures raise ``CompileError`` 
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .. import env
 from ..errors import CompileError
 from ..jit.target import Target
 
@@ -31,7 +31,7 @@ class CompiledKernel:
 
 def compile_error(spec_text: str, target: Target, options: tuple[str, ...], log: str, source: str) -> CompileError:
     """The CompileError both backends raise; the instantiated source rides along under HIPATTN_DUMP_SOURCE=1."""
-    dump = os.environ.get("HIPATTN_DUMP_SOURCE", "") not in ("", "0")
+    dump = env.flag("HIPATTN_DUMP_SOURCE", False)
     return CompileError(spec_text, str(target), options, log, source if dump else None)
 
 
@@ -134,6 +134,11 @@ class Backend(ABC):
     @abstractmethod
     def set_device(self, device: int) -> None:
         """Make ``device`` current on the calling thread (its primary context, shared with the frameworks)."""
+
+    @abstractmethod
+    def pointer_device(self, ptr: int) -> int:
+        """The ordinal of the device ``ptr`` was allocated on or registered with; DriverError when the
+        runtime does not know the pointer. Asked only for arrays whose producer names no device."""
 
     # ---- modules and launches (on the current device) -------------------------------------------
     @abstractmethod

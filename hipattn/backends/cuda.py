@@ -248,6 +248,14 @@ class CudaBackend(Backend):
         if result:
             raise self._error("cuCtxSetCurrent", result)
 
+    def pointer_device(self, ptr: int) -> int:
+        self._ensure_initialized()
+        ordinal = self._check(
+            "cuPointerGetAttribute(DEVICE_ORDINAL)",
+            self._driver.cuPointerGetAttribute(self._driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
+        )
+        return int(ordinal)
+
     def _make_context_current(self) -> None:
         """Calls that need a context (module load, allocation) get the current or device 0's primary one."""
         self.get_device()

@@ -273,6 +273,10 @@ class HipBackend(Backend):
         if result:
             raise self._error("hipSetDevice", result)
 
+    def pointer_device(self, ptr: int) -> int:
+        attributes = self._check("hipPointerGetAttributes", self._hip.hipPointerGetAttributes(ptr))
+        return int(attributes.device)
+
     # ---- modules and launches -----------------------------------------------------------------------
     def load_function(self, binary: bytes, lowered_name: str) -> Any:
         module = self._check("hipModuleLoadData", self._hip.hipModuleLoadData(binary))

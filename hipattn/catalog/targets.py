@@ -61,4 +61,4 @@ def check_grid(target: Target, blocks: int, threads: int, what: str) -> None:
     """ValueError, before anything is enqueued, when ``blocks`` of ``what`` exceed the grid's limit."""
     limit = max_blocks(target, threads)
     if blocks > limit:
-        raise ValueError(f"{blocks} {what} exceed the device's grid limit of {limit} blocks; split the batch")
+        raise ValueError(f"the call needs {blocks} {what}; one launch takes at most {limit}: split the batch")

@@ -19,7 +19,7 @@ from typing import Any
 from ..backends.base import Backend, CompiledKernel
 from ..errors import HipattnError
 from . import sources
-from .cache import DiskCache, cache_key, default_cache
+from .cache import DiskCache, cache_key, default_cache, printable
 from .params import ParamsStruct
 from .spec import KernelSpec
 from .target import Target
@@ -132,15 +132,22 @@ def _check_compilable(spec: KernelSpec, target: Target, backend: Backend) -> Non
 
 
 def fetch_or_compile(
-    spec: KernelSpec, target: Target, backend: Backend, cache: DiskCache
+    spec: KernelSpec, target: Target, backend: Backend, cache: DiskCache, *, refresh: bool = False
 ) -> tuple[CompiledKernel, bool]:
-    """(compiled kernel, whether it was compiled now rather than read from the cache)."""
+    """(compiled kernel, whether it was compiled now rather than read from the cache).
+
+    ``refresh`` discards what the cache holds for ``spec`` and compiles afresh: for an entry that
+    verified but whose binary the runtime would not load.
+    """
     _check_compilable(spec, target, backend)
     inputs = compile_inputs(spec, target, backend)
-    compiled = cache.get(inputs.key, arch=target.arch)
-    if compiled is not None:
-        logger.debug("disk cache hit %s for %s (%s)", spec, target.arch, inputs.key[:12])
-        return compiled, False
+    if refresh:
+        cache.discard(inputs.key)
+    else:
+        compiled = cache.get(inputs.key, arch=target.arch)
+        if compiled is not None:
+            logger.debug("disk cache hit %s for %s (%s)", spec, target.arch, inputs.key[:12])
+            return compiled, False
     start = time.perf_counter()
     compiled = backend.compile(
         inputs.source, inputs.headers, inputs.name_expression, target, inputs.options, spec.canonical()
@@ -191,8 +198,9 @@ class Registry:
         self._backend = backend
         self._cache = cache
         self._loaded: dict[tuple[KernelSpec, int], LoadedKernel] = {}
-        # Binaries by (spec, arch), so a second device of the same arch skips even the disk read.
-        self._compiled: dict[tuple[KernelSpec, str], CompiledKernel] = {}
+        # Binaries by (spec, arch), so a second device of the same arch skips even the disk read;
+        # with whether each came from the disk cache (which a load failure then discards).
+        self._compiled: dict[tuple[KernelSpec, str], tuple[CompiledKernel, bool]] = {}
         self._lock = threading.Lock()
         self._inflight: dict[tuple[KernelSpec, Any], threading.Lock] = {}
         self.compile_count = 0  # backend.compile calls made through this registry
@@ -231,9 +239,21 @@ class Registry:
                 return kernel
             backend = self.backend
             target = backend.device_target(device)
-            compiled = self.compile_spec(spec, target)
+            compiled, from_disk = self._binary(spec, target)
             start = time.perf_counter()
-            function = backend.load_function(compiled.binary, compiled.lowered_name)
+            try:
+                function = backend.load_function(compiled.binary, compiled.lowered_name)
+            except Exception as error:
+                if not from_disk:
+                    raise
+                # An entry can verify and still not load (written by a broken compiler, a runtime
+                # that changed under it): no call may fail because of the cache, so rebuild it once.
+                logger.warning(
+                    "hipattn cache: the cached binary of %s for %s does not load (%s); discarding it and "
+                    "compiling afresh", spec, target.arch, printable(error),
+                )
+                compiled = self._rebuild(spec, target)
+                function = backend.load_function(compiled.binary, compiled.lowered_name)
             logger.debug(
                 "loaded %s on device %d (%s) in %.3f s",
                 spec,
@@ -257,19 +277,33 @@ class Registry:
 
     def compile_spec(self, spec: KernelSpec, target: Target) -> CompiledKernel:
         """The binary of ``spec`` for ``target`` through this registry's backend and cache."""
+        return self._binary(spec, target)[0]
+
+    def _binary(self, spec: KernelSpec, target: Target) -> tuple[CompiledKernel, bool]:
+        """(binary, whether it came from the disk cache rather than this process's compiler)."""
         slot = (spec, target.arch)
-        compiled = self._compiled.get(slot)
-        if compiled is not None:
-            return compiled
+        known = self._compiled.get(slot)
+        if known is not None:
+            return known
         with self._slot_lock(slot):
-            compiled = self._compiled.get(slot)
-            if compiled is not None:
-                return compiled
+            known = self._compiled.get(slot)
+            if known is not None:
+                return known
             compiled, fresh = fetch_or_compile(spec, target, self.backend, self.cache)
             with self._lock:
                 if fresh:
                     self.compile_count += 1
-                self._compiled[slot] = compiled
+                self._compiled[slot] = known = (compiled, not fresh)
+            return known
+
+    def _rebuild(self, spec: KernelSpec, target: Target) -> CompiledKernel:
+        """Discard the cached binary of ``spec`` for ``target`` and compile it afresh."""
+        slot = (spec, target.arch)
+        with self._slot_lock(slot):
+            compiled, _ = fetch_or_compile(spec, target, self.backend, self.cache, refresh=True)
+            with self._lock:
+                self.compile_count += 1
+                self._compiled[slot] = (compiled, False)
             return compiled
 
     def _slot_lock(self, slot: tuple[KernelSpec, Any]) -> threading.Lock:

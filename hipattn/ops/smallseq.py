@@ -8,9 +8,8 @@ from host-known facts only (batch and heads), so a call can be captured into a g
 from __future__ import annotations
 
 import functools
-import os
 
-from .. import runtime
+from .. import env, runtime
 from ..catalog import smallseq
 from ..catalog.smallseq import SMALLSEQ_HEAD_DIMS, SMALLSEQ_TILE, SmallSeqTiles
 from ..catalog.targets import check_grid
@@ -20,8 +19,9 @@ from .fields import forward_fields, put_row_statistic, put_tensor, sequence_fiel
 
 # HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) kernels, forward
 # and backward, on a GPU that has the tensor-core ones: for A/B comparisons and to test both on one
-# machine.
+# machine. "auto" (the default) takes the tensor-core kernels where the GPU has them.
 KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"
+KERNEL_CHOICES = ("auto", "portable")
 
 
 def ineligibility(problem: Problem) -> str | None:
@@ -37,7 +37,9 @@ def ineligibility(problem: Problem) -> str | None:
 
 
 def _portable_forced() -> bool:
-    return os.environ.get(KERNEL_SWITCH) == "portable"  # read per call: a change applies at once
+    # Read per call (a change applies at once), before the device is asked anything, so a typo in the
+    # switch is reported whatever the GPU.
+    return env.choice(KERNEL_SWITCH, KERNEL_CHOICES, "auto") == "portable"
 
 
 # Specs are frozen and few (one per row, dtype, head_dim and heads in use): each is built once, so a
@@ -48,11 +50,13 @@ def _spec(tiles: SmallSeqTiles, dtype: str, head_dim: int, heads: int) -> Kernel
 
 
 def _launch(tiles: SmallSeqTiles, problem: Problem, problems: int, fields: dict, stream: int) -> None:
-    """Launch ``tiles``' kernel over ``problems`` problems; the row says how its teams cover them."""
+    """Launch ``tiles``' kernel over ``problems`` problems; the row says how its teams cover them. The
+    grid is checked before the kernel is loaded, so a call too large for one launch enqueues and
+    compiles nothing."""
     active = runtime.active()
-    group = problem.heads_q // problem.heads_kv
-    launch = tiles.launch(problems, problem.head_dim, group)
-    check_grid(active.target(problem.device), launch.blocks, launch.threads, "small-seq blocks")
+    launch = tiles.launch(problems, problem.head_dim, problem.heads_q // problem.heads_kv)
+    check_grid(active.target(problem.device), launch.blocks, launch.threads,
+               f"blocks of small-seq work for batch {problem.batch}")
     kernel = active.kernel(_spec(tiles, problem.dtype, problem.head_dim, problem.heads_q), problem.device)
     if launch.problems_per_team is not None:
         fields["problems_per_team"] = launch.problems_per_team
@@ -67,10 +71,10 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     problems = problem.batch * problem.heads_q
     if problems == 0:
         return  # batch 0: nothing to read or write
+    portable = _portable_forced()
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     target = runtime.active().target(problem.device)
-    _launch(smallseq.forward_tiles(problem.head_dim, target, portable=_portable_forced()), problem, problems,
-            fields, stream)
+    _launch(smallseq.forward_tiles(problem.head_dim, target, portable=portable), problem, problems, fields, stream)
 
 
 def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
@@ -80,6 +84,7 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
     problems = problem.batch * problem.heads_kv
     if problems == 0:
         return
+    portable = _portable_forced()
     fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     layout = problem.layout
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -87,5 +92,5 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
     put_row_statistic(fields, "lse", lse, problem)
     target = runtime.active().target(problem.device)
     tiles = smallseq.backward_tiles(problem.head_dim, target, group=problem.heads_q // problem.heads_kv,
-                                    portable=_portable_forced())
+                                    portable=portable)
     _launch(tiles, problem, problems, fields, stream)
