@@ -206,11 +206,6 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def is_contiguous_last_dim(array: DeviceArray) -> bool:
-    """True when the last axis has unit stride (or extent <= 1): what vectorised loads need."""
-    return array.ndim == 0 or array.strides[-1] == 1 or array.shape[-1] <= 1
-
-
 def raw_array(
     ptr: int,
     shape: Sequence[int],

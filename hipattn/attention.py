@@ -240,23 +240,7 @@ def backward(
     lsea = arrays.as_device_array(lse, "lse", stream=consumer)
     if UNKNOWN_DEVICE in (douta.device, outa.device, lsea.device):
         douta, outa, lsea = _settle_devices((douta, outa, lsea), problem.device)
-    for a, name in ((douta, "dout"), (outa, "out")):
-        if a.dtype != qa.dtype:
-            raise TypeError(f"{name} has dtype {a.dtype}; expected q's {qa.dtype}")
-        if tuple(a.shape) != tuple(qa.shape):
-            raise ValueError(f"{name} has shape {a.shape}; expected q's {qa.shape}")
-        if a.device != problem.device:
-            raise ValueError(f"{name} is on device {a.device} but q is on device {problem.device}")
-        if a.strides[-1] != 1 and a.shape[-1] > 1:
-            raise ValueError(f"{name} has strides {a.strides}; its last dimension (head_dim) must be contiguous (stride 1)")
-        problem_mod.check_alignment(a, name, problem.layout)
-    problem_mod.check_dtype(lsea, "lse", ("fp32",))
-    if lsea.device != problem.device:
-        raise ValueError(f"lse is on device {lsea.device} but q is on device {problem.device}")
-    expected_lse = problem_mod.lse_shape(problem)
-    if tuple(lsea.shape) != expected_lse or lsea.strides[-1] != 1:
-        raise ValueError(f"lse has shape {lsea.shape}; expected {expected_lse} fp32, last dimension contiguous")
-    problem_mod.check_row_statistic_alignment(lsea, "lse")
+    problem_mod.check_backward_inputs(problem, qa, douta, outa, lsea)
     deterministic = problem_mod.check_bool(deterministic, "deterministic")
     path = dispatch.choose_path(problem, "backward")
     more_inputs = ((douta, "dout"), (outa, "out"), (lsea, "lse"))

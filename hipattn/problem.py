@@ -51,11 +51,6 @@ def _dims(a: DeviceArray, name: str, layout: str) -> tuple[int, int, int, int]:
     return (1, *a.shape) if layout == THD else tuple(a.shape)
 
 
-def strides_bthd(a: DeviceArray, layout: str) -> tuple[int, int, int]:
-    """(batch, token, head) element strides; THD data is one batch with batch stride 0."""
-    return (0, a.strides[0], a.strides[1]) if layout == THD else (a.strides[0], a.strides[1], a.strides[2])
-
-
 def check_dtype(a: DeviceArray, name: str, expected: tuple[str, ...]) -> None:
     if a.dtype not in expected:
         raise TypeError(f"{name} has dtype {a.dtype}; hipattn supports {' and '.join(expected)} here")
@@ -229,6 +224,29 @@ def describe(
 # The kernels take token counts, batch and bounds as 32-bit ints (ctypes would wrap larger values
 # silently, and a negative total would make every sequence look empty).
 _INT32_MAX = 2**31 - 1
+
+
+def check_backward_inputs(problem: Problem, q: DeviceArray, dout: DeviceArray, out: DeviceArray,
+                          lse: DeviceArray) -> None:
+    """The backward's further inputs: dout and out like q (dtype, shape, device, layout, alignment),
+    and the forward's fp32 lse in flash-attn's layout."""
+    for a, name in ((dout, "dout"), (out, "out")):
+        if a.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {a.dtype}; expected q's {q.dtype}")
+        if tuple(a.shape) != tuple(q.shape):
+            raise ValueError(f"{name} has shape {a.shape}; expected q's {q.shape}")
+        if a.device != problem.device:
+            raise ValueError(f"{name} is on device {a.device} but q is on device {problem.device}")
+        if a.strides[-1] != 1 and a.shape[-1] > 1:
+            raise ValueError(f"{name} has strides {a.strides}; its last dimension (head_dim) must be contiguous (stride 1)")
+        check_alignment(a, name, problem.layout)
+    check_dtype(lse, "lse", ("fp32",))
+    if lse.device != problem.device:
+        raise ValueError(f"lse is on device {lse.device} but q is on device {problem.device}")
+    expected = lse_shape(problem)
+    if tuple(lse.shape) != expected or lse.strides[-1] != 1:
+        raise ValueError(f"lse has shape {lse.shape}; expected {expected} fp32, last dimension contiguous")
+    check_row_statistic_alignment(lse, "lse")
 
 
 def _check_fits_int32(**counts: int) -> None:

@@ -16,7 +16,6 @@ from hipattn.arrays import (
     as_device_array,
     element_size,
     empty,
-    is_contiguous_last_dim,
     raw_array,
 )
 from hipattn.streams import launch_device
@@ -147,9 +146,6 @@ def test_raw_array_defaults_to_c_contiguous_and_validates():
 
 def test_helpers():
     assert element_size("bf16") == 2 and element_size("int64") == 8
-    assert is_contiguous_last_dim(raw_array(0x10, (2, 3), "fp16", 0))
-    assert not is_contiguous_last_dim(raw_array(0x10, (2, 3), "fp16", 0, strides=(1, 2)))
-    assert is_contiguous_last_dim(raw_array(0x10, (2, 1), "fp16", 0, strides=(1, 2)))
     assert as_device_array(raw_array(0x10, (1,), "fp16", 0), "q").ptr == 0x10
 
 
