@@ -1,6 +1,6 @@
 """Low-level forward and backward on device arrays, with optional caller-provided outputs.
 
-The path of one call (DESIGN.md): describe and validate on the host; make the arrays' device
+The path of one call (docs/ARCHITECTURE.md): describe and validate on the host; make the arrays' device
 current, *then* take the stream; dispatch; allocate missing outputs in the inputs' framework;
 enqueue. Nothing synchronizes, so the call can be captured into a CUDA/HIP graph.
 """

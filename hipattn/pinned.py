@@ -1,7 +1,7 @@
 """Pinned host buffers whose reuse is ordered by the stream, and host functions that survive graphs.
 
 A pinned block used by an async copy may be reused only after that copy has run. The pool's rule
-(DESIGN.md, stream-async workspace): ``release_after(stream, *blocks)`` enqueues a host function at
+(docs/ARCHITECTURE.md, "The varlen preparation"): ``release_after(stream, *blocks)`` enqueues a host function at
 the stream's tail; the blocks return to the free list once it has run, i.e. once everything
 enqueued before it on that stream has run.
 
@@ -22,8 +22,8 @@ the user destroys the graph.
 pointer is one module-level trampoline, alive for the process; a per-call id passed as user data
 finds the Python callable in a registry. Entries launched outside capture are dropped after they
 ran; entries captured into a graph are kept forever, since a graph may replay them at any time
-(the bugs this avoids: cupy#9274 dropped the callable after the first run, so only the first
-replay fired; ROCm/rocm-libraries#8262 freed a self-deleting closure, crashing the second replay).
+(the bugs this avoids, both seen in other libraries: a binding that drops the callable after its
+first run makes only the first replay fire; a self-deleting closure crashes the second replay).
 A Python host function needs the GIL on the callback thread: while one is pending, the main
 thread must not block on the stream while holding the GIL.
 """

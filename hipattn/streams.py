@@ -1,9 +1,9 @@
 """Which device and which stream one call launches on.
 
-The order is the contract (DESIGN.md, "Device, then stream"): find the arrays' device, make it
+The order is the contract (docs/ARCHITECTURE.md, "The path of one call"): find the arrays' device, make it
 current, and only then take the stream. A framework's "current stream" is per device, so asking
 before the guard returns the stream of whatever device happened to be current, and the work is
-enqueued on a stream of the wrong device (the bug the seed review caught)::
+enqueued on a stream of the wrong device::
 
     arrays = [as_device_array(q, "q", stream=explicit), ...]
     device = launch_device(arrays)

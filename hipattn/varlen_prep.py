@@ -1,4 +1,5 @@
-"""Stream-async preparation of the varlen backward's work list (DESIGN.md, seed 000_2d4a19ef11f4b7a1).
+"""Stream-async preparation of the varlen backward's work list (docs/ARCHITECTURE.md, "The varlen
+preparation").
 
 The records (hipattn.varlen_metadata) are derived from ``cu_seqlens`` (and ``seqused``, when given),
 which live on the device, and the host must not block to read them. Two ways, both enqueued on the
@@ -8,7 +9,7 @@ alike:
 - ``prepare_varlen_metadata_on_device``: one launch of the ``varlen_records`` kernel
   (kernels/flash/varlen_records.hip; one block walks the batch with a block-wide scan). No pinned
   memory, no host function, nothing special under graph capture.
-- ``prepare_varlen_metadata_async``, the host path (the seed's design):
+- ``prepare_varlen_metadata_async``, the host path:
 
   1. async copies: ``cu_seqlens_q``, ``cu_seqlens_k`` (and ``seqused_q``/``seqused_k``), device ->
      pinned block A;

@@ -18,7 +18,7 @@ from hipattn.jit.cache import DiskCache
 from hipattn.jit.target import Target
 
 REPO = Path(__file__).resolve().parent.parent
-# Debian's ROCm 5.2 hiprtc, linked into a ROCM_PATH-shaped folder (PLATFORM_NOTES.md).
+# Debian's ROCm 5.2 hiprtc, linked into a ROCM_PATH-shaped folder (as .ci/run makes it).
 ROCM52 = Path("/opt/rocm52")
 
 

@@ -4,7 +4,7 @@
     python -m tools.bench_flash --peers hipattn,hipattn@128x64x1x2 --no-backward   # a forward tile sweep
     python -m tools.bench_flash --peers hipattn@w128x1x1,hipattn@w64x2x2 --no-backward  # wgmma tiles (sm_90a)
 
-Workloads (issues 4 and 5): bf16, head_dim 128, 16 heads, 16k tokens per batch. Batch mode: BSHD with
+Workloads: bf16, head_dim 128, 16 heads, 16k tokens per batch. Batch mode: BSHD with
 B = 16384 / S for S in 512 .. 16384. Varlen: the same 16k tokens split into sequences of lengths
 drawn uniformly from 128..4096 (fixed seed), THD. Causal and not. FLOPs of the forward: 4 * H * D
 per visible (query, key) pair (4 * B * H * S^2 * D, about halved when causal); forward + backward

@@ -2,7 +2,7 @@
 
     python -m tools.bench_smallseq --out bench_smallseq.json
 
-Workloads (issue 3): THD, bf16, query and key lengths drawn independently and uniformly from
+Workloads: THD, bf16, query and key lengths drawn independently and uniformly from
 1..17. For each: the floor is the bytes that must move (Q, K, V read, O and LSE written, real tokens
 only; backward reads Q, K, V, O, dO, LSE and writes dQ, dK, dV) divided by the device-to-device copy
 bandwidth measured in the same run. Peers: torch SDPA's flash, cuDNN and efficient backends on the

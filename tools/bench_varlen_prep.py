@@ -1,10 +1,10 @@
-"""How the varlen backward's work list is prepared, timed on many small back-to-back calls (issue 5).
+"""How the varlen backward's work list is prepared, timed on many small back-to-back calls.
 
     python -m tools.bench_varlen_prep --out bench_varlen_prep.json
 
 Three ways, on the same calls: ``device`` (a one-block kernel derives the records on the stream),
-``host`` (the seed's design: cu_seqlens copied to pinned memory, a host function packs the records,
-copied back; nothing blocks the host), and ``sync`` (the seed's "before": cu_seqlens copied to the
+``host`` (cu_seqlens copied to pinned memory, a host function packs the records,
+copied back; nothing blocks the host), and ``sync`` (what the stream-async preparation replaces: cu_seqlens copied to the
 host with a blocking copy before each call, as a launcher that packs on the host would). Each call
 is a varlen backward of 32 sequences of 16..512 tokens (8 heads, head_dim 64, bf16, new cu_seqlens
 contents every call); the figure is the wall time per call over 300 back-to-back calls, and the
@@ -51,7 +51,7 @@ def main() -> None:
     def call(i: int, way: str) -> None:
         cu = cu_seqlens[i % CALLS]
         if way == "sync":
-            cu.cpu()  # the blocking copy of the seed's "before"
+            cu.cpu()  # the blocking copy the stream-async preparation replaces
         hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu, cu_seqlens_k=cu, **bounds)
 
     rows = []

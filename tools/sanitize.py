@@ -1,4 +1,4 @@
-"""Every kernel family hipattn ships, on small inputs, for compute-sanitizer (issue 6).
+"""Every kernel family hipattn ships, on small inputs, for compute-sanitizer.
 
     python -m tools.sanitize                                        # warm the cache; guard checks
     compute-sanitizer --tool memcheck python -m tools.sanitize      # and racecheck, initcheck, synccheck
@@ -264,7 +264,7 @@ def build_cases(quick: bool = False) -> list[Case]:
             cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}", cu_seqlens_q=bad_q[name],
                               cu_seqlens_k=bad_k[name], adversarial=True, **base))
     # The flash backward, called directly, THD with its work list: key lengths across the dK/dV
-    # tiles (128 keys, or 64 at head_dim 128 off Hopper: families.flash_backward_tiles), both dQ schedules, the
+    # tiles (128 keys, or 64 at head_dim 128 off Hopper: catalog.flash_backward.tiles_for), both dQ schedules, the
     # work list from the kernel and from the host path, the device's dK/dV kernel and the mma.sync one;
     # then adversarial descriptions.
     backward_q = cumulative([0, 1, 90, 33])

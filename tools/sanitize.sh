@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run tools/sanitize.py under compute-sanitizer's four tools, one after the other (issue 6).
+# Run tools.sanitize under compute-sanitizer's four tools, one after the other.
 #
-#   tools/sanitize.sh [--quick] [other tools/sanitize.py options]
+#   tools/sanitize.sh [--quick] [other tools.sanitize options]
 #
 # First a plain run (compiles every kernel into the disk cache and runs the guard checks), then
 # memcheck, racecheck, initcheck and synccheck. Logs go to $SANITIZE_LOG_DIR (default

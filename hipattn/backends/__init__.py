@@ -51,7 +51,7 @@ def _sees_a_device(name: str) -> bool:
         from .cuda import driver_library_present
 
         # Ask the dynamic loader first: calling into cuda-bindings without libcuda raises from its
-        # loader, and higher layers on it have hung on a second attempt (PLATFORM_NOTES).
+        # loader, and higher layers built on it have been seen to hang on a second attempt.
         if not driver_library_present():
             logger.debug("backend probe: libcuda not found")
             return False

@@ -31,7 +31,7 @@ def driver_library_present() -> bool:
     """Whether libcuda can be loaded, tried with dlopen before any call into cuda-bindings.
 
     Without a driver, cuda-bindings raises from deep inside its loader, and higher layers built on it
-    have been seen to hang on a second attempt (PLATFORM_NOTES); asking the dynamic loader first is
+    have been seen to hang on a second attempt; asking the dynamic loader first is
     harmless and definite.
     """
     name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
@@ -220,7 +220,7 @@ class CudaBackend(Backend):
             self._driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, handle),
         )
         # Compute capability 9.0 runs sm_90a's arch-specific instructions (wgmma); naming the device
-        # sm_90a builds every kernel for it, and lets families.runs_nvidia_wgmma pick the wgmma ones.
+        # sm_90a builds every kernel for it, and lets catalog.targets.runs_nvidia_wgmma pick the wgmma ones.
         return Target.parse(f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else ""))
 
     def device_name(self, device: int) -> str:

@@ -3,7 +3,7 @@
 // Kernels are HIP C++. hiprtc understands them natively; under NVRTC this header maps the few HIP
 // spellings hipattn uses onto CUDA, the way HIP's own NVIDIA platform does. Nothing here includes a
 // vendor header: NVRTC has no include path by default and hiprtc 5.2's bf16 header does not build
-// (PLATFORM_NOTES.md), so hipattn carries its own numeric types (types.h).
+// (docs/ARCHITECTURE.md, "The two backends"), so hipattn carries its own numeric types (types.h).
 #pragma once
 
 // HIPATTN_EMULATION is a build on a CPU, for tests: g++ force-includes

@@ -1,4 +1,4 @@
-"""Property-based fuzz of valid calls (issue 6): hypothesis draws a layout, lengths, heads, head_dim,
+"""Property-based fuzz of valid calls: hypothesis draws a layout, lengths, heads, head_dim,
 dtype, mask and schedule at small sizes; hipattn.forward and hipattn.backward, through whichever
 path dispatch picks, must match the float64 reference on every row a sequence owns and leave the
 padding rows of O untouched.

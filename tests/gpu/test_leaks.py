@@ -1,4 +1,4 @@
-"""No leaks (issue 6): 10,000 back-to-back forward+backward calls per kernel family on one stream
+"""No leaks: 10,000 back-to-back forward+backward calls per kernel family on one stream
 (varlen, a different cu_seqlens every call, small problems) leave device memory, Python
 host-function entries and the registry's loaded kernels where they were after warm-up, and the
 pinned pool small and wholly free (it caches as many blocks as were once in flight). The

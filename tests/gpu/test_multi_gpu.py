@@ -1,4 +1,4 @@
-"""Two GPUs (issue 6, the device-guard-before-stream bug tested for real): inputs on GPU 1 while
+"""Two GPUs (the device guard before the stream, tested for real): inputs on GPU 1 while
 GPU 0 is current run on GPU 1's current stream and leave GPU 0 current; arrays split across GPUs
 are refused; two threads driving the two GPUs at once agree with a serial run.
 

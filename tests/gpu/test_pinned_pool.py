@@ -15,7 +15,7 @@ from hipattn.pinned import PinnedPool, collect_host_funcs, launch_python_host_fu
 
 
 def test_host_written_blocks_are_never_overwritten_before_their_copy_ran():
-    """The seed's pattern: the host fills a pinned block, the stream copies it to the device later.
+    """The host-path preparation's pattern: the host fills a pinned block, the stream copies it to the device later.
     If the pool handed the block out again before the copy ran, the next round's host write would
     corrupt an earlier round's result."""
     backend = get_backend()

@@ -274,7 +274,7 @@ def test_bshd_with_per_sequence_lengths(forward_kernel, rng):
 
 
 def test_eighty_thousand_sequences_times_32_heads_run():
-    """flash-attn fails this with 'invalid configuration argument' (Dao-AILab/flash-attention#1786)."""
+    """A batch past grid.y's 65535: flash-attn has failed such calls with 'invalid configuration argument'."""
     batch, heads, head_dim, length = 80_000, 32, 64, 16
     q = torch.randn(batch * length, heads, head_dim, device="cuda").bfloat16()
     cu = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")

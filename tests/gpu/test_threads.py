@@ -1,4 +1,4 @@
-"""Python threads launching at once (issue 6): four threads on four streams give the results of a
+"""Python threads launching at once: four threads on four streams give the results of a
 serial run, with kernels loaded concurrently into a fresh registry; a main thread blocked on a
 stream while another thread launches (kernels and Python host functions) never deadlocks."""
 

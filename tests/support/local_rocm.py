@@ -1,7 +1,7 @@
 """Point hip-python at this project's compile-only ROCm 5.2 when nothing else is configured.
 
 Debian's ROCm 5.2 hiprtc lives inside libamdhip64.so.5; /opt/rocm52/lib links the two names hip-python
-looks for (libamdhip64.so, libhiprtc.so) to it (PLATFORM_NOTES). hip-python reads ROCM_PATH once, at
+looks for (libamdhip64.so, libhiprtc.so) to it (as .ci/run does). hip-python reads ROCM_PATH once, at
 its first call into either library, and remembers a failure, so every test module that may touch it
 calls this at import: pytest imports all test modules before it runs any test.
 """
