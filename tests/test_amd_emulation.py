@@ -1,7 +1,8 @@
 """The AMD kernels, run on an emulated gfx90a (tests/support/emulation.py: the CPU as a wave64 GPU with MFMA),
-against a float64 reference: the MFMA flash forward, and the portable small-seq forward and backward
-that AMD runs. No AMD GPU exists here; this is where those kernels' arithmetic is checked (the
-portable small-seq kernels also run on the H200, at wave32, in tests/gpu). Outputs are poisoned with
+against a float64 reference: the MFMA flash forward and backward, and the portable small-seq forward and
+backward that AMD targets without MFMA run (the MFMA small-seq kernels have their own file,
+tests/test_smallseq_mfma_emulation.py). No AMD GPU exists here; this is where those kernels'
+arithmetic is checked (the portable small-seq kernels also run on the H200, at wave32, in tests/gpu). Outputs are poisoned with
 NaN first and every element is compared; the emulated MFMA follows AMD's documented fragment layouts
 (see emulation/emulated_device.h for what emulation cannot show)."""
 
@@ -11,16 +12,26 @@ import os
 
 import numpy as np
 import pytest
+from support.emulated_attention import (
+    NAN_BITS,
+    TOLERANCE,
+    reference_backward,
+    reference_forward,
+    relative_error,
+    run_backward,
+    run_forward,
+    thd_inputs,
+)
 from support.emulation import EmulatedDevice, aligned_bytes, array_16bit, compiler, from_16bit, to_16bit
 from support.raw_calls import NAN_BITS, run_backward, run_forward, thd_inputs
 from support.reference import TOLERANCE, reference_backward, reference_forward, relative_error
 
 import hipattn
+from hipattn.ops import smallseq
 
 # CI installs g++ (.ci/run) and must run these; elsewhere they need it on PATH (or CXX).
 pytestmark = pytest.mark.skipif(compiler() is None and not os.environ.get("CI"),
                                 reason="needs g++ (CXX) to build the emulated kernels")
-
 
 @pytest.fixture(scope="module")
 def build_dirs(tmp_path_factory):
@@ -57,9 +68,12 @@ def test_the_mfma_flash_forward_matches_float64(device, dtype, causal, head_dim,
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim,heads_q,heads_kv", [(64, 4, 4), (64, 4, 1), (128, 8, 2), (256, 8, 8)])
-def test_the_portable_small_seq_kernels_match_float64_at_wave64(device, dtype, causal, head_dim, heads_q, heads_kv):
-    """The small-seq path AMD runs (portable kernels, teams of head_dim / 4 lanes: four, two or one
-    a 64-lane wave): forward, and backward with dK/dV summed over a GQA group."""
+def test_the_portable_small_seq_kernels_match_float64_at_wave64(device, monkeypatch, dtype, causal, head_dim,
+                                                                heads_q, heads_kv):
+    """The small-seq path of AMD targets without MFMA (portable kernels, teams of head_dim / 4 lanes:
+    four, two or one a 64-lane wave), forced on the emulated gfx90a: forward, and backward with dK/dV
+    summed over a GQA group."""
+    monkeypatch.setenv(smallseq.KERNEL_SWITCH, "portable")
     rng = np.random.default_rng()
     lengths_q = [17, 1, 0, 9, 17, 4]
     lengths_k = [17, 5, 3, 0, 12, 17]

@@ -1,7 +1,8 @@
 """The small-sequence kernels (every sequence <= SMALLSEQ_TILE tokens on both sides): the portable
-CUDA-core forward and backward (any GPU, any wave size), and the NVIDIA tensor-core (mma.sync,
-sm_80+) forward and backward. Each row of the tables below names its kernel, its spec, its shared
-memory and how a launch covers a call's problems."""
+CUDA-core forward and backward (any GPU, any wave size), the NVIDIA tensor-core (mma.sync, sm_80+)
+forward and backward, and the AMD matrix-core (MFMA, gfx90a/gfx94x) forward and backward. Each row of
+the tables below names its kernel, its spec, its shared memory and how a launch covers a call's
+problems."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..jit.target import Target
 from .common import DTYPES
 from .fields import SEQUENCE_FIELDS, row_statistic, strided
 from .index import register
-from .targets import runs_nvidia_mma
+from .targets import runs_amd_mfma, runs_nvidia_mma
 from .tiles import ELEMENT_BYTES, KernelTiles
 
 # The longest sequence the small-seq kernels handle, on either side: the tile every problem fits in.
@@ -202,18 +203,108 @@ SMALLSEQ_BACKWARD_MMA_TILES = {
 }
 
 
+# ---- AMD matrix cores (MFMA 16x16x16, gfx90a and gfx94x) ----
+# A key tile of the MFMA kernels' scores: 16 keys; a 17-token sequence has a second one of one row.
+_MFMA_KEY_TILES = -(-SMALLSEQ_TILE // 16)
+
+
+def _exchange_bytes(waves: int, tensors: int) -> int:
+    """smallseq::ScoreExchange<WAVES, TENSORS, KEY_TILES>::kBytes: two buffers of every wave's partial
+    scores per tensor, fp32 (key tile 0's 64 lanes x 4, and key 16's 16 queries when a sequence may
+    have 17 keys); one wave exchanges nothing."""
+    if waves == 1:
+        return 0
+    per_tensor = 64 * 4 + (16 if _MFMA_KEY_TILES > 1 else 0)
+    return 2 * waves * tensors * per_tensor * 4
+
+
+@dataclass(frozen=True)
+class SmallSeqMfmaTiles(SmallSeqTiles):
+    """An MFMA kernel's row: a workgroup of ``waves`` 64-lane waves per (sequence, KV head) serves the
+    stacked query rows of its whole group, so K and V are read once per group; the waves split
+    head_dim and sum their partial scores through LDS (smallseq/mfma_tiles.h)."""
+
+    waves: int
+
+    # The score tensors the waves exchange: the forward's Sᵀ; the backward's Sᵀ and dPᵀ.
+    exchanged_tensors = 1
+
+    @property
+    def threads(self) -> int:
+        return 64 * self.waves
+
+    def template_args(self, head_dim: int) -> dict[str, Any]:
+        return {"tile": SMALLSEQ_TILE, "waves": self.waves}
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES, *, group: int = 1) -> int:
+        return _exchange_bytes(self.waves, self.exchanged_tensors)
+
+    def launch_blocks(self, problems: int, group: int) -> int:
+        """Workgroups for ``problems`` as the launcher counts them (see the subclasses)."""
+        return problems
+
+    def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
+        return SmallSeqLaunch(self.launch_blocks(problems, group), self.threads, self.shared_bytes(head_dim), None)
+
+
+@dataclass(frozen=True)
+class SmallSeqForwardMfmaTiles(SmallSeqMfmaTiles):
+    @property
+    def family(self) -> KernelFamily:
+        return SMALLSEQ_FORWARD_MFMA
+
+    def launch_blocks(self, problems: int, group: int) -> int:
+        """The forward's problems are (sequence, query head) pairs; a workgroup serves a group of them."""
+        return problems // group
+
+
+@dataclass(frozen=True)
+class SmallSeqBackwardMfmaTiles(SmallSeqMfmaTiles):
+    """The backward's problems are (sequence, KV head) pairs already: a workgroup each."""
+
+    exchanged_tensors = 2
+
+    @property
+    def family(self) -> KernelFamily:
+        return SMALLSEQ_BACKWARD_MFMA
+
+
+# Waves per workgroup, per head_dim; the registers are hiprtc 5.2's for gfx90a (VGPRs and AGPRs, of
+# 512 per SIMD lane). A forward wave keeps K's and Vᵀ's fragments of its columns for the whole group
+# (2 key tiles x columns / 16 operands each) besides a tile's Q, O and scores: 100 registers at 64
+# columns, 156 at 128 (five and three waves per SIMD), so head_dim 256 takes two waves of 128 columns
+# (160) and nothing spills. A backward wave also keeps Kᵀ's fragments and the dK and dV accumulators:
+# 232-240 registers at 64 columns (two waves per SIMD), so its waves take 64 columns at every head_dim.
+SMALLSEQ_FORWARD_MFMA_TILES = {
+    64: SmallSeqForwardMfmaTiles(waves=1),
+    128: SmallSeqForwardMfmaTiles(waves=1),
+    256: SmallSeqForwardMfmaTiles(waves=2),
+}
+SMALLSEQ_BACKWARD_MFMA_TILES = {
+    64: SmallSeqBackwardMfmaTiles(waves=1),
+    128: SmallSeqBackwardMfmaTiles(waves=2),
+    256: SmallSeqBackwardMfmaTiles(waves=4),
+}
+
+
 def forward_tiles(head_dim: int, target: Target | None, *, portable: bool = False) -> SmallSeqTiles:
-    """The forward's row on ``target``: tensor cores on NVIDIA sm_80+ unless ``portable``."""
+    """The forward's row on ``target``: tensor cores on NVIDIA sm_80+ and matrix cores on AMD
+    gfx90a/gfx94x unless ``portable``."""
     if runs_nvidia_mma(target) and not portable:
         return SMALLSEQ_FORWARD_MMA_TILES[head_dim]
+    if runs_amd_mfma(target) and not portable:
+        return SMALLSEQ_FORWARD_MFMA_TILES[head_dim]
     return SMALLSEQ_FORWARD_TILES
 
 
 def backward_tiles(head_dim: int, target: Target | None, *, group: int, portable: bool = False) -> SmallSeqTiles:
     """The backward's row on ``target`` for query heads grouped ``group`` to a KV head: tensor cores
-    on NVIDIA sm_80+ for ungrouped heads unless ``portable``."""
+    on NVIDIA sm_80+ for ungrouped heads, matrix cores on AMD gfx90a/gfx94x for any group, unless
+    ``portable``."""
     if runs_nvidia_mma(target) and not portable and group == 1 and head_dim in SMALLSEQ_BACKWARD_MMA_TILES:
         return SMALLSEQ_BACKWARD_MMA_TILES[head_dim]
+    if runs_amd_mfma(target) and not portable:
+        return SMALLSEQ_BACKWARD_MFMA_TILES[head_dim]
     return SMALLSEQ_BACKWARD_TILES
 
 
@@ -224,6 +315,10 @@ def _shipped(rows_of_head_dim, target: Target) -> list:
 
 def _shipped_mma(table: dict[int, SmallSeqMmaTiles], target: Target) -> list:
     return _shipped(table.__getitem__, target) if runs_nvidia_mma(target) else []
+
+
+def _shipped_mfma(table: dict[int, SmallSeqMfmaTiles], target: Target) -> list:
+    return _shipped(table.__getitem__, target) if runs_amd_mfma(target) else []
 
 
 _SMALLSEQ_TEMPLATE = ("dtype", "head_dim", "heads", "tile")
@@ -255,3 +350,11 @@ SMALLSEQ_BACKWARD_MMA = _family(
     "smallseq_backward_mma", "smallseq/backward_mma.hip", ("warps", "split"),
     ParamsStruct("SmallSeqBackwardMmaParams", _BACKWARD_FIELDS + _RUN_FIELD),
     lambda target: _shipped_mma(SMALLSEQ_BACKWARD_MMA_TILES, target))
+SMALLSEQ_FORWARD_MFMA = _family(
+    "smallseq_forward_mfma", "smallseq/forward_mfma.hip", ("waves",),
+    ParamsStruct("SmallSeqForwardMfmaParams", _FORWARD_FIELDS),
+    lambda target: _shipped_mfma(SMALLSEQ_FORWARD_MFMA_TILES, target))
+SMALLSEQ_BACKWARD_MFMA = _family(
+    "smallseq_backward_mfma", "smallseq/backward_mfma.hip", ("waves",),
+    ParamsStruct("SmallSeqBackwardMfmaParams", _BACKWARD_FIELDS),
+    lambda target: _shipped_mfma(SMALLSEQ_BACKWARD_MFMA_TILES, target))

@@ -18,8 +18,8 @@ from ..problem import Problem
 from .fields import forward_fields, put_row_statistic, put_tensor, sequence_fields
 
 # HIPATTN_SMALLSEQ_KERNEL=portable forces the portable (CUDA-core / any wave size) kernels, forward
-# and backward, on a GPU that has the tensor-core ones: for A/B comparisons and to test both on one
-# machine. "auto" (the default) takes the tensor-core kernels where the GPU has them.
+# and backward, on a GPU that has the tensor-core (NVIDIA) or matrix-core (AMD MFMA) ones: for A/B
+# comparisons and to test both on one machine. "auto" (the default) takes those where the GPU has them.
 KERNEL_SWITCH = "HIPATTN_SMALLSEQ_KERNEL"
 KERNEL_CHOICES = ("auto", "portable")
 
@@ -80,7 +80,7 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
 def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None) -> None:
     """Enqueue dQ, dK, dV: per (sequence, KV head) problem, walking the query heads of its group
-    (portable), or per (sequence, head) problem (tensor cores, Hq == Hkv)."""
+    (portable, and AMD's MFMA kernels), or per (sequence, head) problem (tensor cores, Hq == Hkv)."""
     problems = problem.batch * problem.heads_kv
     if problems == 0:
         return

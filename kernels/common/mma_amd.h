@@ -96,5 +96,70 @@ HIPATTN_DEVICE Operand to_operand(Accumulator x) {
   return y;
 }
 
+// 16 and 8 bytes as 32-bit words: a 16-byte access stays one instruction this way (a struct of
+// 16-bit elements gets split into 16-bit accesses, one register each).
+HIPATTN_VECTOR_TYPEDEF(unsigned int, 4, Words4);
+HIPATTN_VECTOR_TYPEDEF(unsigned int, 2, Words2);
+
+// Two operands from 8 consecutive 16-bit elements (a 16-byte-aligned address): elements 0..3 are
+// `low`, 4..7 `high`. A product contracts over k in any order its two operands agree on, so a row
+// read this way feeds two k-steps with one access where load_operand would take two.
+struct OperandPair {
+  Operand low, high;
+};
+
+template <typename T>
+HIPATTN_DEVICE OperandPair load_operand_pair(const T* source) {
+  static_assert(sizeof(T) == 2, "MFMA operands here are 16-bit");
+  const Words4 w = *reinterpret_cast<const Words4*>(source);
+  return {__builtin_bit_cast(Operand, Words2{w[0], w[1]}), __builtin_bit_cast(Operand, Words2{w[2], w[3]})};
+}
+
+template <typename T>
+HIPATTN_DEVICE void store_operand_pair(T* destination, Operand low, Operand high) {
+  static_assert(sizeof(T) == 2, "MFMA operands here are 16-bit");
+  const Words2 l = __builtin_bit_cast(Words2, low), h = __builtin_bit_cast(Words2, high);
+  *reinterpret_cast<Words4*>(destination) = Words4{l[0], l[1], h[0], h[1]};
+}
+
+// The B operand of a product that moves the columns of A by `shift`: B[k][n] = 1 where n = k + shift.
+// Loop-invariant; kernels build it once.
+template <typename T>
+HIPATTN_DEVICE Operand shifted_identity(int shift) {
+  const int lane = static_cast<int>(threadIdx.x) % 64;
+  const short one = static_cast<short>(from_float<T>(1.0f).bits);
+  Operand b;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) b[e] = lane % kTile == 4 * (lane / kTile) + e + shift ? one : short{0};
+  return b;
+}
+
+// The operand of a 16x16 tile's transpose, in registers: where `x` holds M[c][4q + e] (lane c + 16 q,
+// the A or B layout of M), the result holds M[4q + e][c - shift], 0 where c - shift is not a column
+// (`identity` is shifted_identity<T>(shift)). One MFMA does it: D = M B has D[m][n] = M[m][n - shift],
+// and the accumulator layout hands lane n + 16 q rows m = 4 q + e. Products with 1 and 0 and their
+// fp32 sums are exact, so the elements come back unchanged and the bf16 bits are the top half of
+// the fp32 ones (gfx90a's MFMA flushes subnormal inputs to zero; a transposed operand only ever
+// feeds another MFMA, which would flush them anyway). AMD has no transposing LDS read before gfx950,
+// and this costs neither LDS space nor a barrier. exact_bits: the 16 bits of a float that is a T value
+// already.
+template <typename T>
+HIPATTN_DEVICE short exact_bits(float x);
+
+template <>
+HIPATTN_DEVICE short exact_bits<bf16_t>(float x) { return static_cast<short>(float_to_bits(x) >> 16); }
+
+template <>
+HIPATTN_DEVICE short exact_bits<half_t>(float x) { return static_cast<short>(from_float<half_t>(x).bits); }
+
+template <typename T>
+HIPATTN_DEVICE Operand transpose(Operand x, Operand identity) {
+  const Accumulator d = mfma_16x16x16<T>(x, identity, zero_accumulator());
+  Operand y;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) y[e] = exact_bits<T>(d[e]);
+  return y;
+}
+
 }  // namespace mfma
 }  // namespace hipattn
