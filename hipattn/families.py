@@ -329,6 +329,103 @@ SMALLSEQ_BACKWARD_MMA = _register(
     )
 )
 
+# Grouped heads (GQA/MQA, G = Hq / Hkv > 1) on NVIDIA tensor cores: a team serves one (sequence, KV
+# head) group, staging K and V once and walking the group's G * len_q stacked query rows in chunks of
+# 16 (kernels/smallseq/group_tiles.h), with the next chunk's rows in flight. The group size is a run-time
+# field, so one instantiation per dtype and head_dim serves every G; the kernels' row -> query
+# division by a reciprocal is exact up to G = 15894, and larger groups take the portable kernels.
+SMALLSEQ_GQA_MAX_GROUP = 4096
+_SMALLSEQ_GQA_CHUNK_ROWS = 16
+# Partial score sums one warp hands another (group_tiles.h's ChunkExchange): three 8-key accumulator
+# tiles of 32 lanes x 4 fp32, per tensor (forward S; backward S and dP).
+_SMALLSEQ_GQA_EXCHANGE_BYTES = 3 * 32 * 16
+# The backward's warps own 64 columns each: dVᵀ and dKᵀ accumulate in registers across the group, 48
+# fp32 each for 64 columns (128 columns would need 192 and spill), so a team has head_dim / 64 warps.
+SMALLSEQ_GQA_BACKWARD_COLUMNS = 64
+
+# Rows chosen by counts (the kernels' header comments; not yet timed): an SM's warps, each at an
+# instruction every 6-7 cycles, should issue a group's instructions in about half the time its bytes
+# take. Forward warps need 9.4, 17.8 and (two of 128 columns) 20.8 KiB at head_dim 64, 128 and 256: 20,
+# 12 and 10 per SM. Backward teams need 16.5, 33.5 and 67.3 KiB: 12 warps per SM at every head_dim.
+# Every block stays within the 99 KiB that sm_86/sm_89 allow.
+SMALLSEQ_GQA_FORWARD_MMA_TILES = {
+    64: SmallSeqMmaTiles(warps=4, problems_per_team=2),
+    128: SmallSeqMmaTiles(warps=4, problems_per_team=2),
+    256: SmallSeqMmaTiles(warps=2, problems_per_team=2, split=2),
+}
+SMALLSEQ_GQA_BACKWARD_MMA_TILES = {
+    64: SmallSeqMmaTiles(warps=2, problems_per_team=2, split=1),
+    128: SmallSeqMmaTiles(warps=2, problems_per_team=2, split=2),
+    256: SmallSeqMmaTiles(warps=4, problems_per_team=2, split=4),
+}
+
+
+def smallseq_gqa_mma_team_bytes(direction: str, head_dim: int, split: int, element_bytes: int = 2) -> int:
+    """Shared memory of one team of a grouped-heads tensor-core small-seq kernel:
+    smallseq::GqaForwardTeamTiles<...>::kBytes or smallseq::GqaBackwardTeamTiles<...>::kBytes.
+
+    Per warp, rows of its columns + 8 elements: a zero row, K and V tiles of SMALLSEQ_TILE rows, and
+    two chunk tiles of 16 stacked query rows per staged tensor (forward Q; backward Q and dO). The
+    forward's warps of a pair add two slots for the partial S they hand each other. The backward's
+    team then holds two chunks' LSE, the P and dZ tiles (16 rows of 32 + 8 keys) and a slot for the
+    partial S and dP of each warp after the first.
+    """
+    if direction == "forward":
+        pitch = (head_dim // split + 8) * element_bytes
+        warp = pitch + 2 * SMALLSEQ_TILE * pitch + 2 * _SMALLSEQ_GQA_CHUNK_ROWS * pitch
+        slots = 0 if split == 1 else 2 * _SMALLSEQ_GQA_EXCHANGE_BYTES
+        return split * (warp + slots)
+    pitch = (SMALLSEQ_GQA_BACKWARD_COLUMNS + 8) * element_bytes
+    warp = pitch + 2 * SMALLSEQ_TILE * pitch + 4 * _SMALLSEQ_GQA_CHUNK_ROWS * pitch
+    lse = 2 * _SMALLSEQ_GQA_CHUNK_ROWS * 4
+    scores = 2 * _SMALLSEQ_GQA_CHUNK_ROWS * _SMALLSEQ_SCORE_PITCH * element_bytes
+    return split * warp + lse + scores + (split - 1) * 2 * _SMALLSEQ_GQA_EXCHANGE_BYTES
+
+
+def smallseq_gqa_mma_shared_bytes(direction: str, head_dim: int, tiles: SmallSeqMmaTiles) -> int:
+    """Dynamic shared memory of one block of a grouped-heads tensor-core small-seq kernel."""
+    return tiles.teams * smallseq_gqa_mma_team_bytes(direction, head_dim, tiles.split)
+
+
+def smallseq_gqa_mma_spec(fam: KernelFamily, dtype: str, head_dim: int,
+                          tiles: SmallSeqMmaTiles | None = None) -> KernelSpec:
+    """The grouped-heads forward or backward instantiation with ``tiles`` (default: its table's row)."""
+    if tiles is None:
+        forward = fam.name == "smallseq_forward_gqa_mma"
+        tiles = (SMALLSEQ_GQA_FORWARD_MMA_TILES if forward else SMALLSEQ_GQA_BACKWARD_MMA_TILES)[head_dim]
+    return fam.spec(dtype=dtype, head_dim=head_dim, tile=SMALLSEQ_TILE, warps=tiles.warps, split=tiles.split)
+
+
+def _smallseq_gqa_mma_specs(fam: KernelFamily, target: Target) -> list[KernelSpec]:
+    if not runs_nvidia_mma(target):
+        return []
+    return [smallseq_gqa_mma_spec(fam, t, d) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS]
+
+
+_GQA_FIELDS = (("problems_per_team", "i32"), ("group_size", "i32"))
+
+SMALLSEQ_FORWARD_GQA_MMA = _register(
+    KernelFamily(
+        name="smallseq_forward_gqa_mma",
+        source="smallseq/forward_gqa_mma.hip",
+        template="hipattn::smallseq_forward_gqa_mma",
+        template_params=("dtype", "head_dim", "tile", "warps", "split"),
+        params=ParamsStruct("SmallSeqForwardGqaMmaParams", SMALLSEQ_FORWARD.params.fields + _GQA_FIELDS),
+        shipped=lambda target: _smallseq_gqa_mma_specs(SMALLSEQ_FORWARD_GQA_MMA, target),
+    )
+)
+
+SMALLSEQ_BACKWARD_GQA_MMA = _register(
+    KernelFamily(
+        name="smallseq_backward_gqa_mma",
+        source="smallseq/backward_gqa_mma.hip",
+        template="hipattn::smallseq_backward_gqa_mma",
+        template_params=("dtype", "head_dim", "tile", "warps", "split"),
+        params=ParamsStruct("SmallSeqBackwardGqaMmaParams", SMALLSEQ_BACKWARD.params.fields + _GQA_FIELDS),
+        shipped=lambda target: _smallseq_gqa_mma_specs(SMALLSEQ_BACKWARD_GQA_MMA, target),
+    )
+)
+
 # ---- general attention forward (FlashAttention-2 on NVIDIA tensor cores, sm_80+) -----------------
 
 FLASH_HEAD_DIMS = (64, 96, 128, 256)
