@@ -4,13 +4,13 @@ compile kernels without a GPU (NVRTC for NVIDIA targets, hiprtc for AMD ones).""
 from __future__ import annotations
 
 import pytest
-from support.local_rocm import use_local_rocm
 
 from hipattn.backends.cuda import CudaBackend  # both modules import their vendor packages lazily
 from hipattn.backends.hip import HipBackend
 from hipattn.errors import BackendUnavailableError
 from hipattn.sources import compile_unit
 from hipattn.spec import name_expression
+from support.local_rocm import use_local_rocm
 
 use_local_rocm()
 
@@ -34,13 +34,15 @@ def hiprtc_backend():
     return _loadable_backend("hip", "hip-python", HipBackend, "hiprtc")
 
 
-def compile_family(backend, family, target, spec, extra_lines=()):
+def compile_family(backend, family, target, spec, extra_lines=(), options=()):
     """``family``'s compile unit, with ``extra_lines`` appended (static_asserts on its layout), compiled
-    for ``spec`` and ``target``; a failure raises CompileError with the compiler's log."""
+    for ``spec`` and ``target`` with the backend's options and then ``options`` (NVRTC's
+    --ptxas-options=-v puts ptxas's resource report in the log); a failure raises CompileError with the
+    compiler's log."""
     source, headers = compile_unit(family)
     source += "".join(f"{line}\n" for line in extra_lines)
-    return backend.compile(source, headers, name_expression(family, spec), target, backend.compile_options(target),
-                           spec.canonical())
+    return backend.compile(source, headers, name_expression(family, spec), target,
+                           (*backend.compile_options(target), *options), spec.canonical())
 
 
 def compile_with_layout_checks(backend, family, target, table, layout_of, shared_bytes) -> None:
