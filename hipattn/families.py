@@ -293,7 +293,8 @@ SMALLSEQ_FORWARD_MMA = _register(
     )
 )
 
-# The tensor-core backward covers Hq == Hkv; GQA/MQA calls take the portable backward.
+# The tensor-core kernels above serve Hq == Hkv; GQA/MQA calls on sm_80+ take the grouped-heads
+# families below.
 
 SMALLSEQ_BACKWARD = _register(
     KernelFamily(
@@ -343,11 +344,12 @@ _SMALLSEQ_GQA_EXCHANGE_BYTES = 3 * 32 * 16
 # fp32 each for 64 columns (128 columns would need 192 and spill), so a team has head_dim / 64 warps.
 SMALLSEQ_GQA_BACKWARD_COLUMNS = 64
 
-# Rows chosen by counts (the kernels' header comments; not yet timed): an SM's warps, each at an
-# instruction every 6-7 cycles, should issue a group's instructions in about half the time its bytes
-# take. Forward warps need 9.4, 17.8 and (two of 128 columns) 20.8 KiB at head_dim 64, 128 and 256: 20,
-# 12 and 10 per SM. Backward teams need 16.5, 33.5 and 67.3 KiB: 12 warps per SM at every head_dim.
-# Every block stays within the 99 KiB that sm_86/sm_89 allow.
+# Rows chosen by counts, not yet timed (the kernels' header comments): warps per SM from shared memory
+# (registers never bind tighter: tests/test_smallseq_gqa_tiles.py), each warp at an instruction every
+# 6-7 cycles, should issue a group's instructions in no more time than its bytes take. Forward warps
+# need 9.4, 17.8 and (two of 128 columns) 20.8 KiB at head_dim 64, 128 and 256: 20, 12 and 10 per H200
+# SM. Backward teams need 16.5, 33.5 and 67.3 KiB: 12 warps per SM at every head_dim. Runs of 2 groups
+# a team, as MHA's rows run 2-4 problems. Every block stays within the 99 KiB that sm_86/sm_89 allow.
 SMALLSEQ_GQA_FORWARD_MMA_TILES = {
     64: SmallSeqMmaTiles(warps=4, problems_per_team=2),
     128: SmallSeqMmaTiles(warps=4, problems_per_team=2),

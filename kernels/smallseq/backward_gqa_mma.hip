@@ -28,14 +28,18 @@
 // ready, P and dZ ready (the second also tells the other warps that the slots are free again, and the
 // first of the next chunk that P and dZ were read).
 //
-// Why this shape (at head_dim 128, G = 4, lengths drawn from 1..17): one team per group moves the
-// floor's bytes (Q, dO, dQ per query head; K, V, dK, dV once per group), 46 KB a group, 2580 cycles
-// of one SM's share of the copy bandwidth. A chunk costs about 470 instructions in the first warp
-// (prefetch 58, S and dP 48, the hand-over 30, P and dZ 150, dVᵀ and dKᵀ 36, dQ 90, dQ out 32) and
-// 280 in the other; 2.6 chunks and an epilogue (dK and dV through shared memory, 240 per warp) give
-// 2700 a group for the team. A team takes 33.5 KB, so an SM holds 6 teams, 12 warps, issuing those
-// in about 1450 cycles: the bytes, not the instructions, should set the time. The portable kernel
-// this replaces for GQA ran at 40-100x the floor.
+// Why this shape (head_dim 128, G = 4, lengths drawn from 1..17): one team per group moves the
+// floor's bytes (Q, dO, dQ per query head; K, V, dK, dV once per group), 46 KB a group, 2580 cycles of
+// one SM's share of the copy bandwidth; the portable kernel this replaces for GQA ran at 40-100x the
+// floor. A chunk with at most 16 keys is about 750 instructions of SASS in the first warp (S and dP
+// 16 mma, P and dZ 150, dVᵀ and dKᵀ 24 mma, dQ 8 mma and its rows out) and 600 in the other, plus
+// 120 each for the next chunk's copies; with 2.6 chunks and the epilogue (dK and dV through shared
+// memory, about 300 a warp) a group takes about 5100 for the team, which 12 warps issue in about 2800
+// cycles: about the floor, so the backward should land near MHA's 1.35-1.45x (which issues 2200 a
+// problem with 10 warps). Registers: the launch bounds hold ptxas to 168 (12 warps per SM), which
+// every row's shared memory also allows (16.5, 33.5 and 67.3 KiB a team): S then dP, a warp barrier
+// between the dVᵀ and dKᵀ products, and tile addresses rebuilt from offsets (TilePlaces) keep it
+// there without spills.
 #pragma once
 #include "smallseq/group_tiles.h"
 
@@ -92,11 +96,11 @@ HIPATTN_DEVICE void stage_backward_chunk(const SmallSeqBackwardGqaMmaParams& p, 
   const int rows = stacked.count - first < kChunkRows ? stacked.count - first : kChunkRows;
   const int heads = x.head_kv * stacked.group;
   const int piece = lane % Copy::kPieces;
-  const T* const sources[2] = {static_cast<const T*>(p.q) + x.batch_index * p.q_batch_stride + x.q.start * p.q_token_stride +
-                             heads * p.q_head_stride + column + piece * Copy::kPieceElements,
-                         static_cast<const T*>(p.dout) + x.batch_index * p.dout_batch_stride +
-                             x.q.start * p.dout_token_stride + heads * p.dout_head_stride + column +
-                             piece * Copy::kPieceElements};
+  const T* const sources[2] = {
+      static_cast<const T*>(p.q) + x.batch_index * p.q_batch_stride + x.q.start * p.q_token_stride +
+          heads * p.q_head_stride + column + piece * Copy::kPieceElements,
+      static_cast<const T*>(p.dout) + x.batch_index * p.dout_batch_stride + x.q.start * p.dout_token_stride +
+          heads * p.dout_head_stride + column + piece * Copy::kPieceElements};
   const unsigned int q_target = places.warp_address(Team::kQOffset + piece * 16) + slot * Team::kChunkBytes;
   const unsigned int do_target = q_target + (Team::kDoOffset - Team::kQOffset);
   const long long token_strides[2] = {p.q_token_stride, p.dout_token_stride};
@@ -200,9 +204,8 @@ HIPATTN_DEVICE void chunk_dq(unsigned char* dq_bytes, unsigned int dz_tile, unsi
 // (first warp), the chunk's share of dVᵀ and dKᵀ, and its dQ rows.
 template <typename T, int TILE, int SPLIT, int TEAMS>
 HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const Group& x, const StackedRows& stacked,
-                                   int first, int rows, int slot,
-                                   const TilePlaces& places,
-                                   GroupGradients& grad, int team, int part, int column, int lane) {
+                                   int first, int rows, int slot, const TilePlaces& places, GroupGradients& grad,
+                                   int team, int part, int column, int lane) {
   using Team = GqaBackwardTeamTiles<T, 64 * SPLIT, TILE, SPLIT>;
   constexpr int kPitchBytes = Team::kPitchBytes;
   constexpr int kScorePitchBytes = kGroupScorePitch * static_cast<int>(sizeof(T));
@@ -368,8 +371,8 @@ HIPATTN_DEVICE void store_group_gradients(const SmallSeqBackwardGqaMmaParams& p,
 
 // WARPS warps per block in teams of SPLIT = HEAD_DIM / 64, each team walking its run of
 // problems_per_team groups; the host's table (families.SMALLSEQ_GQA_BACKWARD_MMA_TILES) sizes the
-// dynamic shared memory. The launch bounds ask for 12 warps per SM (168 registers), which every
-// table row's shared memory allows.
+// dynamic shared memory. The launch bounds ask for 12 warps per SM (12 / WARPS blocks: 168 registers),
+// which every table row's shared memory allows.
 template <typename T, int HEAD_DIM, int TILE, int WARPS, int SPLIT>
 __global__ void __launch_bounds__(WARPS * 32, 12 / WARPS)
     smallseq_backward_gqa_mma(const SmallSeqBackwardGqaMmaParams p) {
@@ -385,8 +388,7 @@ __global__ void __launch_bounds__(WARPS * 32, 12 / WARPS)
   const int part = warp % SPLIT;
   smallseq::Group x;
   if (!smallseq::first_group<TILE, TEAMS>(p, team, x)) return;  // a team past the last group; barriers are per team
-  const smallseq::TilePlaces places{shared_bytes, team * Team::kBytes + part * Team::kWarpBytes,
-                                              team * Team::kBytes};
+  const smallseq::TilePlaces places{shared_bytes, team * Team::kBytes + part * Team::kWarpBytes, team * Team::kBytes};
   // The zero row, and P and dZ: their keys 24..31 are never written and must be finite (dQ reads them
   // against K's zero row). The first team barrier publishes the zeros.
   smallseq::zero_bytes(places.warp_bytes(0), Team::kPitchBytes, lane);

@@ -9,16 +9,19 @@
 // accumulators, P normalised and reused as the A operand of O = P V, O written back over the chunk's
 // Q rows and out with 16-byte stores. The LSE of each stacked row goes to its head's row.
 //
-// Why this shape (per query head at head_dim 128, lengths drawn from 1..17, mean 9): the kernels are
-// latency-bound, and MHA's one-problem-per-head kernel stages Q, K and V per query head, 4 x 2.3 KB
-// through shared memory for a floor of Q + O + (K + V) / G, so at G = 4 it moved 1.6x the floor's
-// bytes from L2 and ran at 1.8-2.1x it. Here K and V cross once per group: the bytes staged are the
-// floor's. Stacked rows fill the m16 tiles: 2.6 tiles per group of 4 heads instead of 4.2, about
-// 430 warp-instructions a tile (prefetch 64, S 48, softmax and LSE 110, P V and O to shared 110,
-// O out 64, the rest loop and barriers), 1260 a group against 1290 cycles of the floor's bytes at
-// 17.9 bytes per cycle and SM; the prefetch keeps the next chunk's latency off the warp. A loop over
-// the group's heads one at a time (K and V resident, the next head's Q prefetched) also stages the
-// floor's bytes but runs 4 mostly-empty tiles per group (at about 500 instructions each, 1.6x as many).
+// Why this shape. The kernels are latency-bound: an SM's time follows the bytes its warps stage and
+// the instructions they issue (one every 6-7 cycles per warp). MHA's one-problem-per-head kernel,
+// given GQA, stages Q, K and V per query head: at G = 4 and lengths drawn from 1..17 (mean 9, head_dim
+// 128) that is 4 x 2.3 KB through shared memory for a floor of Q + O + (K + V) / G, 1.6x the floor's
+// bytes from L2, and it ran at 1.8-2.1x the floor. Here K and V cross once per group, so the bytes
+// staged are the floor's: 23 KB a group of 4, 1290 cycles of one SM's share of the copy bandwidth.
+// Stacked rows fill the m16 tiles: 2.6 chunks a group of 4 heads instead of the 4.2 mostly-empty tiles
+// of one problem per head (and of a loop over the group's heads one at a time with K and V resident,
+// which stages the same bytes). A chunk at head_dim 128 with at most 16 keys is about 660
+// instructions of SASS (S, softmax, LSE and P V 370, with 32 mma; the next chunk's copies 140; O out
+// 140), so a group of 4 takes about 2000, 500 a query head where MHA's kernel took 1230 a problem:
+// with 12 warps an SM issues them in about 1100 cycles, under the floor's 1290. Registers: 48-80
+// (ptxas), so shared memory alone sets the warps per SM (20, 12, 10 at head_dim 64, 128, 256).
 //
 // SPLIT warps share a group (a team), each staging HEAD_DIM / SPLIT columns. With SPLIT = 2 each
 // hands its partial S of a chunk to the other through a slot of its own (two slots, alternating with
@@ -158,7 +161,7 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
     }
   }
 
-  // ---- O = P V over this warp's columns, P normalised first (16 scalings where O would take 4 * COLS / 8) ----
+  // ---- O = P V over this warp's columns, P normalised first (12 multiplies where O would take COLS / 2) ----
   unsigned int pa[2][4];
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk) {
@@ -173,14 +176,12 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
     float o[2][4] = {};
 #pragma unroll
     for (int kk = 0; kk < (WIDE ? 2 : 1); ++kk) {
-      {
-        unsigned int b[4];
-        mma::ldmatrix_x4_trans(
-            b, row_or_zero(v_tile, zero, 16 * kk + lane % 8 + 8 * ((lane / 8) % 2), len_k, kPitchBytes) + 32 * nt +
-                   16 * (lane / 16));
-        mma::mma_16816<T>(o[0], pa[kk], b[0], b[1]);
-        mma::mma_16816<T>(o[1], pa[kk], b[2], b[3]);
-      }
+      unsigned int b[4];
+      mma::ldmatrix_x4_trans(
+          b, row_or_zero(v_tile, zero, 16 * kk + lane % 8 + 8 * ((lane / 8) % 2), len_k, kPitchBytes) + 32 * nt +
+                 16 * (lane / 16));
+      mma::mma_16816<T>(o[0], pa[kk], b[0], b[1]);
+      mma::mma_16816<T>(o[1], pa[kk], b[2], b[3]);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half)

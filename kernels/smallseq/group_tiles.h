@@ -76,8 +76,8 @@ HIPATTN_DEVICE Group group_at(const Params& p, long long index) {
   return group_bounds<TILE>(p, static_cast<int>(index / p.heads_kv), static_cast<int>(index % p.heads_kv));
 }
 
-// The group `step` further on. A step stays within the block's teams (at most 15), so the loop runs
-// at most step / heads_kv + 1 times. Past the last group (batch_index == batch) nothing is read.
+// The group `step` further on (a step is a block's team count, at most 32), so the loop runs at most
+// step / heads_kv + 1 times. Past the last group (batch_index == batch) nothing is read.
 template <int TILE, typename Params>
 HIPATTN_DEVICE Group next_group(const Params& p, const Group& x, int step) {
   int batch_index = x.batch_index;
