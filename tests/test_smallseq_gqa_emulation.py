@@ -15,6 +15,8 @@ from support.raw_calls import NAN_BITS, run_backward, run_forward, thd_inputs
 from support.reference import TOLERANCE, reference_backward, reference_forward, relative_error
 
 import hipattn
+from hipattn import families
+from hipattn.families import SmallSeqMmaTiles
 from hipattn.ops import smallseq
 
 # CI installs g++ (.ci/run) and must run these; elsewhere they need it on PATH (or CXX).
@@ -178,3 +180,31 @@ def test_bshd_with_seqused_matches_float64_and_leaves_the_padding_alone(device, 
         assert np.isnan(from_16bit(grads["q"][b, used_q[b]:], dtype)).all()
         assert np.isnan(from_16bit(grads["k"][b, used_k[b]:], dtype)).all()
         assert np.isnan(from_16bit(grads["v"][b, used_k[b]:], dtype)).all()
+
+
+@pytest.fixture
+def grouped_rows(monkeypatch):
+    """Run the grouped kernels with other table rows: use(head_dim, forward_tiles, backward_tiles)."""
+    def clear():
+        smallseq._forward_spec.cache_clear()
+        smallseq._backward_spec.cache_clear()
+
+    def use(head_dim, forward_tiles, backward_tiles):
+        monkeypatch.setitem(families.SMALLSEQ_GQA_FORWARD_MMA_TILES, head_dim, forward_tiles)
+        monkeypatch.setitem(families.SMALLSEQ_GQA_BACKWARD_MMA_TILES, head_dim, backward_tiles)
+        clear()
+    yield use
+    clear()
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_blocks_of_several_multi_warp_teams_match_float64(device, grouped_rows, monkeypatch, head_dim):
+    """Two teams of several warps a block, each with a named barrier of its own (the shipped rows have
+    one such team a block, which meets at __syncthreads), walking runs of three groups."""
+    split = head_dim // 64
+    grouped_rows(head_dim, SmallSeqMmaTiles(warps=4, problems_per_team=3, split=2),
+                 SmallSeqMmaTiles(warps=2 * split, problems_per_team=3, split=split))
+    monkeypatch.setattr(smallseq, "smallseq_problems_per_team", lambda problems, tiles: tiles.problems_per_team)
+    lengths_q = [17, 0, 1, 5, 17, 0, 12, 3, 16, 1, 17]
+    lengths_k = [17, 4, 1, 0, 9, 0, 17, 17, 2, 17, 3]
+    forward_and_backward_match(device, np.random.default_rng(), lengths_q, lengths_k, 12, 4, head_dim, "fp16", True)
