@@ -12,16 +12,6 @@ import os
 
 import numpy as np
 import pytest
-from support.emulated_attention import (
-    NAN_BITS,
-    TOLERANCE,
-    reference_backward,
-    reference_forward,
-    relative_error,
-    run_backward,
-    run_forward,
-    thd_inputs,
-)
 from support.emulation import EmulatedDevice, aligned_bytes, array_16bit, compiler, from_16bit, to_16bit
 from support.raw_calls import NAN_BITS, run_backward, run_forward, thd_inputs
 from support.reference import TOLERANCE, reference_backward, reference_forward, relative_error

@@ -726,16 +726,23 @@ def test_valid_small_calls_launch_once_with_one_block_per_group_of_problems(
     assert device.backend.enqueued == []
     assert len(device.backend.launches) == 1, "one kernel per call"
     _, grid, block, _, _, params = device.backend.launches[0]
-    # Forward: one problem per (sequence, query head). Backward: one per (sequence, KV head), which
-    # walks the query heads of its group.
-    problems = batch * (heads_q if direction == "forward" else heads_kv)
-    # Tensor-core kernels give each run of problems_per_team problems a team of warps (one, or at
-    # head_dim 256 two: the table row's split); the portable ones give each problem a team of head_dim / 4 lanes
-    # (four elements of a row per lane).
-    tensor_cores = not portable and (direction == "forward" or heads_q == heads_kv)
+    # Tensor-core kernels: MHA (Hq == Hkv) one problem per (sequence, head); GQA/MQA one per (sequence,
+    # KV head) group, in both directions. Portable kernels: the forward one per (sequence, query head),
+    # the backward one per (sequence, KV head), which walks the query heads of its group.
+    tensor_cores = not portable
+    grouped = tensor_cores and heads_q != heads_kv
+    problems = batch * (heads_q if direction == "forward" and not grouped else heads_kv)
+    # Tensor-core kernels give each run of problems_per_team problems a team of warps (the table row's
+    # split: one, or two and at head_dim 256 in the grouped backward four); the portable ones give each
+    # problem a team of head_dim / 4 lanes (four elements of a row per lane).
     if tensor_cores:
-        table = (smallseq_catalog.SMALLSEQ_FORWARD_MMA_TILES if direction == "forward"
-                 else smallseq_catalog.SMALLSEQ_BACKWARD_MMA_TILES)
+        if grouped:
+            table = (smallseq_catalog.SMALLSEQ_GQA_FORWARD_MMA_TILES if direction == "forward"
+                     else smallseq_catalog.SMALLSEQ_GQA_BACKWARD_MMA_TILES)
+            assert params.group_size == group
+        else:
+            table = (smallseq_catalog.SMALLSEQ_FORWARD_MMA_TILES if direction == "forward"
+                     else smallseq_catalog.SMALLSEQ_BACKWARD_MMA_TILES)
         tiles = table[head_dim]
         assert params.problems_per_team == tiles.run_length(problems)
         problems = -(-problems // params.problems_per_team)  # teams, each of which walks its run
@@ -749,7 +756,7 @@ def test_valid_small_calls_launch_once_with_one_block_per_group_of_problems(
     assert (params.batch, params.heads_kv, params.causal) == (batch, heads_kv, int(causal))
     function = device.backend.launches[0][0]
     (kernel,) = [kernel for kernel in device.registry.loaded() if kernel.function is function]
-    assert kernel.spec.family.name == f"smallseq_{direction}" + ("_mma" if tensor_cores else "")
+    assert kernel.spec.family.name == f"smallseq_{direction}" + ("_gqa_mma" if grouped else "_mma" if tensor_cores else "")
 
 
 def test_numpy_scalars_are_valid_causal_and_softmax_scale(fake):

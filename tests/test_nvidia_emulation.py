@@ -99,7 +99,7 @@ def test_the_small_seq_tensor_core_forward_matches_float64_with_gqa(device, team
     out, lse = run_forward(device, bits, cu_q, cu_k, 17, 17, heads_q, dtype, causal)
     want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k,
                                            head_dim ** -0.5, causal)
-    assert device.kernels == ["smallseq_forward_mma"]
+    assert device.kernels == ["smallseq_forward_gqa_mma"]  # Hq != Hkv: one team per (sequence, KV head) group
     assert_forward_matches(out, lse, want_out, want_lse, dtype)
 
 

@@ -17,16 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from support.emulated_attention import (
-    NAN_BITS,
-    TOLERANCE,
-    reference_backward,
-    reference_forward,
-    relative_error,
-    run_backward,
-    run_forward,
-    thd_inputs,
-)
 from support.emulation import (
     EMULATED_ARCH,
     EmulatedDevice,
@@ -37,6 +27,8 @@ from support.emulation import (
     from_16bit,
     to_16bit,
 )
+from support.raw_calls import NAN_BITS, run_backward, run_forward, thd_inputs
+from support.reference import TOLERANCE, reference_backward, reference_forward, relative_error
 
 import hipattn
 from hipattn.arrays import raw_array
@@ -95,7 +87,7 @@ CASES = [
 
 def _specs(case: Case):
     target = Target.parse(EMULATED_ARCH)
-    forward = catalog.forward_tiles(case.head_dim, target)
+    forward = catalog.forward_tiles(case.head_dim, target, group=case.group)
     backward = catalog.backward_tiles(case.head_dim, target, group=case.group)
     return [row.spec(case.dtype, case.head_dim, heads=case.heads_q) for row in (forward, backward)]
 

@@ -67,9 +67,9 @@ def test_a_launch_gives_every_sequence_and_kv_head_one_workgroup(problems, group
     # The launcher counts the forward's problems per query head, the backward's per KV head.
     for head_dim in SMALLSEQ_HEAD_DIMS:
         forward = SMALLSEQ_FORWARD_MFMA_TILES[head_dim].launch(problems, head_dim, group)
-        assert forward.blocks == problems // group and forward.problems_per_team is None
+        assert forward.blocks == problems // group and not forward.fields
         backward = SMALLSEQ_BACKWARD_MFMA_TILES[head_dim].launch(problems // group, head_dim, group)
-        assert backward.blocks == problems // group and backward.problems_per_team is None
+        assert backward.blocks == problems // group and not backward.fields
         assert backward.threads == SMALLSEQ_BACKWARD_MFMA_TILES[head_dim].threads
         assert backward.shared_bytes == SMALLSEQ_BACKWARD_MFMA_TILES[head_dim].shared_bytes(head_dim)
 
@@ -78,8 +78,8 @@ def test_a_launch_gives_every_sequence_and_kv_head_one_workgroup(problems, group
 def test_mfma_targets_run_the_mfma_rows_unless_portable_is_forced(arch):
     target = Target.parse(arch)
     for head_dim in SMALLSEQ_HEAD_DIMS:
-        assert forward_tiles(head_dim, target) == SMALLSEQ_FORWARD_MFMA_TILES[head_dim]
-        assert forward_tiles(head_dim, target, portable=True) == SMALLSEQ_FORWARD_TILES
+        assert forward_tiles(head_dim, target, group=1) == SMALLSEQ_FORWARD_MFMA_TILES[head_dim]
+        assert forward_tiles(head_dim, target, group=1, portable=True) == SMALLSEQ_FORWARD_TILES
         for group in (1, 3, 8):
             assert backward_tiles(head_dim, target, group=group) == SMALLSEQ_BACKWARD_MFMA_TILES[head_dim]
             assert backward_tiles(head_dim, target, group=group, portable=True) == SMALLSEQ_BACKWARD_TILES
@@ -88,7 +88,7 @@ def test_mfma_targets_run_the_mfma_rows_unless_portable_is_forced(arch):
 @pytest.mark.parametrize("arch", ["gfx908", "gfx1030", "gfx1100"])
 def test_other_amd_targets_run_the_portable_rows(arch):
     target = Target.parse(arch)
-    assert forward_tiles(128, target) == SMALLSEQ_FORWARD_TILES
+    assert forward_tiles(128, target, group=1) == SMALLSEQ_FORWARD_TILES
     assert backward_tiles(128, target, group=2) == SMALLSEQ_BACKWARD_TILES
 
 

@@ -182,10 +182,12 @@ def flash_dkdv_family(head_dim: int, kernel: str) -> str:
 def families_of(case: Case) -> tuple[str, ...]:
     """The kernel families a case launches, by the dispatch rules of hipattn.ops.smallseq and .flash."""
     if case.kind == "smallseq":
-        tensor_cores = case.kernel == "tensor-core"
-        forward = "smallseq_forward_mma" if tensor_cores else "smallseq_forward"
-        mma_backward = tensor_cores and case.heads_q == case.heads_kv and case.head_dim in SMALLSEQ_BACKWARD_MMA_TILES
-        return (forward, "smallseq_backward_mma" if mma_backward else "smallseq_backward")
+        if case.kernel != "tensor-core":
+            return ("smallseq_forward", "smallseq_backward")
+        if case.heads_q != case.heads_kv:  # GQA/MQA: one team per (sequence, KV head) group
+            return ("smallseq_forward_gqa_mma", "smallseq_backward_gqa_mma")
+        mma_backward = case.head_dim in SMALLSEQ_BACKWARD_MMA_TILES
+        return ("smallseq_forward_mma", "smallseq_backward_mma" if mma_backward else "smallseq_backward")
     if case.kind == "flash_backward":  # the forward gives O and LSE, then the backward's kernels in order
         # (the forward is the device's own whatever the case's kernel)
         return (flash_forward_family(case.head_dim, "device"),

@@ -1,17 +1,19 @@
 """The small-sequence kernels (every sequence <= SMALLSEQ_TILE tokens on both sides): the portable
 CUDA-core forward and backward (any GPU, any wave size), the NVIDIA tensor-core (mma.sync, sm_80+)
-forward and backward, and the AMD matrix-core (MFMA, gfx90a/gfx94x) forward and backward. Each row of
+forward and backward, for ungrouped heads and for grouped ones (GQA/MQA), and the AMD matrix-core
+(MFMA, gfx90a/gfx94x) forward and backward. Each row of
 the tables below names its kernel, its spec, its shared memory and how a launch covers a call's
 problems."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..jit.params import ParamsStruct
-from ..jit.spec import KernelFamily
+from ..jit.spec import KernelFamily, KernelSpec
 from ..jit.target import Target
 from .common import DTYPES
 from .fields import SEQUENCE_FIELDS, row_statistic, strided
@@ -37,21 +39,30 @@ SMALLSEQ_SCORE_PITCH = 32 + 8
 
 @dataclass(frozen=True)
 class SmallSeqLaunch:
-    """How one launch covers a call's problems: its grid, block, dynamic shared memory, and the run of
-    problems each team walks (the tensor-core kernels' ``problems_per_team`` field; None: one each)."""
+    """How one launch covers a call's problems: its grid, block, dynamic shared memory, and the kernel
+    fields the launch sets (the tensor-core kernels' run of problems per team, the grouped kernels'
+    group size)."""
 
     blocks: int
     threads: int
     shared_bytes: int
-    problems_per_team: int | None
+    fields: Mapping[str, int] = field(default_factory=dict)
 
 
 class SmallSeqTiles(KernelTiles):
-    """A small-seq row: its spec also takes the call's query heads, and it sizes a launch."""
+    """A small-seq row: it picks the instantiation a call needs and sizes its launch."""
+
+    def call_spec(self, dtype: str, head_dim: int, heads: int) -> KernelSpec:
+        """The instantiation serving a call with ``heads`` query heads: the kernels take the head count
+        as a template argument (so that a problem index divides by a constant), unless a row's kernel
+        takes it at run time."""
+        return self.spec(dtype, head_dim, heads=heads)
 
     @abstractmethod
     def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
-        """The launch over ``problems`` (sequence, head) problems of heads grouped ``group`` to a KV head."""
+        """The launch over ``problems`` problems as the launcher counts them ((sequence, query head)
+        pairs for the forward, (sequence, KV head) pairs for the backward), of query heads grouped
+        ``group`` to a KV head."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +85,7 @@ class _PortableTiles(SmallSeqTiles):
 
     def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
         per_block = self.teams_per_block(head_dim)
-        return SmallSeqLaunch(-(-problems // per_block), self.block_threads,
-                              self.shared_bytes(head_dim, group=group), None)
+        return SmallSeqLaunch(-(-problems // per_block), self.block_threads, self.shared_bytes(head_dim, group=group))
 
 
 @dataclass(frozen=True)
@@ -138,7 +148,8 @@ class SmallSeqMmaTiles(SmallSeqTiles):
     def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
         per_team = self.run_length(problems)
         teams = -(-problems // per_team)
-        return SmallSeqLaunch(-(-teams // self.teams), self.threads, self.shared_bytes(head_dim), per_team)
+        return SmallSeqLaunch(-(-teams // self.teams), self.threads, self.shared_bytes(head_dim),
+                              {"problems_per_team": per_team})
 
 
 def _warp_pitch_bytes(head_dim: int, split: int, element_bytes: int) -> int:
@@ -174,6 +185,99 @@ class SmallSeqBackwardMmaTiles(SmallSeqMmaTiles):
         lse = (SMALLSEQ_TILE * 4 + 15) // 16 * 16
         scores = 2 * SMALLSEQ_TILE * SMALLSEQ_SCORE_PITCH * element_bytes
         return self.split * warp + lse + scores
+
+
+# ---- NVIDIA tensor cores, grouped heads (GQA/MQA, G = Hq / Hkv > 1) ----
+# A team serves one (sequence, KV head) group: it stages K and V once and walks the group's G * len_q
+# stacked query rows in chunks of 16 (smallseq/group_tiles.h), the next chunk's rows in flight. The
+# group size is a run-time field, so one instantiation per dtype and head_dim serves every G; the
+# kernels' row -> query division by a reciprocal is exact up to G = 15894, and larger groups take the
+# portable kernels.
+SMALLSEQ_GQA_MAX_GROUP = 4096
+SMALLSEQ_GQA_CHUNK_ROWS = 16
+# Partial score sums one warp hands another (group_tiles.h's ChunkExchange): three 8-key accumulator
+# tiles of 32 lanes x 4 fp32, per tensor (forward S; backward S and dP).
+_GQA_EXCHANGE_BYTES = 3 * 32 * 16
+# The backward's warps own 64 columns each: dVᵀ and dKᵀ accumulate in registers across the group, 48
+# fp32 each for 64 columns (128 columns would need 192 and spill), so a team has head_dim / 64 warps.
+SMALLSEQ_GQA_BACKWARD_COLUMNS = 64
+
+
+@dataclass(frozen=True)
+class SmallSeqGroupedMmaTiles(SmallSeqMmaTiles):
+    """A grouped-heads tensor-core row: each team walks a run of (sequence, KV head) groups."""
+
+    def template_args(self, head_dim: int) -> dict[str, Any]:
+        return {"tile": SMALLSEQ_TILE, "warps": self.warps, "split": self.split}
+
+    def call_spec(self, dtype: str, head_dim: int, heads: int) -> KernelSpec:
+        return self.spec(dtype, head_dim)  # the group size is a run-time field: one kernel serves every G
+
+    def groups_of(self, problems: int, group: int) -> int:
+        """The (sequence, KV head) groups among ``problems`` as the launcher counts them."""
+        return problems
+
+    def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
+        groups = self.groups_of(problems, group)
+        per_team = self.run_length(groups)
+        teams = -(-groups // per_team)
+        return SmallSeqLaunch(-(-teams // self.teams), self.threads, self.shared_bytes(head_dim),
+                              {"problems_per_team": per_team, "group_size": group})
+
+
+@dataclass(frozen=True)
+class SmallSeqForwardGqaMmaTiles(SmallSeqGroupedMmaTiles):
+    @property
+    def family(self) -> KernelFamily:
+        return SMALLSEQ_FORWARD_GQA_MMA
+
+    def groups_of(self, problems: int, group: int) -> int:
+        return problems // group  # the forward's problems are (sequence, query head) pairs
+
+    def team_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """smallseq::GqaForwardTeamTiles<...>::kBytes: per warp, rows of its columns + 8 elements: a zero
+        row, K and V tiles of SMALLSEQ_TILE rows and two chunk tiles of 16 stacked query rows (this
+        chunk and the next one in flight); a pair's warps add two slots for the partial S they hand
+        each other."""
+        pitch = _warp_pitch_bytes(head_dim, self.split, element_bytes)
+        warp = pitch + 2 * SMALLSEQ_TILE * pitch + 2 * SMALLSEQ_GQA_CHUNK_ROWS * pitch
+        slots = 0 if self.split == 1 else 2 * _GQA_EXCHANGE_BYTES
+        return self.split * (warp + slots)
+
+
+@dataclass(frozen=True)
+class SmallSeqBackwardGqaMmaTiles(SmallSeqGroupedMmaTiles):
+    @property
+    def family(self) -> KernelFamily:
+        return SMALLSEQ_BACKWARD_GQA_MMA
+
+    def team_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """smallseq::GqaBackwardTeamTiles<...>::kBytes: per warp (64 columns), a zero row, K and V tiles
+        and two chunk tiles each of Q and dO; then the team's two chunks of LSE, the P and dZ tiles
+        (16 rows of 32 + 8 keys) and a slot for the partial S and dP of each warp after the first."""
+        pitch = (SMALLSEQ_GQA_BACKWARD_COLUMNS + 8) * element_bytes
+        warp = pitch + 2 * SMALLSEQ_TILE * pitch + 4 * SMALLSEQ_GQA_CHUNK_ROWS * pitch
+        lse = 2 * SMALLSEQ_GQA_CHUNK_ROWS * 4
+        scores = 2 * SMALLSEQ_GQA_CHUNK_ROWS * SMALLSEQ_SCORE_PITCH * element_bytes
+        return self.split * warp + lse + scores + (self.split - 1) * 2 * _GQA_EXCHANGE_BYTES
+
+
+# Rows chosen by counts, not yet timed (the kernels' header comments): warps per SM from shared memory
+# (registers never bind tighter: tests/test_smallseq_gqa_tiles.py), each warp at an instruction every
+# 6-7 cycles, should issue a group's instructions in no more time than its bytes take. Forward warps
+# need 9.4, 17.8 and (two of 128 columns) 20.8 KiB at head_dim 64, 128 and 256: 20, 12 and 10 per H200
+# SM. Backward teams need 16.5, 33.5 and 67.3 KiB: 12 warps per SM at every head_dim. Runs of 2 groups
+# a team, as MHA's rows run 2-4 problems. Every block stays within the 99 KiB that sm_86/sm_89 allow.
+SMALLSEQ_GQA_FORWARD_MMA_TILES = {
+    64: SmallSeqForwardGqaMmaTiles(warps=4, problems_per_team=2),
+    128: SmallSeqForwardGqaMmaTiles(warps=4, problems_per_team=2),
+    256: SmallSeqForwardGqaMmaTiles(warps=2, problems_per_team=2, split=2),
+}
+SMALLSEQ_GQA_BACKWARD_MMA_TILES = {
+    64: SmallSeqBackwardGqaMmaTiles(warps=2, problems_per_team=2, split=1),
+    128: SmallSeqBackwardGqaMmaTiles(warps=2, problems_per_team=2, split=2),
+    256: SmallSeqBackwardGqaMmaTiles(warps=4, problems_per_team=2, split=4),
+}
 
 
 # The portable kernels' rows. The backward runs 64-thread blocks so that a GQA group's dK/dV sums
@@ -244,7 +348,7 @@ class SmallSeqMfmaTiles(SmallSeqTiles):
         return problems
 
     def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
-        return SmallSeqLaunch(self.launch_blocks(problems, group), self.threads, self.shared_bytes(head_dim), None)
+        return SmallSeqLaunch(self.launch_blocks(problems, group), self.threads, self.shared_bytes(head_dim))
 
 
 @dataclass(frozen=True)
@@ -287,25 +391,33 @@ SMALLSEQ_BACKWARD_MFMA_TILES = {
 }
 
 
-def forward_tiles(head_dim: int, target: Target | None, *, portable: bool = False) -> SmallSeqTiles:
-    """The forward's row on ``target``: tensor cores on NVIDIA sm_80+ and matrix cores on AMD
-    gfx90a/gfx94x unless ``portable``."""
-    if runs_nvidia_mma(target) and not portable:
-        return SMALLSEQ_FORWARD_MMA_TILES[head_dim]
-    if runs_amd_mfma(target) and not portable:
-        return SMALLSEQ_FORWARD_MFMA_TILES[head_dim]
-    return SMALLSEQ_FORWARD_TILES
+def _row(head_dim: int, target: Target | None, group: int, portable: bool, mma: dict, grouped: dict, mfma: dict,
+         fallback: SmallSeqTiles) -> SmallSeqTiles:
+    if portable:
+        return fallback
+    if runs_nvidia_mma(target):
+        if group == 1:
+            return mma[head_dim]
+        if group <= SMALLSEQ_GQA_MAX_GROUP:
+            return grouped[head_dim]
+        return fallback
+    if runs_amd_mfma(target):
+        return mfma[head_dim]
+    return fallback
+
+
+def forward_tiles(head_dim: int, target: Target | None, *, group: int, portable: bool = False) -> SmallSeqTiles:
+    """The forward's row on ``target`` for query heads grouped ``group`` to a KV head, unless
+    ``portable``: on NVIDIA sm_80+ the tensor-core kernel of ungrouped or of grouped heads, on AMD
+    gfx90a/gfx94x the MFMA kernel (any group); the portable kernel everywhere else."""
+    return _row(head_dim, target, group, portable, SMALLSEQ_FORWARD_MMA_TILES, SMALLSEQ_GQA_FORWARD_MMA_TILES,
+                SMALLSEQ_FORWARD_MFMA_TILES, SMALLSEQ_FORWARD_TILES)
 
 
 def backward_tiles(head_dim: int, target: Target | None, *, group: int, portable: bool = False) -> SmallSeqTiles:
-    """The backward's row on ``target`` for query heads grouped ``group`` to a KV head: tensor cores
-    on NVIDIA sm_80+ for ungrouped heads, matrix cores on AMD gfx90a/gfx94x for any group, unless
-    ``portable``."""
-    if runs_nvidia_mma(target) and not portable and group == 1 and head_dim in SMALLSEQ_BACKWARD_MMA_TILES:
-        return SMALLSEQ_BACKWARD_MMA_TILES[head_dim]
-    if runs_amd_mfma(target) and not portable:
-        return SMALLSEQ_BACKWARD_MFMA_TILES[head_dim]
-    return SMALLSEQ_BACKWARD_TILES
+    """The backward's row, chosen as the forward's (``forward_tiles``)."""
+    return _row(head_dim, target, group, portable, SMALLSEQ_BACKWARD_MMA_TILES, SMALLSEQ_GQA_BACKWARD_MMA_TILES,
+                SMALLSEQ_BACKWARD_MFMA_TILES, SMALLSEQ_BACKWARD_TILES)
 
 
 def _shipped(rows_of_head_dim, target: Target) -> list:
@@ -319,6 +431,13 @@ def _shipped_mma(table: dict[int, SmallSeqMmaTiles], target: Target) -> list:
 
 def _shipped_mfma(table: dict[int, SmallSeqMfmaTiles], target: Target) -> list:
     return _shipped(table.__getitem__, target) if runs_amd_mfma(target) else []
+
+
+def _shipped_grouped(table: dict[int, SmallSeqGroupedMmaTiles], target: Target) -> list:
+    """One instantiation per dtype and head_dim: the group size, and so the head count, is run time's."""
+    if not runs_nvidia_mma(target):
+        return []
+    return [table[d].spec(t, d) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS]
 
 
 _SMALLSEQ_TEMPLATE = ("dtype", "head_dim", "heads", "tile")
@@ -350,6 +469,19 @@ SMALLSEQ_BACKWARD_MMA = _family(
     "smallseq_backward_mma", "smallseq/backward_mma.hip", ("warps", "split"),
     ParamsStruct("SmallSeqBackwardMmaParams", _BACKWARD_FIELDS + _RUN_FIELD),
     lambda target: _shipped_mma(SMALLSEQ_BACKWARD_MMA_TILES, target))
+# The grouped kernels take neither the head count nor a per-head problem index: their teams walk groups.
+_GROUPED_TEMPLATE = ("dtype", "head_dim", "tile", "warps", "split")
+_GROUP_FIELDS = _RUN_FIELD + (("group_size", "i32"),)
+SMALLSEQ_FORWARD_GQA_MMA = register(KernelFamily(
+    name="smallseq_forward_gqa_mma", source="smallseq/forward_gqa_mma.hip",
+    template="hipattn::smallseq_forward_gqa_mma", template_params=_GROUPED_TEMPLATE,
+    params=ParamsStruct("SmallSeqForwardGqaMmaParams", _FORWARD_FIELDS + _GROUP_FIELDS),
+    shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_FORWARD_MMA_TILES, target)))
+SMALLSEQ_BACKWARD_GQA_MMA = register(KernelFamily(
+    name="smallseq_backward_gqa_mma", source="smallseq/backward_gqa_mma.hip",
+    template="hipattn::smallseq_backward_gqa_mma", template_params=_GROUPED_TEMPLATE,
+    params=ParamsStruct("SmallSeqBackwardGqaMmaParams", _BACKWARD_FIELDS + _GROUP_FIELDS),
+    shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_BACKWARD_MMA_TILES, target)))
 SMALLSEQ_FORWARD_MFMA = _family(
     "smallseq_forward_mfma", "smallseq/forward_mfma.hip", ("waves",),
     ParamsStruct("SmallSeqForwardMfmaParams", _FORWARD_FIELDS),

@@ -46,7 +46,7 @@ def _portable_forced() -> bool:
 # launch pays a dict hit instead of KernelFamily.spec's argument checks.
 @functools.cache
 def _spec(tiles: SmallSeqTiles, dtype: str, head_dim: int, heads: int) -> KernelSpec:
-    return tiles.spec(dtype, head_dim, heads=heads)
+    return tiles.call_spec(dtype, head_dim, heads)
 
 
 def _launch(tiles: SmallSeqTiles, problem: Problem, problems: int, fields: dict, stream: int) -> None:
@@ -58,8 +58,7 @@ def _launch(tiles: SmallSeqTiles, problem: Problem, problems: int, fields: dict,
     check_grid(active.target(problem.device), launch.blocks, launch.threads,
                f"blocks of small-seq work for batch {problem.batch}")
     kernel = active.kernel(_spec(tiles, problem.dtype, problem.head_dim, problem.heads_q), problem.device)
-    if launch.problems_per_team is not None:
-        fields["problems_per_team"] = launch.problems_per_team
+    fields.update(launch.fields)
     kernel.reserve_dynamic_shared_memory(launch.shared_bytes)
     kernel.launch((launch.blocks, 1, 1), (launch.threads, 1, 1), launch.shared_bytes, stream,
                   kernel.params.from_dict(fields))
@@ -74,13 +73,15 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     portable = _portable_forced()
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     target = runtime.active().target(problem.device)
-    _launch(smallseq.forward_tiles(problem.head_dim, target, portable=portable), problem, problems, fields, stream)
+    tiles = smallseq.forward_tiles(problem.head_dim, target, group=problem.heads_q // problem.heads_kv,
+                                   portable=portable)
+    _launch(tiles, problem, problems, fields, stream)
 
 
 def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None) -> None:
-    """Enqueue dQ, dK, dV: per (sequence, KV head) problem, walking the query heads of its group
-    (portable, and AMD's MFMA kernels), or per (sequence, head) problem (tensor cores, Hq == Hkv)."""
+    """Enqueue dQ, dK, dV: per (sequence, KV head) problem, walking the query heads of its group (every
+    kernel but NVIDIA's tensor-core one for ungrouped heads, which takes a problem per (sequence, head))."""
     problems = problem.batch * problem.heads_kv
     if problems == 0:
         return

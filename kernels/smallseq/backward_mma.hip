@@ -36,7 +36,8 @@ struct ScoreTiles {
 
 // One team's shared memory, in bytes from its base: each warp's zero row and Q, dO, K and V tiles
 // of HEAD_DIM / SPLIT columns; then the LSE rows (padded to 16 bytes), and P and dZ.
-// hipattn/families.py's smallseq_mma_team_bytes computes kBytes from the same arguments.
+// The host's row (hipattn/catalog/smallseq.py, SmallSeqBackwardMmaTiles.team_bytes) computes kBytes from
+// the same arguments.
 template <typename T, int HEAD_DIM, int TILE, int SPLIT>
 struct BackwardTeamTiles {
   using Warp = WarpTiles<T, HEAD_DIM / SPLIT, TILE, 4>;
@@ -316,7 +317,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
 }  // namespace smallseq
 
 // WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_team problems;
-// the host's table (families.SMALLSEQ_BACKWARD_MMA_TILES) sizes the dynamic shared memory.
+// the host's table (catalog.smallseq.SMALLSEQ_BACKWARD_MMA_TILES) sizes the dynamic shared memory.
 template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS, int SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallSeqBackwardMmaParams p) {
   using Team = smallseq::BackwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;

@@ -10,7 +10,7 @@
 
 namespace hipattn {
 
-// BLOCK_THREADS and LANE_ELEMENTS come from the host's table (families.py), which sizes the grid
+// BLOCK_THREADS and LANE_ELEMENTS come from the host's row (hipattn/catalog/smallseq.py), which sizes the grid
 // with them; LANE_ELEMENTS must be the layout this file is written for.
 template <typename T, int HEAD_DIM, int HEADS, int TILE, int BLOCK_THREADS, int LANE_ELEMENTS>
 __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeqForwardParams p) {

@@ -20,7 +20,7 @@ namespace hipattn {
 namespace smallseq {
 
 // One team's shared memory, in bytes from its base: each warp's zero row and Q, K and V tiles of
-// HEAD_DIM / SPLIT columns. hipattn/families.py's smallseq_mma_team_bytes computes kBytes from the
+// HEAD_DIM / SPLIT columns. The host's row (hipattn/catalog/smallseq.py, SmallSeqForwardMmaTiles.team_bytes) computes kBytes from the
 // same arguments.
 template <typename T, int HEAD_DIM, int TILE, int SPLIT>
 struct ForwardTeamTiles {
@@ -201,7 +201,7 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
 }  // namespace smallseq
 
 // WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_team problems;
-// the host's table (families.SMALLSEQ_FORWARD_MMA_TILES) sizes the dynamic shared memory.
+// the host's table (catalog.smallseq.SMALLSEQ_FORWARD_MMA_TILES) sizes the dynamic shared memory.
 template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS, int SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSeqForwardMmaParams p) {
   using Team = smallseq::ForwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;

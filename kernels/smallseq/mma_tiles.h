@@ -17,7 +17,7 @@ namespace smallseq {
 
 // One warp's shared memory, in bytes from its base: a zero row, then TENSORS tiles of TILE rows
 // (forward: Q, K, V; backward: Q, dO, K, V). Rows are padded by 16 bytes so that ldmatrix's eight
-// row reads hit distinct banks. hipattn/families.py's smallseq_mma_team_bytes computes the same.
+// row reads hit distinct banks. The host's rows (hipattn/catalog/smallseq.py, team_bytes) compute the same.
 template <typename T, int HEAD_DIM, int TILE, int TENSORS>
 struct WarpTiles {
   static constexpr int kPitch = HEAD_DIM + 8;  // elements

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hipattn
+from hipattn import runtime
 from hipattn.catalog import smallseq
 from hipattn.catalog.smallseq import (
     SMALLSEQ_HEAD_DIMS,
@@ -287,3 +288,159 @@ def test_eighty_thousand_sequences_times_32_heads_run():
                                      scale=1 / math.sqrt(head_dim))
         assert relative_error(out[rows], ref) < TOLERANCE["bf16"]
     assert not torch.isnan(out).any()
+
+
+# ---- grouped heads (GQA/MQA) on the tensor cores: one team per (sequence, KV head) group ----------
+
+# Every shipped-config ratio (G = 8, 8, 4, 2, 8, 4), MQA at 8 and 16 query heads, odd groups (G = 3)
+# and G = 16 (Hq = 16 * Hkv).
+GROUPED_HEADS = [(8, 1), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8), (16, 1), (12, 4), (18, 6), (32, 2)]
+
+
+@pytest.fixture
+def launched_families(monkeypatch):
+    """The kernel family of every launch the small-seq path makes, in order."""
+    families_seen: list[str] = []
+
+    class Recording(runtime.Runtime):
+        __slots__ = ()
+
+        def kernel(self, spec, device):
+            families_seen.append(spec.family.name)
+            return super().kernel(spec, device)
+
+    active = runtime.active()
+    monkeypatch.setattr(runtime, "_active", Recording(active.backend, registry=active.registry))
+    monkeypatch.delenv("HIPATTN_SMALLSEQ_KERNEL", raising=False)
+    return families_seen
+
+
+def _replay_with_new_cu_seqlens(graph, tensors, cu_q, cu_k, batch, heads_q, head_dim, dtype, causal, rng, gen):
+    """Write new lengths (0, 1 and 17 among them) into the captured cu_seqlens, fresh inputs and NaN
+    outputs into the captured buffers, replay, and return the errors against float64."""
+    q, k, v, dout, out, lse, dq, dk, dv = tensors
+    lengths_q = [0, 1, SMALLSEQ_TILE] + torch.randint(0, SMALLSEQ_TILE + 1, (batch - 3,), generator=gen).tolist()
+    lengths_k = [SMALLSEQ_TILE, 1, 0] + torch.randint(0, SMALLSEQ_TILE + 1, (batch - 3,), generator=gen).tolist()
+    host_q = [0] + torch.tensor(lengths_q).cumsum(0).tolist()
+    host_k = [0] + torch.tensor(lengths_k).cumsum(0).tolist()
+    cu_q.copy_(torch.tensor(host_q, dtype=torch.int32))
+    cu_k.copy_(torch.tensor(host_k, dtype=torch.int32))
+    for buffer in (q, k, v, dout):
+        buffer.normal_(generator=rng)
+    for buffer in (out, dq, dk, dv, lse):
+        buffer.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    nq, nk = host_q[-1], host_k[-1]
+    for name, t in (("out", out[:nq]), ("lse", lse[:, :nq]), ("dq", dq[:nq]), ("dk", dk[:nk]), ("dv", dv[:nk])):
+        assert not torch.isnan(t).any(), f"replay: {name} has unwritten (NaN) elements"
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q[:nq], k[:nk], v[:nk], host_q, host_k,
+                                                                   causal=causal, scale=1 / math.sqrt(head_dim),
+                                                                   dout=dout[:nq])
+    assert torch.equal(torch.isinf(lse[:, :nq]), torch.isinf(ref_lse)), "replay: lse is +inf on the wrong rows"
+    return {"out": relative_error(out[:nq], ref_out), "dq": relative_error(dq[:nq], ref_dq),
+            "dk": relative_error(dk[:nk], ref_dk), "dv": relative_error(dv[:nk], ref_dv)}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_q,heads_kv", GROUPED_HEADS)
+@pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_grouped_heads_match_float64_and_replay_in_a_graph(dtype, head_dim, heads_q, heads_kv, causal,
+                                                          launched_families, rng):
+    """The grouped kernels (dK and dV summed over the group in registers), directly and then captured
+    in a CUDA graph with a capacity bound and replayed with new cu_seqlens."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    lengths_q = [0, 1, 17, 17, 5, 0, 1, 9] + torch.randint(0, SMALLSEQ_TILE + 1, (16,), generator=gen).tolist()
+    lengths_k = [3, 1, 17, 0, 17, 0, 17, 1] + torch.randint(0, SMALLSEQ_TILE + 1, (16,), generator=gen).tolist()
+    errors = _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng)
+    record_errors(f"grouped {dtype} d{head_dim} {heads_q}/{heads_kv} causal={causal}", **errors)
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+    assert launched_families == ["smallseq_forward_gqa_mma", "smallseq_backward_gqa_mma"]
+
+    batch = 24
+    capacity = batch * SMALLSEQ_TILE
+    t = TORCH_DTYPE[dtype]
+    q = torch.empty(capacity, heads_q, head_dim, dtype=t, device="cuda")
+    k = torch.empty(capacity, heads_kv, head_dim, dtype=t, device="cuda")
+    v, dout = torch.empty_like(k), torch.empty_like(q)
+    out, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+    lse = torch.empty(heads_q, capacity, dtype=torch.float32, device="cuda")
+    cu_q = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    cu_k = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=SMALLSEQ_TILE, max_seqlen_k=SMALLSEQ_TILE,
+                causal=causal)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        hipattn.forward(q, k, v, out=out, lse=lse, **args)  # warm: compile and load outside the capture
+        hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        hipattn.forward(q, k, v, out=out, lse=lse, **args)
+        hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
+    for replay in range(2):
+        errors = _replay_with_new_cu_seqlens(graph, (q, k, v, dout, out, lse, dq, dk, dv), cu_q, cu_k, batch, heads_q,
+                                             head_dim, dtype, causal, rng, gen)
+        record_errors(f"grouped graph replay {replay} {dtype} d{head_dim} {heads_q}/{heads_kv} causal={causal}",
+                      **errors)
+        assert max(errors.values()) < TOLERANCE[dtype], errors
+
+
+@pytest.mark.parametrize("lengths", [([17], [17]), ([1], [1]), ([0], [9]), ([12], [0]), ([1], [17])])
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 1), (12, 4)])
+def test_grouped_heads_on_a_batch_of_one(lengths, heads_q, heads_kv, launched_families, rng):
+    lengths_q, lengths_k = lengths
+    for causal in (False, True):
+        errors = _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, 128, "bf16", causal, rng)
+        assert max(errors.values()) < TOLERANCE["bf16"], errors
+    # A batch of one launches its kernels even when a side is empty (the lengths live on the device).
+    assert launched_families == 2 * ["smallseq_forward_gqa_mma", "smallseq_backward_gqa_mma"]
+
+
+def test_grouped_heads_batch_zero_is_valid_and_touches_nothing(launched_families):
+    q = torch.empty(0, 8, 64, dtype=torch.bfloat16, device="cuda")
+    kv = torch.empty(0, 2, 64, dtype=torch.bfloat16, device="cuda")
+    cu = torch.zeros(1, dtype=torch.int32, device="cuda")
+    args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=SMALLSEQ_TILE, max_seqlen_k=SMALLSEQ_TILE)
+    out, lse = hipattn.forward(q, kv, kv, **args)
+    dq, dk, dv = hipattn.backward(q, q, kv, kv, out, lse, **args)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and lse.shape == (8, 0) and dq.shape == q.shape and dk.shape == dv.shape == kv.shape
+    assert launched_families == [], "batch 0 launches nothing"
+
+
+@pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
+def test_grouped_heads_bshd_with_per_sequence_lengths(head_dim, launched_families, rng):
+    batch, heads_q, heads_kv = 6, 18, 6  # G = 3
+    q = torch.randn(batch, SMALLSEQ_TILE, heads_q, head_dim, generator=rng, device="cuda").bfloat16()
+    k = torch.randn(batch, SMALLSEQ_TILE - 2, heads_kv, head_dim, generator=rng, device="cuda").bfloat16()
+    v, dout = randn_like(k, rng), randn_like(q, rng)
+    used_q = torch.tensor([17, 0, 3, 9, 1, 12], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([13, 5, 0, 2, 15, 1], dtype=torch.int32, device="cuda")
+    out, lse = poisoned(q.shape, q.dtype), poisoned((batch, heads_q, SMALLSEQ_TILE), torch.float32)
+    hipattn.forward(q, k, v, out=out, lse=lse, seqused_q=used_q, seqused_k=used_k, causal=True)
+    dq, dk, dv = poisoned(q.shape, q.dtype), poisoned(k.shape, k.dtype), poisoned(v.shape, v.dtype)
+    hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, seqused_q=used_q, seqused_k=used_k, causal=True)
+    torch.cuda.synchronize()
+    assert launched_families == ["smallseq_forward_gqa_mma", "smallseq_backward_gqa_mma"]
+    lq, lk = used_q.tolist(), used_k.tolist()
+
+    def thd(x, lengths):
+        return torch.cat([x[b, : lengths[b]] for b in range(batch)])
+
+    cu_q = [0] + torch.tensor(lq).cumsum(0).tolist()
+    cu_k = [0] + torch.tensor(lk).cumsum(0).tolist()
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(thd(q, lq), thd(k, lk), thd(v, lk), cu_q, cu_k,
+                                                                   causal=True, scale=1 / math.sqrt(head_dim),
+                                                                   dout=thd(dout, lq))
+    lse_thd = torch.cat([lse[b, :, : lq[b]] for b in range(batch)], dim=1)
+    assert torch.equal(torch.isinf(lse_thd), torch.isinf(ref_lse))
+    errors = {"out": relative_error(thd(out, lq), ref_out), "dq": relative_error(thd(dq, lq), ref_dq),
+              "dk": relative_error(thd(dk, lk), ref_dk), "dv": relative_error(thd(dv, lk), ref_dv)}
+    record_errors(f"grouped bshd seqused d{head_dim}", **errors)
+    assert max(errors.values()) < TOLERANCE["bf16"], errors
+    # Rows past each sequence's length are never written: still the poison.
+    for b in range(batch):
+        assert torch.isnan(out[b, lq[b]:]).all() and torch.isnan(lse[b, :, lq[b]:]).all()
+        assert torch.isnan(dq[b, lq[b]:]).all() and torch.isnan(dk[b, lk[b]:]).all() and torch.isnan(dv[b, lk[b]:]).all()

@@ -33,13 +33,15 @@ def hiprtc_backend():
     return _loadable_backend("hip", "hip-python", HipBackend, "hiprtc")
 
 
-def compile_family(backend, family, target, spec, extra_lines=()):
+def compile_family(backend, family, target, spec, extra_lines=(), options=()):
     """``family``'s compile unit, with ``extra_lines`` appended (static_asserts on its layout), compiled
-    for ``spec`` and ``target``; a failure raises CompileError with the compiler's log."""
+    for ``spec`` and ``target`` with the backend's options and then ``options`` (NVRTC's
+    --ptxas-options=-v puts ptxas's resource report in the log); a failure raises CompileError with the
+    compiler's log."""
     source, headers = compile_unit(family)
     source += "".join(f"{line}\n" for line in extra_lines)
-    return backend.compile(source, headers, spec.name_expression(), target, backend.compile_options(target),
-                           spec.canonical())
+    return backend.compile(source, headers, spec.name_expression(), target,
+                           (*backend.compile_options(target), *options), spec.canonical())
 
 
 def compile_with_layout_checks(backend, family, target, table, layout_of) -> None:

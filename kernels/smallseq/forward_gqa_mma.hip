@@ -1,0 +1,282 @@
+// Small-sequence attention forward for grouped heads (GQA/MQA, Hq = G * Hkv with G > 1) on NVIDIA
+// tensor cores (sm_80+): the contract of smallseq/forward.hip. Heads without sharing (G = 1) keep
+// smallseq/forward_mma.hip, one problem per (sequence, head).
+//
+// A team of warps serves one (sequence, KV head) group at a time and walks a run of them. Per group
+// it stages K and V once, then walks the group's stacked query rows (smallseq/group_tiles.h) in
+// chunks of 16, one m16 tile each, with the next chunk's Q rows in flight (cp.async into the second
+// chunk tile) while this one computes: S = Q Kᵀ (three 8-key tiles), the softmax on the
+// accumulators, P normalised and reused as the A operand of O = P V, O written back over the chunk's
+// Q rows and out with 16-byte stores. The LSE of each stacked row goes to its head's row.
+//
+// Why this shape. The kernels are latency-bound: an SM's time follows the bytes its warps stage and
+// the instructions they issue (one every 6-7 cycles per warp). MHA's one-problem-per-head kernel,
+// given GQA, stages Q, K and V per query head: at G = 4 and lengths drawn from 1..17 (mean 9, head_dim
+// 128) that is 4 x 2.3 KB through shared memory for a floor of Q + O + (K + V) / G, 1.6x the floor's
+// bytes from L2, and it ran at 1.8-2.1x the floor. Here K and V cross once per group, so the bytes
+// staged are the floor's: 23 KB a group of 4, 1290 cycles of one SM's share of the copy bandwidth.
+// Stacked rows fill the m16 tiles: 2.6 chunks a group of 4 heads instead of the 4.2 mostly-empty tiles
+// of one problem per head (and of a loop over the group's heads one at a time with K and V resident,
+// which stages the same bytes). A chunk at head_dim 128 with at most 16 keys is about 660
+// instructions of SASS (S, softmax, LSE and P V 370, with 32 mma; the next chunk's copies 140; O out
+// 140), so a group of 4 takes about 2000, 500 a query head where MHA's kernel took 1230 a problem:
+// with 12 warps an SM issues them in about 1100 cycles, under the floor's 1290. Registers: 48-80
+// (ptxas), so shared memory alone sets the warps per SM (20, 12, 10 at head_dim 64, 128, 256).
+//
+// SPLIT warps share a group (a team), each staging HEAD_DIM / SPLIT columns. With SPLIT = 2 each
+// hands its partial S of a chunk to the other through a slot of its own (two slots, alternating with
+// the chunk, so one barrier per chunk orders them), both add the two halves (a + b == b + a: both
+// hold the same S) and run the same softmax, and each computes its columns of O.
+#pragma once
+#include "smallseq/group_tiles.h"
+
+namespace hipattn {
+namespace smallseq {
+
+// One team's shared memory, in bytes from its base. Per warp: a zero row; K and V tiles of TILE
+// rows; two chunk tiles of 16 stacked query rows (this chunk, and the next one in flight); with
+// SPLIT = 2 two slots for the partial S it hands the other warp. Rows are HEAD_DIM / SPLIT + 8
+// elements (the pad spreads ldmatrix's eight row reads over the banks). The host's row
+// (hipattn/catalog/smallseq.py, SmallSeqForwardGqaMmaTiles.team_bytes) computes kBytes from the same
+// arguments.
+template <typename T, int HEAD_DIM, int TILE, int SPLIT>
+struct GqaForwardTeamTiles {
+  static constexpr int kCols = HEAD_DIM / SPLIT;
+  static constexpr int kPitchBytes = (kCols + 8) * static_cast<int>(sizeof(T));
+  static constexpr int kKeyTileBytes = TILE * kPitchBytes;
+  static constexpr int kChunkBytes = kChunkRows * kPitchBytes;
+  static constexpr int kKOffset = kPitchBytes;  // after the zero row
+  static constexpr int kVOffset = kKOffset + kKeyTileBytes;
+  static constexpr int kChunksOffset = kVOffset + kKeyTileBytes;
+  static constexpr int kSlotsOffset = kChunksOffset + 2 * kChunkBytes;
+  static constexpr int kSlotBytes = ChunkExchange<1>::kBytes;
+  static constexpr int kWarpBytes = kSlotsOffset + (SPLIT == 1 ? 0 : 2 * kSlotBytes);
+  static constexpr int kBytes = SPLIT * kWarpBytes;
+  static_assert(SPLIT == 1 || SPLIT == 2, "one warp per group, or two that split its columns");
+  static_assert(HEAD_DIM % (16 * SPLIT) == 0, "each warp takes whole 16-column mma steps");
+  static_assert(kPitchBytes % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
+};
+
+// One chunk of a group: O and LSE of stacked rows [first, first + 16) over this warp's columns, with
+// the chunk's Q rows staged in chunk tile `slot`; O overwrites them on its way out. With SPLIT = 2 the
+// partial S goes through exchange slot `slot` (the same parity). WIDE: the group has more than 16
+// keys, so S takes a third 8-key tile and O a second 16-key step; a compile-time choice, because a
+// branch around each of those steps cost a branch, a warp barrier and a rebuilt address per step
+// (about a tenth of a chunk's instructions).
+template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS, bool WIDE>
+HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Group& x, const StackedRows& stacked,
+                                  int first, int slot, const TilePlaces& places, int team, int part, int lane) {
+  using Team = GqaForwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
+  constexpr int COLS = Team::kCols;
+  constexpr int kPitchBytes = Team::kPitchBytes;
+  const int len_q = x.q.length;
+  const int len_k = x.k.length;
+  const int rows = stacked.count - first < kChunkRows ? stacked.count - first : kChunkRows;
+  const unsigned int zero = places.warp_address(0);
+  const unsigned int k_tile = zero + Team::kKOffset;
+  const unsigned int v_tile = zero + Team::kVOffset;
+  const unsigned int q_tile = zero + Team::kChunksOffset + slot * Team::kChunkBytes;
+  unsigned char* const chunk = places.warp_bytes(Team::kChunksOffset) + slot * Team::kChunkBytes;
+  const int g = lane / 4;  // fragment row within the chunk (and +8)
+  const int t = lane % 4;  // fragment column pair
+
+  // ---- S = Q Kᵀ over this warp's columns, keys [0, 24) ----
+  const unsigned int q_row = row_or_zero(q_tile, zero, lane % 16, rows, kPitchBytes) + 16 * (lane / 16);
+  const unsigned int k_rows01 =
+      row_or_zero(k_tile, zero, 8 * (lane / 16) + lane % 8, len_k, kPitchBytes) + 16 * ((lane / 8) % 2);
+  const unsigned int k_row2 = row_or_zero(k_tile, zero, 16 + lane % 8, len_k, kPitchBytes) + 16 * ((lane / 8) % 2);
+  float scores[3][4] = {};
+#pragma unroll
+  for (int ks = 0; ks < COLS / 16; ++ks) {
+    unsigned int a[4];
+    mma::ldmatrix_x4(a, q_row + 32 * ks);
+    {  // keys 0..15 (with no key at all, K's zero row: S = 0, masked below)
+      unsigned int b[4];
+      mma::ldmatrix_x4(b, k_rows01 + 32 * ks);
+      mma::mma_16816<T>(scores[0], a, b[0], b[1]);
+      mma::mma_16816<T>(scores[1], a, b[2], b[3]);
+    }
+    if (WIDE) {
+      unsigned int b[2];
+      mma::ldmatrix_x2(b, k_row2 + 32 * ks);
+      mma::mma_16816<T>(scores[2], a, b[0], b[1]);
+    }
+  }
+  if (SPLIT == 2) {
+    // This warp's slots follow its tiles; the other warp's lie kWarpBytes before or after them.
+    unsigned char* const my_slot = places.warp_bytes(Team::kSlotsOffset) + slot * Team::kSlotBytes;
+    hand_over_chunk_scores(my_slot, 0, scores, lane);
+    team_sync<SPLIT, TEAMS>(team);
+    add_chunk_scores(my_slot + (1 - 2 * part) * Team::kWarpBytes, 0, scores, lane);
+  }
+  __syncwarp();  // every lane has read the chunk's Q rows; O is staged over them
+
+  // ---- softmax on the accumulators: a row's 24 scores live in the 4 lanes of one quad ----
+  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  int query[2], head[2], last_key[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = first + g + 8 * r;
+    query[r] = stacked.query(row);
+    head[r] = row - query[r] * stacked.group;
+    last_key[r] = last_visible_key(row, query[r], stacked, len_q, len_k, p.causal);
+  }
+  float row_max[2] = {-infinity(), -infinity()};
+#pragma unroll
+  for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = 8 * nt + 2 * t + (e & 1);
+      scores[nt][e] = j <= last_key[e / 2] ? scores[nt][e] * scale_log2 : -infinity();
+      row_max[e / 2] = fmaxf(row_max[e / 2], scores[nt][e]);
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_max[r] = fmaxf(row_max[r], shfl_xor(row_max[r], 1, 32, 0xffffffffu));
+    row_max[r] = fmaxf(row_max[r], shfl_xor(row_max[r], 2, 32, 0xffffffffu));
+  }
+  float row_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float m = row_max[e / 2];
+      scores[nt][e] = m == -infinity() ? 0.0f : fast_exp2(scores[nt][e] - m);
+      row_sum[e / 2] += scores[nt][e];
+    }
+  float inv_sum[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += shfl_xor(row_sum[r], 1, 32, 0xffffffffu);
+    row_sum[r] += shfl_xor(row_sum[r], 2, 32, 0xffffffffu);
+    // 1 / sum as 2^-log2(sum), from the log2 the LSE takes anyway (relative error ~3e-7 for the sums
+    // of 1 to 24 that a row with a key has): an IEEE division brings a slow-path call, and around it
+    // ptxas spilled the loop's counters. A row that sees no key: O = 0 and LSE = +inf (flash-attn's
+    // convention; see forward.hip).
+    const float sum_log2 = fast_log2(row_sum[r]);
+    inv_sum[r] = row_sum[r] > 0.0f ? fast_exp2(-sum_log2) : 0.0f;
+    if (part == 0 && t == 0 && first + g + 8 * r < stacked.count) {
+      static_cast<float*>(p.lse)[x.batch_index * p.lse_batch_stride +
+                                 (x.head_kv * stacked.group + head[r]) * p.lse_head_stride + x.q.start + query[r]] =
+          row_sum[r] > 0.0f ? (row_max[r] + sum_log2) * 0.6931471805599453f : infinity();
+    }
+  }
+
+  // ---- O = P V over this warp's columns, P normalised first (12 multiplies where O would take COLS / 2) ----
+  unsigned int pa[2][4];
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    pa[kk][0] = mma::pack2<T>(scores[2 * kk][0] * inv_sum[0], scores[2 * kk][1] * inv_sum[0]);
+    pa[kk][1] = mma::pack2<T>(scores[2 * kk][2] * inv_sum[1], scores[2 * kk][3] * inv_sum[1]);
+    // keys 24..31 do not exist
+    pa[kk][2] = kk == 0 ? mma::pack2<T>(scores[1][0] * inv_sum[0], scores[1][1] * inv_sum[0]) : 0u;
+    pa[kk][3] = kk == 0 ? mma::pack2<T>(scores[1][2] * inv_sum[1], scores[1][3] * inv_sum[1]) : 0u;
+  }
+#pragma unroll
+  for (int nt = 0; nt < COLS / 16; ++nt) {
+    float o[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < (WIDE ? 2 : 1); ++kk) {
+      unsigned int b[4];
+      mma::ldmatrix_x4_trans(
+          b, row_or_zero(v_tile, zero, 16 * kk + lane % 8 + 8 * ((lane / 8) % 2), len_k, kPitchBytes) + 32 * nt +
+                 16 * (lane / 16));
+      mma::mma_16816<T>(o[0], pa[kk], b[0], b[1]);
+      mma::mma_16816<T>(o[1], pa[kk], b[2], b[3]);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (g + 8 * r < rows)
+          *reinterpret_cast<unsigned int*>(chunk + (g + 8 * r) * kPitchBytes + 32 * nt + 16 * half + 4 * t) =
+              mma::pack2<T>(o[half][2 * r], o[half][2 * r + 1]);
+  }
+  __syncwarp();
+  // ---- O's rows (this warp's columns) out with 16-byte stores ----
+  store_stacked_rows<T, COLS>(static_cast<T*>(p.o) + x.batch_index * p.o_batch_stride + x.q.start * p.o_token_stride +
+                                  x.head_kv * stacked.group * p.o_head_stride + part * COLS,
+                              p.o_token_stride, p.o_head_stride, chunk, stacked, first, rows, lane);
+}
+
+// Issue the copies of the Q rows of chunk [first, first + 16) of group x (COLS columns from `column`).
+template <typename T, int COLS>
+HIPATTN_DEVICE void stage_forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Group& x,
+                                        const StackedRows& stacked, int first, int column, unsigned char* chunk,
+                                        int lane) {
+  const int rows = stacked.count - first < kChunkRows ? stacked.count - first : kChunkRows;
+  stage_stacked_rows<T, COLS>(chunk, static_cast<const T*>(p.q) + x.batch_index * p.q_batch_stride +
+                                         x.q.start * p.q_token_stride +
+                                         x.head_kv * stacked.group * p.q_head_stride + column,
+                              p.q_token_stride, p.q_head_stride, stacked, first, rows, lane);
+}
+
+}  // namespace smallseq
+
+// WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_team groups; the
+// host's table (catalog.smallseq.SMALLSEQ_GQA_FORWARD_MMA_TILES) sizes the dynamic shared memory.
+template <typename T, int HEAD_DIM, int TILE, int WARPS, int SPLIT>
+__global__ void __launch_bounds__(WARPS * 32) smallseq_forward_gqa_mma(const SmallSeqForwardGqaMmaParams p) {
+  using Team = smallseq::GqaForwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
+  constexpr int COLS = Team::kCols;
+  static_assert(TILE > 16 && TILE <= 24, "the fragments cover 24 keys and 2 k-steps of keys");
+  static_assert(WARPS % SPLIT == 0, "whole teams");
+  constexpr int TEAMS = WARPS / SPLIT;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int team = warp / SPLIT;
+  const int part = warp % SPLIT;
+  smallseq::Group x;
+  if (!smallseq::first_group<TILE, TEAMS>(p, team, x)) return;  // a team past the last group; barriers are per team
+  const smallseq::TilePlaces places{shared_bytes, team * Team::kBytes + part * Team::kWarpBytes, team * Team::kBytes};
+  // The zero row; the first __syncwarp publishes it.
+  smallseq::zero_bytes(places.warp_bytes(0), Team::kPitchBytes, lane);
+  const int column = part * COLS;
+
+  smallseq::StackedRows stacked = smallseq::stacked_rows(p.group_size);
+  int walked = 0;  // chunks this team has computed: which chunk tile and exchange slot come next
+  for (;;) {
+    stacked.count = p.group_size * x.q.length;
+    if (stacked.count > 0) {  // no query rows: nothing to write (the same for the whole team)
+      smallseq::stage_rows<T, COLS>(places.warp_bytes(Team::kKOffset),
+                                    static_cast<const T*>(p.k) + x.batch_index * p.k_batch_stride +
+                                        x.k.start * p.k_token_stride + x.head_kv * p.k_head_stride + column,
+                                    p.k_token_stride, x.k.length, lane);
+      smallseq::stage_rows<T, COLS>(places.warp_bytes(Team::kVOffset),
+                                    static_cast<const T*>(p.v) + x.batch_index * p.v_batch_stride +
+                                        x.k.start * p.v_token_stride + x.head_kv * p.v_head_stride + column,
+                                    p.v_token_stride, x.k.length, lane);
+      smallseq::stage_forward_chunk<T, COLS>(
+          p, x, stacked, 0, column, places.warp_bytes(Team::kChunksOffset) + (walked % 2) * Team::kChunkBytes, lane);
+      mma::commit_async_copies();
+    }
+    for (int first = 0; first < stacked.count; first += smallseq::kChunkRows, ++walked) {
+      const int slot = walked % 2;
+      if (first + smallseq::kChunkRows < stacked.count) {
+        // The next chunk's Q rows land in the other chunk tile while this one computes.
+        smallseq::stage_forward_chunk<T, COLS>(
+            p, x, stacked, first + smallseq::kChunkRows, column,
+            places.warp_bytes(Team::kChunksOffset) + (1 - slot) * Team::kChunkBytes, lane);
+        mma::commit_async_copies();
+        mma::wait_async_copies_except<1>();
+      } else {
+        mma::wait_async_copies_except<0>();
+      }
+      __syncwarp();
+      if (x.k.length > 16)
+        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, true>(p, x, stacked, first, slot, places, team, part,
+                                                                       lane);
+      else
+        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, false>(p, x, stacked, first, slot, places, team, part,
+                                                                        lane);
+      __syncwarp();  // O has left the chunk tile before the chunk after next lands in it
+    }
+    // Every lane is done with K and V (the last chunk's O has been stored: __syncwarp above) before
+    // the next group's copies land in them.
+    if (!smallseq::next_group_of_block<TILE, TEAMS>(p, x)) break;
+  }
+}
+
+}  // namespace hipattn

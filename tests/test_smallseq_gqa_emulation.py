@@ -1,0 +1,203 @@
+"""The grouped-heads (GQA/MQA) tensor-core small-seq kernels on an emulated sm_80 (tests/support/emulation.py),
+through hipattn's own launch path, against a float64 reference: every head_dim, both dtypes, groups of
+2, 3, 4, 8 (MQA) and 16 query heads, causal and not, sequences of 0, 1 and 17 tokens on either side,
+THD and BSHD with seqused, batch 0 and 1, and teams that walk runs of groups. Outputs are poisoned with
+NaN first; every element is compared, and rows past a sequence must stay unwritten."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from support.emulation import EmulatedDevice, array_16bit, compiler, from_16bit, to_16bit
+from support.raw_calls import NAN_BITS, run_backward, run_forward, thd_inputs
+from support.reference import TOLERANCE, reference_backward, reference_forward, relative_error
+
+import hipattn
+from hipattn.catalog import smallseq
+from hipattn.catalog.smallseq import SmallSeqBackwardGqaMmaTiles, SmallSeqForwardGqaMmaTiles, SmallSeqMmaTiles
+
+# CI installs g++ (.ci/run) and must run these; elsewhere they need it on PATH (or CXX).
+pytestmark = pytest.mark.skipif(compiler() is None and not os.environ.get("CI"),
+                                reason="needs g++ (CXX) to build the emulated kernels")
+
+GROUPED = ["smallseq_forward_gqa_mma", "smallseq_backward_gqa_mma"]
+
+# Sequences of 0 to 17 tokens: Q longer and shorter than KV, empty Q, empty KV, one token on either side.
+LENGTHS_Q = [17, 1, 0, 9, 17, 4, 1, 13]
+LENGTHS_K = [17, 5, 3, 0, 12, 17, 1, 1]
+
+# (Hq, Hkv): groups of 2, 3 (odd: its chunks of 16 stacked rows split tokens), 4, 8 (MQA) and 16.
+HEADS = [(4, 2), (6, 2), (8, 2), (8, 1), (16, 1)]
+
+
+@pytest.fixture(scope="module")
+def build_dirs(tmp_path_factory):
+    return tmp_path_factory.mktemp("emulated-sm80-build"), tmp_path_factory.mktemp("emulated-sm80-cache")
+
+
+@pytest.fixture
+def device(build_dirs, monkeypatch):
+    monkeypatch.delenv("HIPATTN_SMALLSEQ", raising=False)
+    monkeypatch.delenv("HIPATTN_SMALLSEQ_KERNEL", raising=False)
+    return EmulatedDevice(*build_dirs, monkeypatch, arch="sm_80")
+
+
+def check_forward(out, lse, want_out, want_lse, dtype):
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output element was never written"
+    assert relative_error(out, want_out) < TOLERANCE[dtype]
+    finite = np.isfinite(want_lse)
+    assert (np.isinf(lse) == ~finite).all(), "rows that see no key have LSE = +inf, all others a finite one"
+    assert np.abs(lse[finite] - want_lse[finite]).max(initial=0.0) < 1e-3
+
+
+def check_gradients(got, want, dtype):
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert not np.isnan(g).any(), f"d{name}: an element was never written"
+        assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"
+
+
+def forward_and_backward_match(device, rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal):
+    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
+    scale = head_dim ** -0.5
+    out, lse = run_forward(device, bits, cu_q, cu_k, 17, 17, heads_q, dtype, causal)
+    want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k, scale, causal)
+    check_forward(out, lse, want_out, want_lse, dtype)
+    dout_bits = to_16bit(rng.standard_normal(bits["q"].shape), dtype)
+    got = run_backward(device, bits, to_16bit(out, dtype), lse.astype(np.float32), dout_bits, cu_q, cu_k, 17, 17,
+                       dtype, causal)
+    want = reference_backward(exact["q"], exact["k"], exact["v"], from_16bit(dout_bits, dtype), lengths_q, lengths_k,
+                              scale, causal)
+    check_gradients(got, want, dtype)
+    assert device.kernels == GROUPED
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_q,heads_kv", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_grouped_kernels_match_float64(device, dtype, head_dim, heads_q, heads_kv, causal):
+    """One team per (sequence, KV head) group: at head_dim 256 the forward's teams are two warps and
+    the backward's four, meeting at barriers; at 64 and 128 a block holds several teams."""
+    forward_and_backward_match(device, np.random.default_rng(), LENGTHS_Q, LENGTHS_K, heads_q, heads_kv, head_dim,
+                               dtype, causal)
+
+
+@pytest.mark.parametrize("groups_per_team", [2, 3])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_teams_walking_runs_of_groups_match_float64(device, monkeypatch, groups_per_team, head_dim):
+    """A team walks several groups, as in a call of thousands of sequences: each group's K, V and chunk
+    tiles land over the last one's, its runs cross sequences (and empty ones), and the chunk tiles and
+    exchange slots alternate across groups."""
+    monkeypatch.setattr(SmallSeqMmaTiles, "run_length", lambda tiles, problems: groups_per_team)
+    rng = np.random.default_rng()
+    lengths_q = [17, 0, 1, 5, 17, 0, 12, 3, 16, 1, 17]
+    lengths_k = [17, 4, 1, 0, 9, 0, 17, 17, 2, 17, 3]
+    forward_and_backward_match(device, rng, lengths_q, lengths_k, 9, 3, head_dim, "bf16", True)
+
+
+# One query against one key alone would have dQ = dK = 0 exactly in float64 (P = 1), which rounding
+# misses by 1e-8: relative errors need a reference that is not all zero. 1 x 1 sequences run inside
+# the batches above.
+@pytest.mark.parametrize("lengths", [([17], [17]), ([1], [2]), ([0], [17]), ([17], [0]), ([], [])],
+                         ids=["17x17", "1x2", "no-query", "no-key", "batch-0"])
+def test_batch_of_one_or_none(device, lengths):
+    """Every array holds one row past the batch (after cu_seqlens[-1]), which must stay unwritten; it
+    also keeps each array non-empty (NumPy gives an empty one zero strides, which hipattn refuses)."""
+    lengths_q, lengths_k = lengths
+    rng = np.random.default_rng()
+    heads_q, heads_kv, head_dim, dtype = 8, 2, 128, "fp16"
+    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q + [1], lengths_k + [1], heads_q, heads_kv, head_dim, dtype)
+    cu_q, cu_k = cu_q[:-1], cu_k[:-1]
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    scale = head_dim ** -0.5
+    out, lse = run_forward(device, bits, cu_q, cu_k, 17, 17, heads_q, dtype, True)
+    dout_bits = to_16bit(rng.standard_normal(bits["q"].shape), dtype)
+    # The forward's outputs as the backward's inputs, the unwritten row past the batch made finite.
+    got = run_backward(device, bits, to_16bit(np.nan_to_num(out), dtype),
+                       np.where(np.isnan(lse), 0.0, lse).astype(np.float32), dout_bits, cu_q, cu_k, 17, 17, dtype, True)
+    assert device.kernels == ([] if not lengths_q else GROUPED)
+    assert np.isnan(out[total_q:]).all() and np.isnan(lse[:, total_q:]).all(), "a row past the batch was written"
+    for g, total in zip(got, (total_q, total_k, total_k), strict=True):
+        assert np.isnan(g[total:]).all(), "a gradient row past the batch was written"
+    if not lengths_q:
+        return
+    rows = {"q": slice(0, total_q), "k": slice(0, total_k), "v": slice(0, total_k)}
+    want_out, want_lse = reference_forward(exact["q"][rows["q"]], exact["k"][rows["k"]], exact["v"][rows["v"]],
+                                           lengths_q, lengths_k, scale, True)
+    if total_q:
+        check_forward(out[:total_q], lse[:, :total_q], want_out, want_lse, dtype)
+    want = reference_backward(exact["q"][rows["q"]], exact["k"][rows["k"]], exact["v"][rows["v"]],
+                              from_16bit(dout_bits, dtype)[rows["q"]], lengths_q, lengths_k, scale, True)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        g = g[rows[name]]
+        assert not np.isnan(g).any(), f"d{name}: an element was never written"
+        if g.size:
+            assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"
+
+
+def _bshd(x, lengths):
+    """THD rows [sum(lengths), ...] of a padded [B, S, ...] array's first lengths[b] tokens per sequence."""
+    return np.concatenate([x[b, :n] for b, n in enumerate(lengths)])
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "fp16"), (256, "bf16")])
+def test_bshd_with_seqused_matches_float64_and_leaves_the_padding_alone(device, head_dim, dtype):
+    rng = np.random.default_rng()
+    heads_q, heads_kv, seq_q, seq_k = 12, 4, 17, 15  # G = 3
+    used_q = np.array([17, 0, 3, 9, 1, 12], dtype=np.int32)
+    used_k = np.array([13, 5, 0, 2, 15, 1], dtype=np.int32)
+    batch = len(used_q)
+    exact = {name: from_16bit(to_16bit(rng.standard_normal(shape), dtype), dtype)
+             for name, shape in (("q", (batch, seq_q, heads_q, head_dim)), ("k", (batch, seq_k, heads_kv, head_dim)),
+                                 ("v", (batch, seq_k, heads_kv, head_dim)), ("dout", (batch, seq_q, heads_q, head_dim)))}
+    bits = {name: to_16bit(x, dtype) for name, x in exact.items()}
+    out = np.full(bits["q"].shape, NAN_BITS[dtype], dtype=np.uint16)
+    lse = np.full((batch, heads_q, seq_q), np.nan, dtype=np.float32)
+    seq = dict(seqused_q=device.array(used_q), seqused_k=device.array(used_k), causal=True)
+    hipattn.forward(*(array_16bit(bits[n], dtype) for n in "qkv"), out=array_16bit(out, dtype), lse=device.array(lse),
+                    **seq)
+    grads = {name: np.full(bits[name].shape, NAN_BITS[dtype], dtype=np.uint16) for name in "qkv"}
+    hipattn.backward(array_16bit(bits["dout"], dtype), *(array_16bit(bits[n], dtype) for n in "qkv"),
+                     array_16bit(out, dtype), device.array(lse), dq=array_16bit(grads["q"], dtype),
+                     dk=array_16bit(grads["k"], dtype), dv=array_16bit(grads["v"], dtype), **seq)
+    assert device.kernels == GROUPED
+
+    lengths_q, lengths_k = used_q.tolist(), used_k.tolist()
+    thd = {name: _bshd(exact[name], lengths_q if name in ("q", "dout") else lengths_k) for name in exact}
+    scale = head_dim ** -0.5
+    want_out, want_lse = reference_forward(thd["q"], thd["k"], thd["v"], lengths_q, lengths_k, scale, True)
+    got_lse = np.concatenate([lse[b, :, :n] for b, n in enumerate(lengths_q)], axis=1).astype(np.float64)
+    check_forward(_bshd(from_16bit(out, dtype), lengths_q), got_lse, want_out, want_lse, dtype)
+    want = reference_backward(thd["q"], thd["k"], thd["v"], thd["dout"], lengths_q, lengths_k, scale, True)
+    check_gradients([_bshd(from_16bit(grads[n], dtype), lengths_q if n == "q" else lengths_k) for n in "qkv"], want,
+                    dtype)
+    # Rows past each sequence's length (the padding) are never written: still the poison.
+    for b in range(batch):
+        assert np.isnan(from_16bit(out[b, used_q[b]:], dtype)).all() and np.isnan(lse[b, :, used_q[b]:]).all()
+        assert np.isnan(from_16bit(grads["q"][b, used_q[b]:], dtype)).all()
+        assert np.isnan(from_16bit(grads["k"][b, used_k[b]:], dtype)).all()
+        assert np.isnan(from_16bit(grads["v"][b, used_k[b]:], dtype)).all()
+
+
+@pytest.fixture
+def grouped_rows(monkeypatch):
+    """Run the grouped kernels with other table rows: use(head_dim, forward_tiles, backward_tiles)."""
+    def use(head_dim, forward_tiles, backward_tiles):
+        monkeypatch.setitem(smallseq.SMALLSEQ_GQA_FORWARD_MMA_TILES, head_dim, forward_tiles)
+        monkeypatch.setitem(smallseq.SMALLSEQ_GQA_BACKWARD_MMA_TILES, head_dim, backward_tiles)
+    return use
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_blocks_of_several_multi_warp_teams_match_float64(device, grouped_rows, monkeypatch, head_dim):
+    """Two teams of several warps a block, each with a named barrier of its own (the shipped rows have
+    one such team a block, which meets at __syncthreads), walking runs of three groups."""
+    split = head_dim // 64
+    grouped_rows(head_dim, SmallSeqForwardGqaMmaTiles(warps=4, problems_per_team=3, split=2),
+                 SmallSeqBackwardGqaMmaTiles(warps=2 * split, problems_per_team=3, split=split))
+    monkeypatch.setattr(SmallSeqMmaTiles, "run_length", lambda tiles, problems: tiles.problems_per_team)
+    lengths_q = [17, 0, 1, 5, 17, 0, 12, 3, 16, 1, 17]
+    lengths_k = [17, 4, 1, 0, 9, 0, 17, 17, 2, 17, 3]
+    forward_and_backward_match(device, np.random.default_rng(), lengths_q, lengths_k, 12, 4, head_dim, "fp16", True)
