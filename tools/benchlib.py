@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,24 @@ def run_child(module: str, arguments: list[str], failure: dict, timeout: int = 6
             return json.loads(line)
     tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
     return {**failure, "error": tail[0][:300]}
+
+
+def precompile(specs) -> None:
+    """Every spec into the disk cache for device 0's target, in parallel processes (hipattn warm's
+    pool), so that a sweep's first call of each variant times nothing but the kernel."""
+    from hipattn import runtime
+    from hipattn.cli import WarmResult, run_compile_pool
+    from hipattn.jit.cache import default_cache_dir
+
+    target = runtime.active().target(0)  # what the registry will look the kernels up for
+    failures = []
+
+    def report(spec, target, outcome) -> None:
+        if not isinstance(outcome, WarmResult):
+            failures.append(f"{spec} for {target.arch}: {outcome}")
+
+    crashed = run_compile_pool([(spec, target) for spec in set(specs)], os.cpu_count() or 1,
+                               str(default_cache_dir()), report)
+    failures += [f"{spec} for {target.arch}: the compiler killed its process" for spec, target in crashed]
+    if failures:
+        raise SystemExit("could not compile:\n" + "\n".join(failures))

@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 
-from tools.benchlib import median_ms
+from tools.benchlib import median_ms, precompile
 
 TOKENS, HEADS = 16384, 16
 # Sweeps add --variants of their own; by default each head_dim's table rows are compared.
@@ -68,29 +67,12 @@ def parse_variant(text: str):
 
 
 def compile_variants(variants) -> None:
-    """Every variant's three kernels into the disk cache for device 0's target, in parallel processes
-    (hipattn warm's pool)."""
-    from hipattn import runtime
-    from hipattn.cli import WarmResult, run_compile_pool
-    from hipattn.jit.cache import default_cache_dir
-
-    target = runtime.active().target(0)  # what the registry will look the kernels up for
-    specs = set()
+    """Every variant's three kernels into the disk cache, in parallel."""
+    specs = []
     for head_dim, dkdv, dq in variants:
-        for write_dq in (False, True):
-            specs.add(dkdv.spec("bf16", head_dim, write_dq=write_dq))
-        specs.add(dq.spec("bf16", head_dim))
-    failures = []
-
-    def report(spec, target, outcome) -> None:
-        if not isinstance(outcome, WarmResult):
-            failures.append(f"{spec} for {target.arch}: {outcome}")
-
-    crashed = run_compile_pool([(spec, target) for spec in specs], os.cpu_count() or 1, str(default_cache_dir()),
-                               report)
-    failures += [f"{spec} for {target.arch}: the compiler killed its process" for spec, target in crashed]
-    if failures:
-        raise SystemExit("could not compile:\n" + "\n".join(failures))
+        specs += [dkdv.spec("bf16", head_dim, write_dq=write_dq) for write_dq in (False, True)]
+        specs.append(dq.spec("bf16", head_dim))
+    precompile(specs)
 
 
 def relative_error(actual, expected) -> float:

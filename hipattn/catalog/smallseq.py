@@ -274,9 +274,9 @@ SMALLSEQ_GQA_FORWARD_MMA_TILES = {
     256: SmallSeqForwardGqaMmaTiles(warps=2, problems_per_team=2, split=2),
 }
 SMALLSEQ_GQA_BACKWARD_MMA_TILES = {
-    64: SmallSeqBackwardGqaMmaTiles(warps=2, problems_per_team=2, split=1),
-    128: SmallSeqBackwardGqaMmaTiles(warps=2, problems_per_team=2, split=2),
-    256: SmallSeqBackwardGqaMmaTiles(warps=4, problems_per_team=2, split=4),
+    64: SmallSeqBackwardGqaMmaTiles(warps=4, problems_per_team=2, split=1),
+    128: SmallSeqBackwardGqaMmaTiles(warps=4, problems_per_team=2, split=2),
+    256: SmallSeqBackwardGqaMmaTiles(warps=4, problems_per_team=4, split=4),
 }
 
 
@@ -301,9 +301,9 @@ SMALLSEQ_FORWARD_MMA_TILES = {
 }
 # The tensor-core backward covers Hq == Hkv; GQA/MQA calls take the portable backward.
 SMALLSEQ_BACKWARD_MMA_TILES = {
-    64: SmallSeqBackwardMmaTiles(warps=2, problems_per_team=2),
+    64: SmallSeqBackwardMmaTiles(warps=6, problems_per_team=2),
     128: SmallSeqBackwardMmaTiles(warps=2, problems_per_team=2),
-    256: SmallSeqBackwardMmaTiles(warps=2, problems_per_team=2, split=2),
+    256: SmallSeqBackwardMmaTiles(warps=2, problems_per_team=4, split=2),
 }
 
 

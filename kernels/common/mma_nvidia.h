@@ -88,6 +88,20 @@ HIPATTN_DEVICE void ldmatrix_x2_trans(unsigned int (&r)[2], const void* row) {
 #endif
 }
 
+// The transpose of an 8x8 b16 matrix held as a fragment (lane l: row l / 4, columns 2 (l % 4) and
+// 2 (l % 4) + 1, as ldmatrix without .trans or a packed accumulator pair gives it): the same lane then
+// holds row l / 4 of the transpose. In registers, where a transposed write through shared memory
+// takes a 16-bit store per element (sm_75+).
+HIPATTN_DEVICE unsigned int movmatrix_trans(unsigned int fragment) {
+#if defined(HIPATTN_EMULATION)
+  return ::hipattn_emulation::movmatrix_trans(fragment);
+#else
+  unsigned int transposed;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(transposed) : "r"(fragment));
+  return transposed;
+#endif
+}
+
 // Barrier ID (1..15; 0 is __syncthreads's) over THREADS threads, whole warps: warps that share a
 // problem meet here without holding up the rest of their block. The ID is an immediate: with an ID in
 // a register ptxas reserves all 16 of the block's barriers, and an SM's barriers then held only 4 such

@@ -7,10 +7,11 @@
 // stacked query rows (smallseq/group_tiles.h) in chunks of 16, with the next chunk's Q, dO and LSE
 // in flight while this one computes:
 //   S = Q Kᵀ, dP = dO Vᵀ                       (partial sums over each warp's columns)
-//   P = exp(scale*S - LSE), D_i = sum_j P_ij dP_ij, dZ = P * (dP - D)   (the first warp, to shared)
+//   P = exp(scale*S - LSE), D_i = sum_j P_ij dP_ij, dZ = scale * P * (dP - D)   (the first warp, to shared)
 //   dVᵀ += dOᵀ P, dKᵀ += Qᵀ dZ                  (fp32 accumulators in registers, across the group)
-//   dQ = scale * dZ K                            (staged over the chunk's Q rows, out with 16-byte stores)
-// and after the group's last chunk writes dK (scaled) and dV once, through the K and V tiles.
+//   dQ = dZ K                                    (staged over the chunk's Q rows, out with 16-byte stores)
+// and after the group's last chunk writes dK and dV once, through the K and V tiles. dZ carries the
+// softmax scale, so neither dK nor dQ is scaled again.
 //
 // dK and dV sum over the group in registers, in a fixed order: chunk after chunk of stacked rows
 // (query-major: token after token, the group's heads in order within a token), each chunk's 16 rows
@@ -80,7 +81,7 @@ struct GqaBackwardTeamTiles {
   static_assert(kCols + 8 >= kGroupScorePitch, "the zero row is as long as a P or dZ row");
 };
 
-// The gradients of one group this warp accumulates: dVᵀ and dKᵀ (unscaled) over its 64 columns,
+// The gradients of one group this warp accumulates: dVᵀ and dKᵀ over its 64 columns,
 // [16-column m-tile][8-key n-tile][accumulator].
 struct GroupGradients {
   float dv[4][3][4];
@@ -138,38 +139,53 @@ HIPATTN_DEVICE void accumulate_transposed(float (&sums)[4][3][4], unsigned int a
   }
 }
 
-// Partial sums of the chunk's scores over this warp's 64 columns: S = Q Kᵀ (or dP = dO Vᵀ) with A =
-// the chunk tile's rows at lane address `a_row` and B = the key tile's rows. WIDE (more than 16 keys)
-// adds the third 8-key tile, a compile-time choice: a branch around it at each of the four k-steps
-// cost a branch, a warp barrier and a rebuilt address each.
-template <typename T, bool WIDE>
-HIPATTN_DEVICE void chunk_scores(float (&sums)[3][4], unsigned int a_row, unsigned int key_tile, unsigned int zero,
-                                 int len_k, int lane) {
+// Partial sums of the chunk's scores over this warp's 64 columns, S = Q Kᵀ and dP = dO Vᵀ: A = the
+// chunk's Q rows at lane address `q_row` (dO's lie DO_FROM_Q bytes on), B = the key tile's rows from
+// `k_tile` (V's lie V_FROM_K bytes on). The two products advance together, k-step by k-step: each
+// accumulator is a chain of four dependent mma, and S's and dP's chains side by side give the tensor
+// core twice the independent work. Rows past the chunk's or the keys' are read as they are (stale, or
+// never written): the scores they give are masked out with a select before anything uses them, so
+// they need no zero row, and every address is a base plus a constant, which holds the registers down.
+// Only rows of this chunk's tiles and of the key tiles are read, never a tile that copies may be
+// landing in: the third key tile's rows past TILE read row TILE - 1 again, since V's rows past TILE
+// would be the next chunk's Q tile.
+// WIDE (more than 16 keys) adds the third 8-key tile, a compile-time choice: a branch around it at each
+// of the four k-steps cost a branch, a warp barrier and a rebuilt address each.
+template <typename T, int TILE, bool WIDE, int DO_FROM_Q, int V_FROM_K>
+HIPATTN_DEVICE void chunk_scores(float (&s)[3][4], float (&dp)[3][4], unsigned int q_row, unsigned int k_tile,
+                                 int lane) {
   constexpr int kPitchBytes = (64 + 8) * static_cast<int>(sizeof(T));
-  const int b_column = 16 * ((lane / 8) % 2);
-  const unsigned int b_rows01 = row_or_zero(key_tile, zero, 8 * (lane / 16) + lane % 8, len_k, kPitchBytes) + b_column;
-  const unsigned int b_row2 = row_or_zero(key_tile, zero, 16 + lane % 8, len_k, kPitchBytes) + b_column;
+  const int row2 = 16 + lane % 8 < TILE ? 16 + lane % 8 : TILE - 1;
+  const unsigned int k_rows01 = k_tile + (8 * (lane / 16) + lane % 8) * kPitchBytes + 16 * ((lane / 8) % 2);
+  const unsigned int k_row2 = k_tile + row2 * kPitchBytes + 16 * ((lane / 8) % 2);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
-    unsigned int a[4], b[4];
-    mma::ldmatrix_x4(a, a_row + 32 * ks);
-    mma::ldmatrix_x4(b, b_rows01 + 32 * ks);
-    mma::mma_16816<T>(sums[0], a, b[0], b[1]);
-    mma::mma_16816<T>(sums[1], a, b[2], b[3]);
+    unsigned int q[4], k[4], d[4], v[4];
+    mma::ldmatrix_x4(q, q_row + 32 * ks);
+    mma::ldmatrix_x4(k, k_rows01 + 32 * ks);
+    mma::ldmatrix_x4(d, q_row + DO_FROM_Q + 32 * ks);
+    mma::ldmatrix_x4(v, k_rows01 + V_FROM_K + 32 * ks);
+    mma::mma_16816<T>(s[0], q, k[0], k[1]);
+    mma::mma_16816<T>(dp[0], d, v[0], v[1]);
+    mma::mma_16816<T>(s[1], q, k[2], k[3]);
+    mma::mma_16816<T>(dp[1], d, v[2], v[3]);
     if (WIDE) {
-      unsigned int b2[2];
-      mma::ldmatrix_x2(b2, b_row2 + 32 * ks);
-      mma::mma_16816<T>(sums[2], a, b2[0], b2[1]);
+      unsigned int k2[2], v2[2];
+      mma::ldmatrix_x2(k2, k_row2 + 32 * ks);
+      mma::ldmatrix_x2(v2, k_row2 + V_FROM_K + 32 * ks);
+      mma::mma_16816<T>(s[2], q, k2[0], k2[1]);
+      mma::mma_16816<T>(dp[2], d, v2[0], v2[1]);
     }
   }
 }
 
-// dQ = scale * dZ K over this warp's 64 columns, into the chunk tile at `dq_bytes` (rows < `rows`).
+// dQ = dZ K over this warp's 64 columns (dZ carries the softmax scale), into the chunk tile at
+// `dq_bytes` (rows < `rows`).
 // WIDE: dZ's second 16-key step too. Keys past the problem's in dZ are zero (past 24: never written
 // since the tiles were zeroed) or meet K's zero row.
 template <typename T, bool WIDE>
 HIPATTN_DEVICE void chunk_dq(unsigned char* dq_bytes, unsigned int dz_tile, unsigned int k_tile, unsigned int zero,
-                             int len_k, int rows, float scale, int lane) {
+                             int len_k, int rows, int lane) {
   constexpr int kPitchBytes = (64 + 8) * static_cast<int>(sizeof(T));
   constexpr int kScorePitchBytes = kGroupScorePitch * static_cast<int>(sizeof(T));
   constexpr int kSteps = WIDE ? 2 : 1;
@@ -179,25 +195,33 @@ HIPATTN_DEVICE void chunk_dq(unsigned char* dq_bytes, unsigned int dz_tile, unsi
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk)
     mma::ldmatrix_x4(dz_a[kk], dz_tile + (lane % 16) * kScorePitchBytes + 16 * (lane / 16) + 32 * kk);
+  // Two 16-column products at a time, then their stores: a store right after its product waited out the
+  // mma's latency four times over, and all four at once held 32 accumulators beside dVᵀ's and dKᵀ's 96,
+  // which ptxas spilled.
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    float dq[2][4] = {};
+  for (int pair = 0; pair < 2; ++pair) {
+    float dq[2][2][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kSteps; ++kk) {
-      unsigned int b[4];
-      mma::ldmatrix_x4_trans(
-          b, row_or_zero(k_tile, zero, 16 * kk + lane % 8 + 8 * ((lane / 8) % 2), len_k, kPitchBytes) + 32 * nt +
-                 16 * (lane / 16));
-      mma::mma_16816<T>(dq[0], dz_a[kk], b[0], b[1]);
-      mma::mma_16816<T>(dq[1], dz_a[kk], b[2], b[3]);
+      const unsigned int k_row =
+          row_or_zero(k_tile, zero, 16 * kk + lane % 8 + 8 * ((lane / 8) % 2), len_k, kPitchBytes) + 16 * (lane / 16);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        unsigned int b[4];
+        mma::ldmatrix_x4_trans(b, k_row + 32 * (2 * pair + n));
+        mma::mma_16816<T>(dq[n][0], dz_a[kk], b[0], b[1]);
+        mma::mma_16816<T>(dq[n][1], dz_a[kk], b[2], b[3]);
+      }
     }
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
+    for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        if (g + 8 * r < rows)
-          *reinterpret_cast<unsigned int*>(dq_bytes + (g + 8 * r) * kPitchBytes + 32 * nt + 16 * half + 4 * t) =
-              mma::pack2<T>(dq[half][2 * r] * scale, dq[half][2 * r + 1] * scale);
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (g + 8 * r < rows)
+            *reinterpret_cast<unsigned int*>(dq_bytes + (g + 8 * r) * kPitchBytes + 32 * (2 * pair + n) + 16 * half +
+                                             4 * t) = mma::pack2<T>(dq[n][half][2 * r], dq[n][half][2 * r + 1]);
   }
 }
 
@@ -223,16 +247,13 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
   // ---- S and dP over this warp's 64 columns ----
   float s[3][4] = {}, dp[3][4] = {};
   {
-    const unsigned int q_row = row_or_zero(q_tile, zero, lane % 16, rows, kPitchBytes) + 16 * (lane / 16);
-    const unsigned int do_row = row_or_zero(do_tile, zero, lane % 16, rows, kPitchBytes) + 16 * (lane / 16);
+    constexpr int kDoFromQ = Team::kDoOffset - Team::kQOffset;
+    constexpr int kVFromK = Team::kVOffset - Team::kKOffset;
+    const unsigned int q_row = q_tile + (lane % 16) * kPitchBytes + 16 * (lane / 16);
     if (len_k > 16)
-      chunk_scores<T, true>(s, q_row, k_tile, zero, len_k, lane);
+      chunk_scores<T, TILE, true, kDoFromQ, kVFromK>(s, dp, q_row, k_tile, lane);
     else
-      chunk_scores<T, false>(s, q_row, k_tile, zero, len_k, lane);
-    if (len_k > 16)
-      chunk_scores<T, true>(dp, do_row, v_tile, zero, len_k, lane);
-    else
-      chunk_scores<T, false>(dp, do_row, v_tile, zero, len_k, lane);
+      chunk_scores<T, TILE, false, kDoFromQ, kVFromK>(s, dp, q_row, k_tile, lane);
   }
 
   // ---- the other warps' partial sums to the first, through their slots ----
@@ -256,9 +277,10 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
     }
   }
 
-  // ---- P = exp(scale S - LSE), dZ = P (dP - D) to the team's tiles, by the first warp ----
+  // ---- P = exp(scale S - LSE), dZ = scale P (dP - D) to the team's tiles, by the first warp ----
   if (part == 0) {
-    const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    const float scale = p.softmax_scale;
+    const float scale_log2 = scale * kLog2e;
     const float* const lse_rows =
         reinterpret_cast<const float*>(places.team_bytes(Team::kStatsOffset) + slot * Team::kStatsBytes);
     unsigned int visible_keys[2];
@@ -267,7 +289,7 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
     for (int r = 0; r < 2; ++r) {
       const int row = first + g + 8 * r;
       visible_keys[r] = key_bits(last_visible_key(row, stacked.query(row), stacked, len_q, len_k, p.causal), t);
-      lse_log2[r] = lse_rows[g + 8 * r] * 1.4426950408889634f;  // past the rows: unused (nothing visible)
+      lse_log2[r] = lse_rows[g + 8 * r] * kLog2e;  // past the rows: unused (nothing visible)
     }
     float d_row[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -295,7 +317,8 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
         const int offset = (g + 8 * r) * kScorePitchBytes + 16 * nt + 4 * t;
         *reinterpret_cast<unsigned int*>(p_bytes + offset) = mma::pack2<T>(s[nt][2 * r], s[nt][2 * r + 1]);
         *reinterpret_cast<unsigned int*>(p_bytes + Team::kScoreTileBytes + offset) =
-            mma::pack2<T>(s[nt][2 * r] * (dp[nt][2 * r] - d_row[r]), s[nt][2 * r + 1] * (dp[nt][2 * r + 1] - d_row[r]));
+            mma::pack2<T>(s[nt][2 * r] * scale * (dp[nt][2 * r] - d_row[r]),
+                          s[nt][2 * r + 1] * scale * (dp[nt][2 * r + 1] - d_row[r]));
       }
   }
   team_sync<SPLIT, TEAMS>(team);  // P and dZ are in the team's tiles; the slots are free again
@@ -319,20 +342,23 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
   }
   __syncwarp();  // every lane has read the chunk's Q rows; dQ is staged over them
 
-  // ---- dQ = scale * dZ K over this warp's columns, staged over the chunk's Q rows ----
+  // ---- dQ = dZ K over this warp's columns, staged over the chunk's Q rows ----
   unsigned char* const dq_bytes = places.warp_bytes(Team::kQOffset) + slot * Team::kChunkBytes;
   if (len_k > 16)
-    chunk_dq<T, true>(dq_bytes, dz_tile, k_tile, zero, len_k, rows, p.softmax_scale, lane);
+    chunk_dq<T, true>(dq_bytes, dz_tile, k_tile, zero, len_k, rows, lane);
   else
-    chunk_dq<T, false>(dq_bytes, dz_tile, k_tile, zero, len_k, rows, p.softmax_scale, lane);
+    chunk_dq<T, false>(dq_bytes, dz_tile, k_tile, zero, len_k, rows, lane);
   __syncwarp();
   store_stacked_rows<T, 64>(static_cast<T*>(p.dq) + x.batch_index * p.dq_batch_stride +
                                 x.q.start * p.dq_token_stride + x.head_kv * stacked.group * p.dq_head_stride + column,
                             p.dq_token_stride, p.dq_head_stride, dq_bytes, stacked, first, rows, lane);
 }
 
-// dV and dK (scaled) of the group, this warp's columns, out through its V and K tiles (their last
-// use was the group's last chunk). Keys past the problem's hold zeros and are not written.
+// dV and dK of the group, this warp's columns, out through its V and K tiles (their last use was the
+// group's last chunk). Each accumulator pair (a column, two adjacent keys) packed to 16 bits is a
+// fragment of an 8x8 block of dVᵀ or dKᵀ; movmatrix transposes it in registers, so that a lane then
+// holds two adjacent columns of one key and writes them with one 32-bit store (a row of the tile per
+// key). Keys past the problem's are not written.
 template <typename T, typename Team>
 HIPATTN_DEVICE void store_group_gradients(const SmallSeqBackwardGqaMmaParams& p, const Group& x,
                                           const GroupGradients& grad, const TilePlaces& places, int column,
@@ -340,22 +366,24 @@ HIPATTN_DEVICE void store_group_gradients(const SmallSeqBackwardGqaMmaParams& p,
   constexpr int kPitchBytes = Team::kPitchBytes;
   const int g = lane / 4;
   const int t = lane % 4;
-  const float scale = p.softmax_scale;
   const int len_k = x.k.length;
   unsigned char* const k_tile = places.warp_bytes(Team::kKOffset);
   unsigned char* const v_tile = k_tile + (Team::kVOffset - Team::kKOffset);
-  const unsigned int stored_keys = key_bits(len_k - 1, t);
   __syncwarp();  // every lane is done with K and V
 #pragma unroll
-  for (int mc = 0; mc < 4; ++mc)
+  for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < 3; ++nt)
+    for (int mc = 0; mc < 4; ++mc)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int offset = (8 * nt + 2 * t + (e & 1)) * kPitchBytes + 2 * (16 * mc + g + 8 * (e / 2));
-        if (key_bit(stored_keys, nt, e)) {
-          *reinterpret_cast<T*>(v_tile + offset) = from_float<T>(grad.dv[mc][nt][e]);
-          *reinterpret_cast<T*>(k_tile + offset) = from_float<T>(grad.dk[mc][nt][e] * scale);
+      for (int r = 0; r < 2; ++r) {
+        // movmatrix is a whole-warp instruction: every lane transposes, the lanes of real keys store.
+        const unsigned int dv = mma::movmatrix_trans(mma::pack2<T>(grad.dv[mc][nt][2 * r], grad.dv[mc][nt][2 * r + 1]));
+        const unsigned int dk = mma::movmatrix_trans(mma::pack2<T>(grad.dk[mc][nt][2 * r], grad.dk[mc][nt][2 * r + 1]));
+        const int key = 8 * nt + g;
+        const int offset = key * kPitchBytes + 2 * (16 * mc + 8 * r + 2 * t);
+        if (key < len_k) {
+          *reinterpret_cast<unsigned int*>(v_tile + offset) = dv;
+          *reinterpret_cast<unsigned int*>(k_tile + offset) = dk;
         }
       }
   __syncwarp();

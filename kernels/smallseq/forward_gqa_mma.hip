@@ -85,23 +85,30 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
   const unsigned int k_rows01 =
       row_or_zero(k_tile, zero, 8 * (lane / 16) + lane % 8, len_k, kPitchBytes) + 16 * ((lane / 8) % 2);
   const unsigned int k_row2 = row_or_zero(k_tile, zero, 16 + lane % 8, len_k, kPitchBytes) + 16 * ((lane / 8) % 2);
-  float scores[3][4] = {};
+  // Even and odd k-steps accumulate apart, then add: each accumulator's chain of dependent mma is half
+  // as long (COLS / 32 instead of COLS / 16), so the tensor core has twice the independent work.
+  float scores[3][4] = {}, odd[3][4] = {};
 #pragma unroll
   for (int ks = 0; ks < COLS / 16; ++ks) {
+    float (&sums)[3][4] = ks % 2 == 0 ? scores : odd;
     unsigned int a[4];
     mma::ldmatrix_x4(a, q_row + 32 * ks);
     {  // keys 0..15 (with no key at all, K's zero row: S = 0, masked below)
       unsigned int b[4];
       mma::ldmatrix_x4(b, k_rows01 + 32 * ks);
-      mma::mma_16816<T>(scores[0], a, b[0], b[1]);
-      mma::mma_16816<T>(scores[1], a, b[2], b[3]);
+      mma::mma_16816<T>(sums[0], a, b[0], b[1]);
+      mma::mma_16816<T>(sums[1], a, b[2], b[3]);
     }
     if (WIDE) {
       unsigned int b[2];
       mma::ldmatrix_x2(b, k_row2 + 32 * ks);
-      mma::mma_16816<T>(scores[2], a, b[0], b[1]);
+      mma::mma_16816<T>(sums[2], a, b[0], b[1]);
     }
   }
+#pragma unroll
+  for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) scores[nt][e] += odd[nt][e];
   if (SPLIT == 2) {
     // This warp's slots follow its tiles; the other warp's lie kWarpBytes before or after them.
     unsigned char* const my_slot = places.warp_bytes(Team::kSlotsOffset) + slot * Team::kSlotBytes;
@@ -112,7 +119,7 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
   __syncwarp();  // every lane has read the chunk's Q rows; O is staged over them
 
   // ---- softmax on the accumulators: a row's 24 scores live in the 4 lanes of one quad ----
-  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  const float scale_log2 = p.softmax_scale * kLog2e;
   int query[2], head[2], last_key[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -158,7 +165,7 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
     if (part == 0 && t == 0 && first + g + 8 * r < stacked.count) {
       static_cast<float*>(p.lse)[x.batch_index * p.lse_batch_stride +
                                  (x.head_kv * stacked.group + head[r]) * p.lse_head_stride + x.q.start + query[r]] =
-          row_sum[r] > 0.0f ? (row_max[r] + sum_log2) * 0.6931471805599453f : infinity();
+          row_sum[r] > 0.0f ? (row_max[r] + sum_log2) * kLn2 : infinity();
     }
   }
 
@@ -172,26 +179,30 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
     pa[kk][2] = kk == 0 ? mma::pack2<T>(scores[1][0] * inv_sum[0], scores[1][1] * inv_sum[0]) : 0u;
     pa[kk][3] = kk == 0 ? mma::pack2<T>(scores[1][2] * inv_sum[1], scores[1][3] * inv_sum[1]) : 0u;
   }
+  // Every 16-column product first, then the stores: a store right after its product waited out the
+  // mma's latency once per 16 columns.
+  float o[COLS / 16][2][4] = {};
 #pragma unroll
-  for (int nt = 0; nt < COLS / 16; ++nt) {
-    float o[2][4] = {};
+  for (int kk = 0; kk < (WIDE ? 2 : 1); ++kk) {
+    const unsigned int v_row =
+        row_or_zero(v_tile, zero, 16 * kk + lane % 8 + 8 * ((lane / 8) % 2), len_k, kPitchBytes) + 16 * (lane / 16);
 #pragma unroll
-    for (int kk = 0; kk < (WIDE ? 2 : 1); ++kk) {
+    for (int nt = 0; nt < COLS / 16; ++nt) {
       unsigned int b[4];
-      mma::ldmatrix_x4_trans(
-          b, row_or_zero(v_tile, zero, 16 * kk + lane % 8 + 8 * ((lane / 8) % 2), len_k, kPitchBytes) + 32 * nt +
-                 16 * (lane / 16));
-      mma::mma_16816<T>(o[0], pa[kk], b[0], b[1]);
-      mma::mma_16816<T>(o[1], pa[kk], b[2], b[3]);
+      mma::ldmatrix_x4_trans(b, v_row + 32 * nt);
+      mma::mma_16816<T>(o[nt][0], pa[kk], b[0], b[1]);
+      mma::mma_16816<T>(o[nt][1], pa[kk], b[2], b[3]);
     }
+  }
+#pragma unroll
+  for (int nt = 0; nt < COLS / 16; ++nt)
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
       for (int r = 0; r < 2; ++r)
         if (g + 8 * r < rows)
           *reinterpret_cast<unsigned int*>(chunk + (g + 8 * r) * kPitchBytes + 32 * nt + 16 * half + 4 * t) =
-              mma::pack2<T>(o[half][2 * r], o[half][2 * r + 1]);
-  }
+              mma::pack2<T>(o[nt][half][2 * r], o[nt][half][2 * r + 1]);
   __syncwarp();
   // ---- O's rows (this warp's columns) out with 16-byte stores ----
   store_stacked_rows<T, COLS>(static_cast<T*>(p.o) + x.batch_index * p.o_batch_stride + x.q.start * p.o_token_stride +
@@ -215,8 +226,15 @@ HIPATTN_DEVICE void stage_forward_chunk(const SmallSeqForwardGqaMmaParams& p, co
 
 // WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_team groups; the
 // host's table (catalog.smallseq.SMALLSEQ_GQA_FORWARD_MMA_TILES) sizes the dynamic shared memory.
+// Warps of 64 columns need 9.4 KiB of it, so an H200 SM holds 20: the launch bounds ask ptxas for the
+// registers of 20 (95, no spills). Wider warps need twice the shared memory and more, an SM holds at
+// most 12 of them, and their registers (about 125) are left alone.
+template <int WARPS, int COLS>
+constexpr int kForwardBlocksPerSm = COLS == 64 ? 20 / WARPS : 1;
+
 template <typename T, int HEAD_DIM, int TILE, int WARPS, int SPLIT>
-__global__ void __launch_bounds__(WARPS * 32) smallseq_forward_gqa_mma(const SmallSeqForwardGqaMmaParams p) {
+__global__ void __launch_bounds__(WARPS * 32, kForwardBlocksPerSm<WARPS, HEAD_DIM / SPLIT>)
+    smallseq_forward_gqa_mma(const SmallSeqForwardGqaMmaParams p) {
   using Team = smallseq::GqaForwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
   constexpr int COLS = Team::kCols;
   static_assert(TILE > 16 && TILE <= 24, "the fragments cover 24 keys and 2 k-steps of keys");

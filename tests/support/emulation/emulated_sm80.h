@@ -6,11 +6,13 @@
 //
 // Shared memory is addressed as the hardware's shared window: a shared address (cvta.to.shared) is
 // the byte offset into the block's dynamic shared memory, and ldmatrix and cp.async check theirs
-// against the bytes the launch reserved and against their alignment. Two choices make missing
+// against the bytes the launch reserved and against their alignment. Three choices make missing
 // synchronisation visible:
 //   - cp.async copies land when a wait of the issuing thread (cp.async.wait_group, wait_all) covers
 //     them, not at issue: a missing or too-weak wait reads what the shared memory held before (at
 //     the block's start, 0xff: NaN). A thread that exits with copies it never waited for is an error.
+//   - an ldmatrix row that holds bytes a copy in flight (issued, its thread not yet past a wait that
+//     covers it) writes is an error, whatever the values read are then used for.
 //   - ldmatrix reads each row as the lane that gives its address arrives at the instruction: a row
 //     that other lanes write (plain stores, or their copies landing at their own waits) without a
 //     barrier in between is read as it was, since a thread runs until it waits (threads in rank
@@ -31,6 +33,7 @@ enum NvidiaOperation : unsigned int {
   kSyncWarp = 2u << 8,
   kLdmatrix = 3u << 8,  // variant: matrices, | kTransposed
   kMma = 4u << 8,       // variant: 0 bf16, 1 f16
+  kMovmatrix = 5u << 8,
 };
 constexpr unsigned int kTransposed = 0x10;
 
@@ -45,6 +48,8 @@ inline std::string tag_name(unsigned int tag) {
       return "ldmatrix.x" + std::to_string(variant & 0xfu) + (variant & kTransposed ? ".trans" : "");
     case kMma:
       return std::string("mma.sync.m16n8k16.") + (variant ? "f16" : "bf16");
+    case kMovmatrix:
+      return "movmatrix.trans";
     default:
       return "no operation";
   }
@@ -92,7 +97,31 @@ inline std::vector<ThreadCopies>& async_copies() {
   return copies;
 }
 
-inline void on_block_start(int threads) { async_copies().assign(threads, ThreadCopies{}); }
+// Per 4-byte word of the shared memory, the copies in flight (issued, not yet landed) that write it.
+// An ldmatrix row that holds such a word reads bytes a copy may still be writing: a race whatever
+// the values read are used for, since only a wait of the issuing thread and a barrier after it order
+// a copy before another thread's read.
+inline std::vector<unsigned short>& words_in_flight() {
+  static std::vector<unsigned short> words;
+  return words;
+}
+
+inline void count_in_flight(const AsyncCopy& copy, int change) {
+  for (unsigned int word = copy.target / 4; word < (copy.target + copy.bytes) / 4; ++word)
+    words_in_flight()[word] = static_cast<unsigned short>(words_in_flight()[word] + change);
+}
+
+inline void check_settled(unsigned int address, unsigned int bytes, const char* what) {
+  for (unsigned int word = address / 4; word < (address + bytes) / 4; ++word)
+    if (words_in_flight()[word] != 0)
+      fail(std::string(what) + " at shared address " + std::to_string(address) +
+           " reads bytes that a cp.async still in flight writes (its thread has not waited for it)");
+}
+
+inline void on_block_start(int threads) {
+  async_copies().assign(threads, ThreadCopies{});
+  words_in_flight().assign(hipattn::kEmulatedSharedBytes / 4, 0);
+}
 
 inline void on_thread_exit(int rank) {
   const ThreadCopies& copies = async_copies()[rank];
@@ -107,6 +136,7 @@ inline void cp_async(unsigned int target, const void* source, unsigned int bytes
   if (reinterpret_cast<uintptr_t>(source) % bytes != 0)
     fail("cp.async of " + std::to_string(bytes) + " bytes from a global address not aligned to them");
   async_copies()[thread_rank()].open.push_back(AsyncCopy{target, source, bytes});
+  count_in_flight(async_copies()[thread_rank()].open.back(), +1);
 }
 
 inline void cp_async_commit_group() {
@@ -119,8 +149,10 @@ inline void cp_async_commit_group() {
 inline void cp_async_wait_group(int pending) {
   ThreadCopies& copies = async_copies()[thread_rank()];
   while (copies.committed.size() > static_cast<size_t>(pending)) {
-    for (const AsyncCopy& copy : copies.committed.front())
+    for (const AsyncCopy& copy : copies.committed.front()) {
       std::memcpy(hipattn::shared_bytes + copy.target, copy.source, copy.bytes);
+      count_in_flight(copy, -1);
+    }
     copies.committed.pop_front();
   }
 }
@@ -177,7 +209,11 @@ inline void ldmatrix(unsigned int (&r)[N], unsigned int row_address) {
   static_assert(N == 1 || N == 2 || N == 4, "ldmatrix loads 1, 2 or 4 matrices");
   Collective exchange(kWave, kWholeGroup | kLdmatrix | N | (TRANS ? kTransposed : 0u));
   const int lane = lane_id();
-  if (lane < 8 * N) std::memcpy(exchange.mine(0), shared_at(row_address, 16, "ldmatrix row"), 16);
+  if (lane < 8 * N) {
+    const unsigned char* row = shared_at(row_address, 16, "ldmatrix row");
+    check_settled(row_address, 16, "ldmatrix row");
+    std::memcpy(exchange.mine(0), row, 16);
+  }
   exchange.meet();
   for (int i = 0; i < N; ++i) {
     unsigned short low, high;
@@ -191,6 +227,22 @@ inline void ldmatrix(unsigned int (&r)[N], unsigned int row_address) {
     }
     r[i] = static_cast<unsigned int>(low) | static_cast<unsigned int>(high) << 16;
   }
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16: lane l holds elements (l / 4, 2 (l % 4)) and (l / 4,
+// 2 (l % 4) + 1) of an 8x8 matrix, first in the low half; it gets the same elements of the transpose,
+// i.e. elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4) of the matrix.
+inline unsigned int movmatrix_trans(unsigned int fragment) {
+  Collective exchange(kWave, kWholeGroup | kMovmatrix);
+  std::memcpy(exchange.mine(0), &fragment, sizeof fragment);
+  exchange.meet();
+  const int lane = lane_id();
+  auto element = [&](int row, int column) {  // of the matrix: lane 4 row + column / 2, half column % 2
+    unsigned int held;
+    std::memcpy(&held, exchange.of(4 * row + column / 2, 0), sizeof held);
+    return (held >> (16 * (column % 2))) & 0xffffu;
+  };
+  return element(2 * (lane % 4), lane / 4) | element(2 * (lane % 4) + 1, lane / 4) << 16;
 }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 d, a, b, c with c = d. With
