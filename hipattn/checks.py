@@ -16,8 +16,8 @@ import ctypes
 import numpy as np
 
 from . import env
-from .arrays import DeviceArray
 from .backends.base import Backend
+from .device_array import DeviceArray
 from .problem import THD, Problem
 
 SWITCH = "HIPATTN_CHECK"
