@@ -20,6 +20,7 @@ from hipattn.streams import on_device, resolve_stream
 from .conftest import (
     TOLERANCE,
     TORCH_DTYPE,
+    bshd_inputs,
     cumulative,
     describe_call,
     fresh_seed,
@@ -27,6 +28,8 @@ from .conftest import (
     randn_like,
     record_errors,
     relative_error,
+    rows_of_each_sequence,
+    with_and_without_seqused,
 )
 from .reference import attention_reference
 
@@ -180,32 +183,18 @@ def test_batch_zero_does_nothing(rng):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_bshd_with_and_without_seqused(dtype, causal, rng):
-    batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = 4, 300, 211, 4, 2, 128
-    t = TORCH_DTYPE[dtype]
-    q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=rng, device="cuda").to(t)
-    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=rng, device="cuda").to(t)
-    v = randn_like(k, rng)
-    scale = 1.0 / math.sqrt(head_dim)
-    for used in (None, ([300, 0, 17, 129], [211, 5, 0, 64])):
-        out = poisoned(q.shape, t)
-        lse = poisoned((batch, heads_q, seqlen_q), torch.float32)
-        kwargs = {}
-        lq, lk = [seqlen_q] * batch, [seqlen_k] * batch
-        if used is not None:
-            lq, lk = used
-            kwargs = dict(seqused_q=torch.tensor(lq, dtype=torch.int32, device="cuda"),
-                          seqused_k=torch.tensor(lk, dtype=torch.int32, device="cuda"))
-        flash_forward(q, k, v, out, lse, causal=causal, **kwargs)
+    q, k, v = bshd_inputs(4, 300, 211, 4, 2, 128, dtype, rng)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for lq, lk, seqused in with_and_without_seqused(q, k, [300, 0, 17, 129], [211, 5, 0, 64]):
+        out = poisoned(q.shape, q.dtype)
+        lse = poisoned((q.shape[0], q.shape[2], q.shape[1]), torch.float32)
+        flash_forward(q, k, v, out, lse, causal=causal, **seqused)
         torch.cuda.synchronize()
-        for b in range(batch):  # rows past seqused are not written
+        for b in range(q.shape[0]):  # rows past seqused are not written
             assert torch.isnan(out[b, lq[b]:]).all() and torch.isnan(lse[b, :, lq[b]:]).all()
-        q_thd = torch.cat([q[b, :lq[b]] for b in range(batch)])
-        k_thd = torch.cat([k[b, :lk[b]] for b in range(batch)])
-        v_thd = torch.cat([v[b, :lk[b]] for b in range(batch)])
-        out_thd = torch.cat([out[b, :lq[b]] for b in range(batch)])
-        lse_thd = torch.cat([lse[b, :, :lq[b]] for b in range(batch)], dim=1)
-        _check(out_thd, lse_thd, q_thd, k_thd, v_thd, cumulative(lq), cumulative(lk), causal=causal, scale=scale,
-               dtype=dtype, case=f"bshd {dtype} causal={causal} seqused={used is not None}")
+        thd = [rows_of_each_sequence(x, n) for x, n in ((out, lq), (q, lq), (k, lk), (v, lk))]
+        _check(thd[0], rows_of_each_sequence(lse, lq, dim=1), *thd[1:], cumulative(lq), cumulative(lk), causal=causal,
+               scale=scale, dtype=dtype, case=f"bshd {dtype} causal={causal} seqused={bool(seqused)}")
 
 
 def test_softmax_scale_is_honoured(rng):
