@@ -148,7 +148,7 @@ def _order_after_inputs(backend, stream: int, call: _Inputs, *more: DeviceArray)
     inputs = (call.q, call.k, call.v, *more, *(a for a in call.sequences.values() if a is not None))
     wait_for_producers(backend, inputs, stream)
     if checks.enabled():
-        checks.check_sequences(backend, stream, call.problem, **call.sequences)
+        checks.check_sequences(backend, stream, call.problem, call.sequences)
 
 
 def forward(

@@ -9,10 +9,9 @@ from support.compilers import compile_with_layout_checks, nvrtc_backend
 
 from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
 from hipattn.catalog.flash_backward import (
-    FLASH_BACKWARD_DKDV_TILES_HOPPER,
     FLASH_BACKWARD_DKDV_WGMMA,
     FLASH_BACKWARD_DKDV_WGMMA_TILES,
-    FLASH_BACKWARD_DQ_TILES_HOPPER,
+    FLASH_BACKWARD_MMA_TILES_HOPPER,
     FlashDkdvWgmmaTiles,
     tiles_for,
 )
@@ -49,8 +48,9 @@ def test_only_sm_90a_ships_it():
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
 def test_sm_90a_runs_it_where_the_table_has_the_head_dim(head_dim):
     dkdv, dq = tiles_for(head_dim, Target.parse("sm_90a"))
-    assert dkdv == FLASH_BACKWARD_DKDV_WGMMA_TILES.get(head_dim, FLASH_BACKWARD_DKDV_TILES_HOPPER[head_dim])
-    assert dq == FLASH_BACKWARD_DQ_TILES_HOPPER[head_dim], "the deterministic dQ kernel stays mma.sync"
+    mma_dkdv, mma_dq = FLASH_BACKWARD_MMA_TILES_HOPPER[head_dim]
+    assert dkdv == FLASH_BACKWARD_DKDV_WGMMA_TILES.get(head_dim, mma_dkdv)
+    assert dq == mma_dq, "the deterministic dQ kernel stays mma.sync"
     spec = dkdv.spec("bf16", head_dim, write_dq=True)
     expected = "flash_backward_dkdv_wgmma" if head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES else "flash_backward_dkdv_mma"
     assert spec.family.name == expected
