@@ -91,11 +91,12 @@ def check_forward_and_backward(device, rng, lengths_q, lengths_k, heads_q, heads
 
 
 def check_bshd_forward_and_backward(device, rng, lengths_q, lengths_k, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
-                                    dtype, causal, **backward_options):
+                                    dtype, causal, *, dq_padding_written=False, **backward_options):
     """A padded batch (BSHD: [batch, seqlen, heads, head_dim]) with per-sequence lengths (seqused_q/k) through
     hipattn.forward, then hipattn.backward from its O and LSE (with ``backward_options``): each sequence's
     rows checked against float64 as THD, and every row past a sequence's length (the padding) left as
-    the poison."""
+    the poison, but dQ's where ``dq_padding_written`` (the flash backward's atomic schedule converts
+    the whole dQ accumulator, zeros past each sequence included)."""
     batch = len(lengths_q)
     shapes = {"q": (batch, seqlen_q, heads_q, head_dim), "k": (batch, seqlen_k, heads_kv, head_dim),
               "v": (batch, seqlen_k, heads_kv, head_dim)}
@@ -129,5 +130,7 @@ def check_bshd_forward_and_backward(device, rng, lengths_q, lengths_k, seqlen_q,
     assert_gradients_match([packed(got[name], lengths[name]) for name in "qkv"], want, dtype)
     for b, n in enumerate(lengths_q):
         assert np.isnan(got_out[b, n:]).all() and np.isnan(lse[b, :, n:]).all(), "O or LSE past seqused was written"
-    for name in "qkv":
+    for name in "kv" if dq_padding_written else "qkv":
         assert all(np.isnan(got[name][b, n:]).all() for b, n in enumerate(lengths[name])), f"d{name} past seqused was written"
+    if dq_padding_written:
+        assert all((got["q"][b, n:] == 0).all() for b, n in enumerate(lengths_q)), "dq past seqused is not zero"
