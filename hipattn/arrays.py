@@ -1,9 +1,10 @@
-"""Device arrays from any framework, as one small frozen description.
+"""Device arrays from any framework: what users pass, read by its protocol into a ``DeviceArray``.
 
 hipattn launches on raw device pointers. ``as_device_array`` turns what a user passes (a PyTorch
 tensor, a CuPy array, anything with ``__cuda_array_interface__`` or ``__dlpack__``) into a
-``DeviceArray``: pointer, shape, strides in elements, dtype name, device ordinal, and the original
-object kept alive. Users with nothing but a pointer call ``raw_array``.
+``DeviceArray`` (``device_array``): pointer, shape, strides in elements, dtype name, device ordinal,
+and the original object kept alive. Users with nothing but a pointer call ``raw_array``; ``empty``
+allocates an output in the inputs' framework.
 
 Order of the checks, cheapest and most exact first:
 
@@ -13,35 +14,34 @@ Order of the checks, cheapest and most exact first:
 2. ``__cuda_array_interface__`` (v2 and v3). CAI has no bf16 spelling (``<V2``), so a bf16 array
    must come through DLPack or as a torch/cupy object. A v3 ``stream`` is kept on the array
    (``DeviceArray.stream``) for ``streams.resolve_stream``.
-3. ``__dlpack__`` through a minimal ctypes reader of ``DLManagedTensor`` (legacy) and
-   ``DLManagedTensorVersioned`` (DLPack 1.x).
+3. ``__dlpack__``, read by ``dlpack`` (legacy and 1.x managed tensors).
 
 Nothing here touches the GPU runtime, so every check runs before anything is enqueued.
 """
 
 from __future__ import annotations
 
-import ctypes
-import operator
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-# ---- dtypes -----------------------------------------------------------------------------------
-
-_ELEMENT_SIZE = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "fp16": 2,
-    "bf16": 2,
-    "int32": 4,
-    "fp32": 4,
-    "int64": 8,
-    "fp64": 8,
-}
+from .device_array import (
+    ELEMENT_SIZE,
+    POINTER_LIMIT,
+    UNKNOWN_DEVICE,
+    DeviceArray,
+    byte_strides_to_elements,
+    check_pointer,
+    check_strides,
+    checked_device,
+    contiguous_strides,
+    element_size,
+    int_tuple,
+    nonzero_size,
+    null_pointer_message,
+    unchecked_device_array,
+)
+from .dlpack import from_dlpack
 
 # NumPy/CuPy dtype names (and ml_dtypes' bfloat16) to hipattn's names.
 _NUMPY_NAME = {
@@ -71,139 +71,8 @@ _TYPESTR = {
     "<f8": "fp64",
 }
 
-# DLPack (code, bits) with lanes == 1. Code 4 is kDLBfloat.
-_DL_DTYPE = {
-    (0, 8): "int8",
-    (0, 16): "int16",
-    (0, 32): "int32",
-    (0, 64): "int64",
-    (1, 8): "uint8",
-    (2, 16): "fp16",
-    (2, 32): "fp32",
-    (2, 64): "fp64",
-    (4, 16): "bf16",
-    (6, 8): "bool",
-}
-
 # torch spells its dtypes (torch.float16, torch.bfloat16, ...) with NumPy's names.
 _TORCH_DTYPE_ATTRS = _NUMPY_NAME
-
-# A CAI array whose producer says nothing about its device (CAI has no device field) and for
-# which no pointer_device resolver was given. The launch path asks the runtime about its pointer or
-# lets the other arrays decide (attention._settle_devices); -1 never reaches the runtime.
-UNKNOWN_DEVICE = -1
-
-# The widths of the fields these values end up in: kernel pointers are u64, strides i64.
-POINTER_LIMIT = 1 << 64
-_STRIDE_MIN, _STRIDE_MAX = -(1 << 63), (1 << 63) - 1
-
-
-def element_size(dtype: str) -> int:
-    """Bytes per element of a hipattn dtype name ('fp16', 'bf16', 'fp32', 'int32', 'int64', ...)."""
-    try:
-        return _ELEMENT_SIZE[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(_ELEMENT_SIZE)}") from None
-
-
-# ---- the description --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DeviceArray:
-    """One device array as hipattn sees it. ``strides`` are in elements, not bytes.
-
-    ``owner`` keeps the producer's memory alive for as long as this description exists (the
-    original tensor, or for DLPack the managed tensor whose deleter runs when the owner dies).
-    ``stream`` is the producer's stream from CAI v3 (the data is ready in that stream's order),
-    None when the producer named none.
-    """
-
-    ptr: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: str
-    device: int
-    framework: str  # 'torch' | 'cupy' | 'cai' | 'dlpack' | 'raw'
-    # Equality and hashing ignore the owner (a torch tensor's == is elementwise).
-    owner: Any = field(default=None, compare=False, repr=False)
-    stream: int | None = None
-    readonly: bool = False
-
-    def __post_init__(self) -> None:
-        # Runs for DeviceArrays built by hand only: the readers below build theirs through
-        # _device_array, after checking each field with the argument's name.
-        shape = _int_tuple(self.shape, "shape", "DeviceArray")
-        strides = _int_tuple(self.strides, "strides", "DeviceArray", allow_negative=True)
-        if len(strides) != len(shape):
-            raise ValueError(f"DeviceArray got {len(shape)}-d shape {shape} but strides {strides}")
-        _check_strides(strides, "DeviceArray")
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "strides", strides)
-        _check_pointer(self.ptr, "DeviceArray")
-        element_size(self.dtype)
-        if isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < UNKNOWN_DEVICE:
-            raise ValueError(
-                f"DeviceArray got device {self.device!r}; expected a device ordinal >= 0 "
-                f"(or {UNKNOWN_DEVICE}: unknown, settled from the other arrays of a call)"
-            )
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        n = 1
-        for extent in self.shape:
-            n *= extent
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * _ELEMENT_SIZE[self.dtype]
-
-
-_new_object = object.__new__
-
-
-def _device_array(
-    ptr: int,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...],
-    dtype: str,
-    device: int,
-    framework: str,
-    owner: Any,
-    stream: int | None = None,
-    readonly: bool = False,
-) -> DeviceArray:
-    # The hot-path constructor: the frozen dataclass __init__ sets each field through
-    # object.__setattr__ (~1.5 us); filling __dict__ directly builds the same object in ~0.6 us.
-    array = _new_object(DeviceArray)
-    array.__dict__.update(
-        ptr=ptr, shape=shape, strides=strides, dtype=dtype, device=device,
-        framework=framework, owner=owner, stream=stream, readonly=readonly,
-    )  # fmt: skip
-    return array
-
-
-def derived_array(
-    base: DeviceArray, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, owner: Any
-) -> DeviceArray:
-    """A view hipattn itself carves out of ``base`` (a workspace section): on ``base``'s device and
-    framework, built without checking its fields again, as they were derived from checked ones."""
-    return _device_array(ptr, shape, strides, dtype, base.device, base.framework, owner)
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """C-order strides in elements for ``shape``."""
-    strides = [0] * len(shape)
-    step = 1
-    for axis in range(len(shape) - 1, -1, -1):
-        strides[axis] = step
-        step *= max(int(shape[axis]), 1)
-    return tuple(strides)
 
 
 def raw_array(
@@ -214,23 +83,23 @@ def raw_array(
     strides: Sequence[int] | None = None,
 ) -> DeviceArray:
     """Describe memory a user has only a pointer to. ``strides`` in elements; None means C-contiguous."""
-    _check_pointer(ptr, "raw_array")
+    check_pointer(ptr, "raw_array")
     element_size(dtype)  # validates the name
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"raw_array needs the device ordinal as an int; got {device!r}")
     if device < 0:
         raise ValueError(f"raw_array needs a device ordinal >= 0; got {device!r}")
-    shape_t = _int_tuple(shape, "shape", "raw_array")
+    shape_t = int_tuple(shape, "shape", "raw_array")
     if strides is None:
         strides_t = contiguous_strides(shape_t)
     else:
-        strides_t = _int_tuple(strides, "strides", "raw_array", allow_negative=True)
+        strides_t = int_tuple(strides, "strides", "raw_array", allow_negative=True)
         if len(strides_t) != len(shape_t):
             raise ValueError(f"raw_array got {len(shape_t)}-d shape {shape_t} but strides {strides_t}")
-    _check_strides(strides_t, "raw_array")
-    if ptr == 0 and _nonzero_size(shape_t):
+    check_strides(strides_t, "raw_array")
+    if ptr == 0 and nonzero_size(shape_t):
         raise ValueError(f"raw_array got a null pointer for a non-empty array of shape {shape_t}")
-    return _device_array(ptr, shape_t, strides_t, dtype, device, "raw", None)
+    return unchecked_device_array(ptr, shape_t, strides_t, dtype, device, "raw", None)
 
 
 # ---- entry point ------------------------------------------------------------------------------
@@ -259,8 +128,8 @@ def as_device_array(
     if isinstance(obj, DeviceArray):
         # Its fields were checked when it was built; a null pointer is only wrong once it is a
         # call's argument (an empty array may have no memory), so it is named here.
-        if not obj.ptr and _nonzero_size(obj.shape):
-            raise ValueError(_null_pointer(name, obj.shape))
+        if not obj.ptr and nonzero_size(obj.shape):
+            raise ValueError(null_pointer_message(name, obj.shape))
         return obj
     cls = type(obj)
     kind = _KIND_BY_TYPE.get(cls)
@@ -274,29 +143,25 @@ def as_device_array(
     if cai is not None:
         return _from_cai(obj, cai, name, pointer_device)
     if hasattr(obj, "__dlpack__"):
-        return _from_dlpack(obj, name, stream)
+        return from_dlpack(obj, name, stream)
     raise TypeError(_not_a_device_array(obj, name))
 
 
+
+
+# The framework types read through their attributes: (kind, the module's name and its array class).
+_FRAMEWORK_ARRAYS = (("torch", "Tensor"), ("cupy", "ndarray"))
+
+
 def _classify(cls: type) -> str:
-    torch = sys.modules.get("torch")
-    if (
-        torch is not None
-        and isinstance(getattr(torch, "Tensor", None), type)
-        and issubclass(cls, torch.Tensor)
-    ):
-        _KIND_BY_TYPE[cls] = "torch"
-        return "torch"
-    cupy = sys.modules.get("cupy")
-    if (
-        cupy is not None
-        and isinstance(getattr(cupy, "ndarray", None), type)
-        and issubclass(cls, cupy.ndarray)
-    ):
-        _KIND_BY_TYPE[cls] = "cupy"
-        return "cupy"
-    _KIND_BY_TYPE[cls] = "other"
-    return "other"
+    kind = "other"
+    for framework, class_name in _FRAMEWORK_ARRAYS:
+        array_type = getattr(sys.modules.get(framework), class_name, None)
+        if isinstance(array_type, type) and issubclass(cls, array_type):
+            kind = framework
+            break
+    _KIND_BY_TYPE[cls] = kind
+    return kind
 
 
 def _not_a_device_array(obj: Any, name: str) -> str:
@@ -355,7 +220,7 @@ def _from_torch(t: Any, name: str) -> DeviceArray:
     index = device.index
     if index is None:  # a tensor's device always has an index; a bare 'cuda' device would not
         raise ValueError(f"{name} reports device '{device}' without an index")
-    return _device_array(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, index, "torch", t)
+    return unchecked_device_array(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, index, "torch", t)
 
 
 # ---- cupy -------------------------------------------------------------------------------------
@@ -366,8 +231,8 @@ def _from_cupy(a: Any, name: str) -> DeviceArray:
     if dtype is None:
         raise TypeError(f"{name} has dtype {a.dtype.name}; hipattn handles {', '.join(_NUMPY_NAME)}")
     itemsize = a.itemsize
-    strides = _byte_strides_to_elements(a.strides, itemsize, name)
-    return _device_array(a.data.ptr, tuple(a.shape), strides, dtype, a.device.id, "cupy", a)
+    strides = byte_strides_to_elements(a.strides, itemsize, name)
+    return unchecked_device_array(a.data.ptr, tuple(a.shape), strides, dtype, a.device.id, "cupy", a)
 
 
 # ---- __cuda_array_interface__ -----------------------------------------------------------------
@@ -400,7 +265,7 @@ def _from_cai(obj: Any, cai: Any, name: str, pointer_device: Callable[[int], int
         raise TypeError(f"{name}.__cuda_array_interface__ is a {type(cai).__name__}, expected a dict")
     interface = f"{name}.__cuda_array_interface__"
     try:
-        shape = _int_tuple(cai["shape"], "shape", interface)
+        shape = int_tuple(cai["shape"], "shape", interface)
         typestr = cai["typestr"]
         data = cai["data"]
     except KeyError as missing:
@@ -417,23 +282,23 @@ def _from_cai(obj: Any, cai: Any, name: str, pointer_device: Callable[[int], int
         raise TypeError(f"{interface}['data'] must be (pointer, readonly); got {data!r}")
     ptr, readonly = data
     ptr = 0 if ptr is None else ptr
-    _check_pointer(ptr, f"{interface}['data']")
-    if ptr == 0 and _nonzero_size(shape):
-        raise ValueError(_null_pointer(name, shape))
+    check_pointer(ptr, f"{interface}['data']")
+    if ptr == 0 and nonzero_size(shape):
+        raise ValueError(null_pointer_message(name, shape))
     byte_strides = cai.get("strides")
     if byte_strides is None:
         strides = contiguous_strides(shape)
     else:
-        byte_strides = _int_tuple(byte_strides, "strides", interface, allow_negative=True)
+        byte_strides = int_tuple(byte_strides, "strides", interface, allow_negative=True)
         if len(byte_strides) != len(shape):
             raise TypeError(f"{interface} has shape {shape} but strides {byte_strides}")
-        _check_strides(byte_strides, interface)
-        strides = _byte_strides_to_elements(byte_strides, _ELEMENT_SIZE[dtype], name)
+        check_strides(byte_strides, interface)
+        strides = byte_strides_to_elements(byte_strides, ELEMENT_SIZE[dtype], name)
     stream = None
     if version >= 3:
         stream = _cai_stream(cai.get("stream"), name)
     device = _cai_device(obj, ptr, pointer_device, name)
-    return _device_array(ptr, shape, strides, dtype, device, "cai", obj, stream, bool(readonly))
+    return unchecked_device_array(ptr, shape, strides, dtype, device, "cai", obj, stream, bool(readonly))
 
 
 def _cai_stream(stream: Any, name: str) -> int | None:
@@ -458,231 +323,18 @@ def _cai_stream(stream: Any, name: str) -> int | None:
 
 def _cai_device(obj: Any, ptr: int, pointer_device: Callable[[int], int] | None, name: str) -> int:
     if pointer_device is not None and ptr != 0:
-        return _checked_device(pointer_device(ptr), f"the device of {name}'s pointer")
+        return checked_device(pointer_device(ptr), f"the device of {name}'s pointer")
     # Some CAI producers carry a device attribute: an int, or an object with .id (CuPy) / .index
     # (torch). Anything else is left for the launch path to settle (attention._settle_devices).
     device = getattr(obj, "device", None)
     if isinstance(device, int) and not isinstance(device, bool):
-        return _checked_device(device, f"{name}.device")
+        return checked_device(device, f"{name}.device")
     for attr in ("id", "index"):
         value = getattr(device, attr, None)
         if isinstance(value, int) and not isinstance(value, bool):
-            return _checked_device(value, f"{name}.device.{attr}")
+            return checked_device(value, f"{name}.device.{attr}")
     return UNKNOWN_DEVICE
 
-
-def _checked_device(device: Any, what: str) -> int:
-    if isinstance(device, bool) or not isinstance(device, int):
-        raise TypeError(f"{what} is {device!r}; expected a device ordinal (an int)")
-    if device < 0:
-        raise ValueError(f"{what} is {device}; expected a device ordinal >= 0")
-    return int(device)
-
-
-# ---- DLPack -----------------------------------------------------------------------------------
-
-_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_ROCM = 1, 2, 3, 10
-_DL_DEVICE_NAME = {
-    1: "CPU",
-    2: "CUDA",
-    3: "CUDA host (pinned)",
-    4: "OpenCL",
-    7: "Vulkan",
-    8: "Metal",
-    9: "VPI",
-    10: "ROCm",
-    11: "ROCm host (pinned)",
-    13: "CUDA managed",
-    14: "oneAPI",
-}
-_DL_FLAG_READ_ONLY = 1
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
-class _DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [
-        ("version", _DLPackVersion),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-        ("flags", ctypes.c_uint64),
-        ("dl_tensor", _DLTensor),
-    ]
-
-
-def _python_api(name: str, restype: Any, argtypes: list[Any]) -> Any:
-    # pythonapi[name] makes a private function object: setting argtypes on the shared attribute
-    # (pythonapi.PyCapsule_IsValid) would change it for every other library in the process.
-    function = ctypes.pythonapi[name]
-    function.restype = restype
-    function.argtypes = argtypes
-    return function
-
-
-_capsule_is_valid = _python_api("PyCapsule_IsValid", ctypes.c_int, [ctypes.py_object, ctypes.c_char_p])
-_capsule_get_pointer = _python_api(
-    "PyCapsule_GetPointer", ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-)
-_capsule_set_name = _python_api("PyCapsule_SetName", ctypes.c_int, [ctypes.py_object, ctypes.c_char_p])
-
-# PyCapsule_SetName stores the pointer, it does not copy the string: these bytes objects are
-# module globals so the names outlive every capsule renamed with them.
-_NAME = b"dltensor"
-_USED_NAME = b"used_dltensor"
-_NAME_VERSIONED = b"dltensor_versioned"
-_USED_NAME_VERSIONED = b"used_dltensor_versioned"
-
-
-class DLPackOwner:
-    """Owns one consumed DLPack tensor: keeps the capsule and producer alive, runs the deleter once.
-
-    The protocol hands ownership to the consumer when it renames the capsule to 'used_dltensor'
-    (the producer's capsule destructor then does nothing), so the consumer must call the managed
-    tensor's deleter when it is done. hipattn is done when this owner, held by the DeviceArray,
-    is collected. The deleter is called through a GIL-releasing ctypes call: the protocol lets it
-    run on any thread and requires producers to take the GIL themselves if they need it.
-    """
-
-    __slots__ = ("producer", "capsule", "_managed", "_deleter", "__weakref__")
-
-    def __init__(self, producer: Any, capsule: Any, managed: int, deleter: int | None):
-        self.producer = producer
-        self.capsule = capsule
-        self._managed = managed
-        self._deleter = deleter
-
-    def release(self) -> None:
-        """Run the producer's deleter now (idempotent). Only once no enqueued work reads the data."""
-        deleter, self._deleter = self._deleter, None
-        if deleter:
-            _DELETER(deleter)(self._managed)
-
-    def __del__(self) -> None:
-        # At interpreter shutdown the producer's runtime may already be gone; leaking is harmless.
-        if not sys.is_finalizing():
-            self.release()
-
-
-def dlpack_device(obj: Any) -> tuple[int, int] | None:
-    """``obj.__dlpack_device__()`` as (device_type, device_id), or None when it has none. Consumes nothing."""
-    probe = getattr(obj, "__dlpack_device__", None)
-    if probe is None:
-        return None
-    device_type, device_id = probe()
-    return int(device_type), int(device_id)
-
-
-def _dlpack_stream_argument(device_type: int, stream: int | None) -> int | None:
-    if stream is None:
-        return None  # the protocol's default: legacy stream on CUDA, 0 on ROCm
-    if device_type == _KDL_CUDA and stream == 0:
-        # hipattn's handle 0 is the legacy default stream; on CUDA the protocol spells it 1 (0 is illegal).
-        return 1
-    return stream
-
-
-def _from_dlpack(obj: Any, name: str, stream: int | None) -> DeviceArray:
-    device = dlpack_device(obj)
-    if device is not None and device[0] not in (_KDL_CUDA, _KDL_ROCM):
-        raise ValueError(_dlpack_wrong_device(obj, name, device[0]))
-    stream_arg = None if device is None else _dlpack_stream_argument(device[0], stream)
-    try:
-        capsule = obj.__dlpack__(stream=stream_arg, max_version=(1, 0))
-    except TypeError:  # a producer from before DLPack 1.0 knows no max_version
-        capsule = obj.__dlpack__(stream=stream_arg)
-
-    if _capsule_is_valid(capsule, _NAME_VERSIONED):
-        address = _capsule_get_pointer(capsule, _NAME_VERSIONED)
-        if not address:
-            raise TypeError(f"{name}.__dlpack__() returned a capsule holding a null pointer")
-        _capsule_set_name(capsule, _USED_NAME_VERSIONED)
-        versioned = _DLManagedTensorVersioned.from_address(address)
-        owner = DLPackOwner(obj, capsule, address, versioned.deleter)
-        if versioned.version.major != 1:
-            raise TypeError(f"{name} exports DLPack version {versioned.version.major}; hipattn reads 1.x")
-        tensor = versioned.dl_tensor
-        readonly = bool(versioned.flags & _DL_FLAG_READ_ONLY)
-    elif _capsule_is_valid(capsule, _NAME):
-        address = _capsule_get_pointer(capsule, _NAME)
-        if not address:
-            raise TypeError(f"{name}.__dlpack__() returned a capsule holding a null pointer")
-        _capsule_set_name(capsule, _USED_NAME)
-        managed = _DLManagedTensor.from_address(address)
-        owner = DLPackOwner(obj, capsule, address, managed.deleter)
-        tensor = managed.dl_tensor
-        readonly = False
-    else:
-        raise TypeError(f"{name}.__dlpack__() returned {capsule!r}, not an unconsumed DLPack capsule")
-
-    # From here on the owner holds the tensor; any error below drops it and runs the deleter.
-    device_type = tensor.device.device_type
-    if device_type not in (_KDL_CUDA, _KDL_ROCM):
-        raise ValueError(_dlpack_wrong_device(obj, name, device_type))
-    code, bits, lanes = tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes
-    dtype = _DL_DTYPE.get((code, bits)) if lanes == 1 else None
-    if dtype is None:
-        raise TypeError(
-            f"{name} has DLPack dtype (code {code}, bits {bits}, lanes {lanes}); hipattn handles "
-            f"{', '.join(_ELEMENT_SIZE)}"
-        )
-    ndim = tensor.ndim
-    if ndim < 0:
-        raise ValueError(f"{name} exports a DLPack tensor with ndim {ndim}; expected >= 0")
-    shape = tuple(tensor.shape[i] for i in range(ndim))
-    if any(extent < 0 for extent in shape):
-        raise ValueError(f"{name} exports a DLPack tensor of shape {shape}, which has a negative extent")
-    if tensor.strides:
-        strides = tuple(tensor.strides[i] for i in range(ndim))  # int64 by the struct: always in range
-    else:
-        strides = contiguous_strides(shape)
-    ptr = (tensor.data or 0) + tensor.byte_offset
-    if ptr >= POINTER_LIMIT:
-        raise ValueError(
-            f"{name} exports a DLPack tensor at 0x{tensor.data or 0:x} + byte_offset {tensor.byte_offset}, "
-            "past the end of a 64-bit address space"
-        )
-    if ptr == 0 and _nonzero_size(shape):
-        raise ValueError(_null_pointer(name, shape))
-    device = _checked_device(tensor.device.device_id, f"{name}'s DLPack device_id")
-    return _device_array(ptr, shape, strides, dtype, device, "dlpack", owner, None, readonly)
-
-
-def _dlpack_wrong_device(obj: Any, name: str, device_type: int) -> str:
-    where = _DL_DEVICE_NAME.get(device_type, f"type {device_type}")
-    host = " (a host array)" if device_type in (_KDL_CPU, _KDL_CUDA_HOST, 11) else ""
-    return (
-        f"{name} ({type(obj).__module__}.{type(obj).__qualname__}) lives on a DLPack {where} device{host}; "
-        "hipattn needs arrays in CUDA or ROCm device memory"
-    )
 
 
 # ---- allocation in the caller's framework -----------------------------------------------------
@@ -703,7 +355,7 @@ def empty(
     caller passes output buffers to the low-level API instead.
     """
     element_size(dtype)
-    shape_t = _int_tuple(shape, "shape", "empty")
+    shape_t = int_tuple(shape, "shape", "empty")
     if like.framework == "torch":
         return _empty_torch(like, shape_t, dtype, stream)
     if like.framework == "cupy":
@@ -749,62 +401,3 @@ def _empty_cupy(
             with cupy.cuda.ExternalStream(stream):
                 out = cupy.empty(shape, dtype=np_dtype)
     return out, _from_cupy(out, "output")
-
-
-# ---- small helpers ----------------------------------------------------------------------------
-
-
-def _int_tuple(values: Any, what: str, name: str, allow_negative: bool = False) -> tuple[int, ...]:
-    """``values`` as a tuple of ints. Only true integers count (NumPy's among them, through
-    ``__index__``): 3.7 is refused, not truncated, and so are "3" and True."""
-    if isinstance(values, (str, bytes)):
-        raise TypeError(f"{name}: {what} must be a sequence of ints; got {values!r}")
-    try:
-        result = tuple(_index(v) for v in values)
-    except TypeError:
-        raise TypeError(f"{name}: {what} must be a sequence of ints; got {values!r}") from None
-    if not allow_negative and any(v < 0 for v in result):
-        raise ValueError(f"{name}: {what} {result} has a negative entry")
-    return result
-
-
-def _index(value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError("a bool is not an extent")
-    return operator.index(value)
-
-
-def _check_pointer(ptr: Any, what: str) -> None:
-    """A device address: an int in [0, 2**64) (the kernels take u64 pointers)."""
-    if isinstance(ptr, bool) or not isinstance(ptr, int):
-        raise TypeError(f"{what} needs the pointer as an int; got {ptr!r} ({type(ptr).__name__})")
-    if ptr < 0:
-        raise ValueError(f"{what} got a negative pointer {ptr}")
-    if ptr >= POINTER_LIMIT:
-        raise ValueError(f"{what} got pointer 0x{ptr:x}, which does not fit in 64 bits")
-
-
-def _check_strides(strides: tuple[int, ...], what: str) -> None:
-    for stride in strides:
-        if not _STRIDE_MIN <= stride <= _STRIDE_MAX:
-            raise ValueError(f"{what}: strides {strides} has {stride}, which does not fit in 64 bits (the kernels take int64 strides)")
-
-
-def _null_pointer(name: str, shape: tuple[int, ...]) -> str:
-    return f"{name} has a null data pointer (0) but shape {shape} is not empty; pass the array's device memory"
-
-
-def _byte_strides_to_elements(byte_strides: Sequence[int], itemsize: int, name: str) -> tuple[int, ...]:
-    strides = []
-    for s in byte_strides:
-        if s % itemsize:
-            raise ValueError(
-                f"{name} has byte strides {tuple(byte_strides)} that are not multiples of its element size "
-                f"{itemsize}; hipattn needs element-aligned strides"
-            )
-        strides.append(s // itemsize)
-    return tuple(strides)
-
-
-def _nonzero_size(shape: tuple[int, ...]) -> bool:
-    return all(extent > 0 for extent in shape)

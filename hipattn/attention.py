@@ -12,18 +12,18 @@ from typing import Any, NamedTuple
 
 from . import arrays, checks, dispatch, runtime
 from . import problem as problem_mod
-from .arrays import UNKNOWN_DEVICE
+from .device_array import UNKNOWN_DEVICE, DeviceArray, contiguous_strides, derived_array
 from .errors import HipattnError
 from .ops import flash, flash_backward, smallseq
 from .streams import on_device, resolve_stream, wait_for_producers
 from .workspace import WORKSPACE_ALIGNMENT, WorkspacePlan, backward_workspace
 
 
-def _array(obj: Any, name: str, stream: int | None = None) -> arrays.DeviceArray | None:
+def _array(obj: Any, name: str, stream: int | None = None) -> DeviceArray | None:
     return None if obj is None else arrays.as_device_array(obj, name, stream=stream)
 
 
-def _pointer_device(a: arrays.DeviceArray) -> int | None:
+def _pointer_device(a: DeviceArray) -> int | None:
     """The runtime's answer to "which device holds this pointer", or None when it cannot say."""
     if not a.ptr:
         return None
@@ -83,7 +83,7 @@ def _named_inputs(call: _Inputs, more: tuple = ()) -> list:
     return named
 
 
-def _output(given: Any, name: str, like: arrays.DeviceArray, shape, dtype, problem, input_spans, stream):
+def _output(given: Any, name: str, like: DeviceArray, shape, dtype, problem, input_spans, stream):
     """(object to return, DeviceArray, memory span or None) for an output: the caller's buffer
     checked, or a new one (which cannot alias anything: no span to check)."""
     if given is None:
@@ -109,9 +109,9 @@ def _check_outputs_disjoint(spans) -> None:
 class _Inputs(NamedTuple):
     """One call's inputs as device arrays, and the validated problem they describe."""
 
-    q: arrays.DeviceArray
-    k: arrays.DeviceArray
-    v: arrays.DeviceArray
+    q: DeviceArray
+    k: DeviceArray
+    v: DeviceArray
     sequences: dict  # cu_seqlens_q/k, seqused_q/k as DeviceArray or None, by keyword
     problem: problem_mod.Problem
 
@@ -142,13 +142,13 @@ def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     return _Inputs(qa, ka, va, sequences, problem)
 
 
-def _order_after_inputs(backend, stream: int, call: _Inputs, *more: arrays.DeviceArray) -> None:
+def _order_after_inputs(backend, stream: int, call: _Inputs, *more: DeviceArray) -> None:
     """Before anything reads the inputs: wait for CAI v3 producers' streams, then (HIPATTN_CHECK=1)
     read the device-side sequence description back on the launch stream."""
     inputs = (call.q, call.k, call.v, *more, *(a for a in call.sequences.values() if a is not None))
     wait_for_producers(backend, inputs, stream)
     if checks.enabled():
-        checks.check_sequences(backend, stream, call.problem, **call.sequences)
+        checks.check_sequences(backend, stream, call.problem, call.sequences)
 
 
 def forward(
@@ -282,8 +282,8 @@ def backward_workspace_bytes(q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None
     return backward_workspace(call.problem, deterministic).total_bytes
 
 
-def _workspace_sections(workspace: Any, plan: WorkspacePlan, like: arrays.DeviceArray, stream: int,
-                        others: tuple[tuple[arrays.DeviceArray, str], ...]) -> dict[str, arrays.DeviceArray]:
+def _workspace_sections(workspace: Any, plan: WorkspacePlan, like: DeviceArray, stream: int,
+                        others: tuple[tuple[DeviceArray, str], ...]) -> dict[str, DeviceArray]:
     """One DeviceArray per section of ``plan``, in the caller's ``workspace`` (checked: writable,
     large enough, aligned, and disjoint from every named array in ``others``) or in a new allocation
     (which the sections' ``owner`` keeps alive)."""
@@ -297,7 +297,7 @@ def _workspace_sections(workspace: Any, plan: WorkspacePlan, like: arrays.Device
             raise ValueError("workspace is read-only (its producer exported it so); hipattn writes it: pass a writable buffer")
         if base.device != like.device:
             raise ValueError(f"workspace is on device {base.device} but q is on device {like.device}")
-        if base.nbytes < plan.total_bytes or arrays.contiguous_strides(base.shape) != base.strides:
+        if base.nbytes < plan.total_bytes or contiguous_strides(base.shape) != base.strides:
             raise ValueError(
                 f"workspace must be a contiguous device buffer of at least {plan.total_bytes} bytes "
                 f"(backward_workspace_bytes); got shape {base.shape}, strides {base.strides}, {base.nbytes} bytes")
@@ -307,8 +307,8 @@ def _workspace_sections(workspace: Any, plan: WorkspacePlan, like: arrays.Device
             if problem_mod.overlaps(base, other):
                 raise ValueError(f"workspace overlaps {name} in memory; it must be memory of its own")
     sections = {
-        s.name: arrays.derived_array(base, plan.pointer(base.ptr, s.name), s.shape, arrays.contiguous_strides(s.shape),
-                                     s.dtype, owner)
+        s.name: derived_array(base, plan.pointer(base.ptr, s.name), s.shape, contiguous_strides(s.shape), s.dtype,
+                              owner)
         for s in plan.sections
     }
     return sections

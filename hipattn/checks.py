@@ -12,12 +12,13 @@ cannot run under graph capture: a debugging aid, off by default.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 
 import numpy as np
 
 from . import env
-from .arrays import DeviceArray
 from .backends.base import Backend
+from .device_array import DeviceArray
 from .problem import THD, Problem
 
 SWITCH = "HIPATTN_CHECK"
@@ -71,20 +72,17 @@ def _check_lengths(lengths: np.ndarray, name: str, max_seqlen: int) -> None:
         raise ValueError(f"{name}[{b}] is {int(lengths[b])}; lengths must be >= 0 (HIPATTN_CHECK)")
 
 
-def check_sequences(
-    backend: Backend,
-    stream: int,
-    problem: Problem,
-    *,
-    cu_seqlens_q: DeviceArray | None = None,
-    cu_seqlens_k: DeviceArray | None = None,
-    seqused_q: DeviceArray | None = None,
-    seqused_k: DeviceArray | None = None,
-) -> None:
-    """Raise ValueError if the device-side sequence description breaks the host's promises."""
+def check_sequences(backend: Backend, stream: int, problem: Problem,
+                    sequences: Mapping[str, DeviceArray | None]) -> None:
+    """Raise ValueError if the device-side sequence description breaks the host's promises.
+
+    ``sequences`` holds the call's cu_seqlens_q/k and seqused_q/k by name (None, or absent, where not
+    given), as the launch path carries them."""
     if problem.layout == THD:
-        _check_cu_seqlens(_to_host(backend, stream, cu_seqlens_q), "cu_seqlens_q", problem.total_q, problem.max_seqlen_q)
-        _check_cu_seqlens(_to_host(backend, stream, cu_seqlens_k), "cu_seqlens_k", problem.total_k, problem.max_seqlen_k)
-    for array, name, bound in ((seqused_q, "seqused_q", problem.max_seqlen_q), (seqused_k, "seqused_k", problem.max_seqlen_k)):
+        for name, total, bound in (("cu_seqlens_q", problem.total_q, problem.max_seqlen_q),
+                                   ("cu_seqlens_k", problem.total_k, problem.max_seqlen_k)):
+            _check_cu_seqlens(_to_host(backend, stream, sequences.get(name)), name, total, bound)
+    for name, bound in (("seqused_q", problem.max_seqlen_q), ("seqused_k", problem.max_seqlen_k)):
+        array = sequences.get(name)
         if array is not None:
             _check_lengths(_to_host(backend, stream, array).astype(np.int64), name, bound)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from . import __version__, catalog
 from .errors import CompileError, HipattnError
-from .jit.cache import DiskCache, default_cache_dir, printable
+from .jit.cache import DiskCache, default_cache_dir
+from .jit.cache_safety import printable
 from .jit.spec import KernelSpec
 from .jit.target import Target
 

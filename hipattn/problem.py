@@ -13,8 +13,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .arrays import _ELEMENT_SIZE as _ITEMSIZE
-from .arrays import DeviceArray, element_size
+from .device_array import ELEMENT_SIZE, DeviceArray, element_size
 
 SUPPORTED_DTYPES = ("fp16", "bf16")
 THD = "thd"  # varlen: q [total_q, Hq, D], k/v [total_k, Hkv, D], int32 cu_seqlens of length batch+1
@@ -260,8 +259,9 @@ _new_object = object.__new__
 
 def _problem(layout, dtype, batch, heads_q, heads_kv, head_dim, max_seqlen_q, max_seqlen_k, total_q, total_k,
              causal, softmax_scale, device) -> Problem:
-    # The hot-path constructor (as arrays._device_array): the frozen dataclass __init__ sets its 13
-    # fields one object.__setattr__ at a time (~2 us); filling __dict__ builds the same object in a third.
+    # The hot-path constructor (as device_array.unchecked_device_array): the frozen dataclass __init__
+    # sets its 13 fields one object.__setattr__ at a time (~2 us); filling __dict__ builds the same
+    # object in a third.
     problem = _new_object(Problem)
     problem.__dict__.update(
         layout=layout, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
@@ -373,7 +373,7 @@ def _extent(a: DeviceArray) -> tuple[int, int]:
             high += (n - 1) * s
         else:
             low += (n - 1) * s
-    size = _ITEMSIZE[a.dtype]
+    size = ELEMENT_SIZE[a.dtype]
     return ptr + low * size, ptr + (high + 1) * size
 
 

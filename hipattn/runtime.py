@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 
 from .backends.base import Backend
-from .jit.cache import DiskCache, default_cache
+from .jit.cache import DiskCache
 from .jit.registry import LoadedKernel, Registry
 from .jit.spec import KernelSpec
 from .jit.target import Target
@@ -42,21 +42,18 @@ class Runtime:
 
     @property
     def backend(self) -> Backend:
-        if self._backend is None:
-            from .backends import get_backend
-
-            with self._lock:
-                if self._backend is None:
-                    self._backend = get_backend()
-        return self._backend
+        backend = self._backend
+        if backend is None:  # the registry's: the one it compiles and loads through
+            backend = self._backend = self.registry.backend
+        return backend
 
     @property
     def registry(self) -> Registry:
         if self._registry is None:
-            backend = self.backend
             with self._lock:
                 if self._registry is None:
-                    self._registry = Registry(backend, self._cache if self._cache is not None else default_cache())
+                    # What is left out the registry makes on first use (backends.get_backend, default_cache).
+                    self._registry = Registry(self._backend, self._cache)
         return self._registry
 
     def kernel(self, spec: KernelSpec, device: int) -> LoadedKernel:

@@ -28,8 +28,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .arrays import UNKNOWN_DEVICE, DeviceArray
 from .backends.base import Backend
+from .device_array import UNKNOWN_DEVICE, DeviceArray
 
 # CAI v3 and DLPack spell the legacy default stream 1 (0 is reserved as ambiguous there); as a
 # launch handle the NULL stream 0 means the same thing on both vendors (HIP has no handle 1).

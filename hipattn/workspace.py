@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from .arrays import element_size
+from .device_array import element_size
 from .problem import THD, Problem, lse_shape
 from .varlen_metadata import VARLEN_RECORD_WORDS
 

@@ -10,14 +10,9 @@ import types
 import numpy as np
 import pytest
 
-from hipattn import arrays
-from hipattn.arrays import (
-    DeviceArray,
-    as_device_array,
-    element_size,
-    empty,
-    raw_array,
-)
+from hipattn import dlpack
+from hipattn.arrays import as_device_array, empty, raw_array
+from hipattn.device_array import UNKNOWN_DEVICE, DeviceArray, contiguous_strides, element_size
 from hipattn.streams import launch_device
 
 # ---- CAI producers ------------------------------------------------------------------------------
@@ -84,7 +79,7 @@ def test_cai_device_from_pointer_query_or_attribute_or_unknown():
     by_attribute = as_device_array(CAIArray(0x1000, (1,), "<f4", device=types.SimpleNamespace(id=2)), "q")
     assert by_attribute.device == 2
     unknown = as_device_array(CAIArray(0x1000, (1,), "<f4"), "q")
-    assert unknown.device == arrays.UNKNOWN_DEVICE
+    assert unknown.device == UNKNOWN_DEVICE
 
 
 def test_cai_readonly_flag_is_kept():
@@ -275,7 +270,7 @@ def test_empty_torch_allocates_on_the_launch_stream_when_it_is_not_current(monke
 
     def torch_empty(shape, dtype, device):
         events.append(("alloc", shape))
-        return torch.Tensor(0x4000, shape, arrays.contiguous_strides(shape), dtype, device)
+        return torch.Tensor(0x4000, shape, contiguous_strides(shape), dtype, device)
 
     torch.empty = torch_empty
     torch.cuda = types.SimpleNamespace(
@@ -345,9 +340,9 @@ def test_dlpack_struct_layouts_match_the_c_header():
         and ctypes.sizeof(Managed) == 64
         and ctypes.sizeof(ManagedVersioned) == 80
     )
-    assert ctypes.sizeof(arrays._DLTensor) == 48
-    assert ctypes.sizeof(arrays._DLManagedTensor) == 64
-    assert ctypes.sizeof(arrays._DLManagedTensorVersioned) == 80
+    assert ctypes.sizeof(dlpack._DLTensor) == 48
+    assert ctypes.sizeof(dlpack._DLManagedTensor) == 64
+    assert ctypes.sizeof(dlpack._DLManagedTensorVersioned) == 80
 
 
 class DLPackProducer:
@@ -600,7 +595,7 @@ def test_hand_built_device_arrays_are_checked_when_built():
         DeviceArray(0x1000, (2,), (1,), "fp16", -5, "raw")
     with pytest.raises(ValueError, match="unknown dtype"):
         DeviceArray(0x1000, (2,), (1,), "float16", 0, "raw")
-    assert DeviceArray(0x1000, [2, 3], [3, 1], "fp16", arrays.UNKNOWN_DEVICE, "raw").shape == (2, 3)
+    assert DeviceArray(0x1000, [2, 3], [3, 1], "fp16", UNKNOWN_DEVICE, "raw").shape == (2, 3)
 
 
 def test_stream_handles_outside_a_pointer_are_refused():

@@ -58,6 +58,45 @@ def compile_with(backend, source: str, arch: str):
     return backend.compile(source, include_closure(source), NAME_EXPRESSION, target, options, f"test scale_rows {arch}")
 
 
+# Each compiler with the arch it builds for here, the ELF machine of its binaries, and its arch option.
+COMPILERS = {
+    "nvrtc": ("sm_90", EM_CUDA, "--gpu-architecture=sm_90"),
+    "hiprtc": ("gfx90a", EM_AMDGPU, "--offload-arch=gfx90a"),
+}
+
+
+@pytest.fixture(params=[pytest.param(name, marks=getattr(pytest.mark, name)) for name in COMPILERS])
+def either(request):
+    """(backend, arch, ELF machine, arch option) for each compiler in turn."""
+    return request.getfixturevalue(request.param), *COMPILERS[request.param]
+
+
+# ---- both compilers --------------------------------------------------------------------------------
+
+
+def test_compiles_a_template_to_an_elf_binary_with_its_lowered_name(either):
+    backend, arch, machine, _ = either
+    kernel = compile_with(backend, SOURCE, arch)
+    assert kernel.binary[:4] == ELF_MAGIC
+    assert elf_machine(kernel.binary) == machine  # a CUBIN for NVIDIA, a code object for AMD
+    assert kernel.lowered_name.startswith("_Z") and "scale_rows" in kernel.lowered_name
+    # The symbol the loader will look up is the one in the binary.
+    assert kernel.lowered_name.encode() + b"\0" in kernel.binary
+
+
+def test_syntax_error_raises_a_compile_error_with_the_log(either):
+    backend, arch, _, arch_option = either
+    with pytest.raises(CompileError) as caught:
+        compile_with(backend, BROKEN_SOURCE, arch)
+    error = caught.value
+    assert "error" in error.log and "oops" in error.log
+    assert error.target == arch
+    assert arch_option in error.options
+    assert f"test scale_rows {arch}" in str(error)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.log, copy.spec, copy.target, copy.options) == (error.log, error.spec, error.target, error.options)
+
+
 # ---- NVRTC ----------------------------------------------------------------------------------------
 
 
@@ -76,29 +115,6 @@ def test_nvrtc_options_ask_for_a_cubin_of_the_exact_arch(nvrtc):
     assert "--gpu-architecture=sm_90a" in options
     assert "-std=c++17" in options
     assert not any("fast" in option for option in options)
-
-
-@pytest.mark.nvrtc
-def test_nvrtc_compiles_a_template_to_a_cubin_with_its_lowered_name(nvrtc):
-    kernel = compile_with(nvrtc, SOURCE, "sm_90")
-    assert kernel.binary[:4] == ELF_MAGIC
-    assert elf_machine(kernel.binary) == EM_CUDA
-    assert kernel.lowered_name.startswith("_Z") and "scale_rows" in kernel.lowered_name
-    # The symbol the loader will look up is the one in the binary.
-    assert kernel.lowered_name.encode() + b"\0" in kernel.binary
-
-
-@pytest.mark.nvrtc
-def test_nvrtc_syntax_error_raises_compile_error_with_the_log(nvrtc):
-    with pytest.raises(CompileError) as caught:
-        compile_with(nvrtc, BROKEN_SOURCE, "sm_90")
-    error = caught.value
-    assert "error" in error.log and "expected" in error.log
-    assert error.target == "sm_90"
-    assert "--gpu-architecture=sm_90" in error.options
-    assert "test scale_rows sm_90" in str(error)
-    copy = pickle.loads(pickle.dumps(error))
-    assert (copy.log, copy.spec, copy.target, copy.options) == (error.log, error.spec, error.target, error.options)
 
 
 @pytest.mark.nvrtc
@@ -140,32 +156,11 @@ def test_hiprtc_identity_names_the_rocm_release(hiprtc):
 
 
 @pytest.mark.hiprtc
-def test_hiprtc_compiles_a_template_to_a_code_object_with_its_lowered_name(hiprtc):
-    kernel = compile_with(hiprtc, SOURCE, "gfx90a")
-    assert kernel.binary[:4] == ELF_MAGIC
-    assert elf_machine(kernel.binary) == EM_AMDGPU
-    assert kernel.lowered_name.startswith("_Z") and "scale_rows" in kernel.lowered_name
-    assert kernel.lowered_name.encode() + b"\0" in kernel.binary
-
-
-@pytest.mark.hiprtc
 def test_hiprtc_keeps_target_features_in_the_arch_flag(hiprtc):
     target = Target.parse("gfx90a:xnack-")
     assert "--offload-arch=gfx90a:xnack-" in hiprtc.compile_options(target)
     kernel = compile_with(hiprtc, SOURCE, "gfx90a:xnack-")
     assert kernel.binary[:4] == ELF_MAGIC
-
-
-@pytest.mark.hiprtc
-def test_hiprtc_syntax_error_raises_compile_error_with_the_log(hiprtc):
-    with pytest.raises(CompileError) as caught:
-        compile_with(hiprtc, BROKEN_SOURCE, "gfx90a")
-    error = caught.value
-    assert "error" in error.log and "oops" in error.log
-    assert error.target == "gfx90a"
-    assert "--offload-arch=gfx90a" in error.options
-    copy = pickle.loads(pickle.dumps(error))
-    assert (copy.log, copy.spec, copy.target, copy.options) == (error.log, error.spec, error.target, error.options)
 
 
 @pytest.mark.hiprtc

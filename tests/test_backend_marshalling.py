@@ -91,25 +91,6 @@ def cuda():
     return CudaBackend(driver_module=fake, nvrtc_module=nvrtc), fake, driver
 
 
-def test_cuda_launch_passes_the_struct_by_value_through_one_pointer(cuda):
-    backend, fake, _ = cuda
-    params = PARAMS.new(out=0xA0, in_=0xB0, rows=7, factor=0.5)
-    seen = {}
-
-    def launch(*args):
-        seen["args"] = args
-        seen["argument"] = read_argument(args[9], PARAMS.nbytes)  # read while the call is in flight
-        return (fake._success,)
-
-    backend._launch_kernel = launch
-    kernel = LoadedFunction(handle=0xF00, module=None, name="scale")
-    backend.launch(kernel, (3, 2, 1), (128, 1, 1), 4096, 0x5000, params)
-    args = seen["args"]
-    assert args[:9] == (0xF00, 3, 2, 1, 128, 1, 1, 4096, 0x5000)
-    assert isinstance(args[9], int) and args[10] == 0
-    assert seen["argument"] == bytes(params)
-
-
 def test_cuda_launch_failure_names_the_kernel(cuda):
     backend, fake, driver = cuda
     failing = fake._recorder("cuLaunchKernel", (driver.CUresult.CUDA_ERROR_INVALID_VALUE,))
@@ -139,16 +120,6 @@ def test_cuda_event_query_treats_not_ready_as_false(cuda):
     backend._event_query_call = fake._recorder("cuEventQuery", (driver.CUresult.CUDA_ERROR_INVALID_HANDLE,))
     with pytest.raises(DriverError, match="cuEventQuery"):
         backend.event_query(0xE000)
-
-
-def test_cuda_host_function_must_be_an_int_address(cuda):
-    backend, fake, _ = cuda
-    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
-    with pytest.raises(TypeError, match="int address"):
-        backend.launch_host_func(0x5000, callback, 0)
-    address = ctypes.cast(callback, ctypes.c_void_p).value
-    backend.launch_host_func(0x5000, address, 0x77)
-    assert fake.called("cuLaunchHostFunc") == [(0x5000, address, 0x77)]
 
 
 def test_cuda_memory_calls_return_ints_and_skip_empty_work(cuda):
@@ -222,40 +193,11 @@ def hip_fake():
     return HipBackend(hip_module=fake, hiprtc_module=hiprtc), fake, hip
 
 
-def test_hip_launch_passes_the_struct_by_value_through_one_pointer(hip_fake):
-    backend, fake, _ = hip_fake
-    params = PARAMS.new(out=0xA0, in_=0xB0, rows=7, factor=0.5)
-    seen = {}
-
-    def launch(*args):
-        seen["args"] = args
-        seen["argument"] = read_argument(args[9], PARAMS.nbytes)
-        return (fake._success,)
-
-    backend._launch_kernel = launch
-    backend.launch(LoadedFunction(0xF00, None, "scale"), (3, 2, 1), (256, 1, 1), 0, 0x5000, params)
-    args = seen["args"]
-    assert args[:9] == (0xF00, 3, 2, 1, 256, 1, 1, 0, 0x5000)
-    assert isinstance(args[9], int) and args[10] is None
-    assert seen["argument"] == bytes(params)
-
-
 def test_hip_memcpy_uses_the_default_kind_for_every_direction(hip_fake):
     backend, fake, hip = hip_fake
     backend.memcpy_async(0x1, 0x2, 16, 0x5000)
     backend.memcpy_async(0x1, 0x2, 0, 0x5000)
     assert fake.called("hipMemcpyAsync") == [(0x1, 0x2, 16, hip.hipMemcpyKind.hipMemcpyDefault, 0x5000)]
-
-
-def test_hip_host_function_must_be_an_int_address(hip_fake):
-    backend, fake, _ = hip_fake
-    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
-    # hip-python would accept this object and pass the address of its Python-side buffer.
-    with pytest.raises(TypeError, match="int address"):
-        backend.launch_host_func(0x5000, callback, 0)
-    address = ctypes.cast(callback, ctypes.c_void_p).value
-    backend.launch_host_func(0x5000, address, 0)
-    assert fake.called("hipLaunchHostFunc") == [(0x5000, address, 0)]
 
 
 def test_hip_device_target_keeps_the_features(hip_fake):
@@ -323,3 +265,47 @@ def test_hip_pointer_device_reads_the_pointers_attributes(hip_fake):
     fake.hipPointerGetAttributes = fake._recorder("hipPointerGetAttributes", (hip.hipError_t.hipErrorInvalidValue, None))
     with pytest.raises(DriverError, match="hipPointerGetAttributes"):
         backend.pointer_device(0x7000)
+
+
+# ---- both -----------------------------------------------------------------------------------------
+
+# What each launch passes after kernelParams for "no extra options", and each host-function call's name.
+NO_LAUNCH_EXTRA = {"cuda": 0, "hip_fake": None}
+HOST_FUNC_CALL = {"cuda": "cuLaunchHostFunc", "hip_fake": "hipLaunchHostFunc"}
+
+
+@pytest.fixture(params=["cuda", "hip_fake"])
+def either(request):
+    """(vendor fixture's name, backend, fake) for each backend in turn."""
+    backend, fake, _ = request.getfixturevalue(request.param)
+    return request.param, backend, fake
+
+
+def test_launch_passes_the_struct_by_value_through_one_pointer(either):
+    vendor, backend, fake = either
+    params = PARAMS.new(out=0xA0, in_=0xB0, rows=7, factor=0.5)
+    seen = {}
+
+    def launch(*args):
+        seen["args"] = args
+        seen["argument"] = read_argument(args[9], PARAMS.nbytes)  # read while the call is in flight
+        return (fake._success,)
+
+    backend._launch_kernel = launch
+    backend.launch(LoadedFunction(handle=0xF00, module=None, name="scale"), (3, 2, 1), (128, 1, 1), 4096, 0x5000, params)
+    args = seen["args"]
+    assert args[:9] == (0xF00, 3, 2, 1, 128, 1, 1, 4096, 0x5000)
+    extra = NO_LAUNCH_EXTRA[vendor]
+    assert isinstance(args[9], int) and (args[10], type(args[10])) == (extra, type(extra))
+    assert seen["argument"] == bytes(params)
+
+
+def test_host_function_must_be_an_int_address(either):
+    vendor, backend, fake = either
+    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
+    # hip-python would accept this object and pass the address of its Python-side buffer.
+    with pytest.raises(TypeError, match="int address"):
+        backend.launch_host_func(0x5000, callback, 0)
+    address = ctypes.cast(callback, ctypes.c_void_p).value
+    backend.launch_host_func(0x5000, address, 0x77)
+    assert fake.called(HOST_FUNC_CALL[vendor]) == [(0x5000, address, 0x77)]

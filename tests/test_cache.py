@@ -15,7 +15,8 @@ from support.unprivileged import run_unprivileged, unprivileged_directory, unpri
 
 from hipattn.backends.base import CompiledKernel
 from hipattn.jit import cache as cache_module
-from hipattn.jit.cache import CACHE_FORMAT_VERSION, DiskCache, cache_key, default_cache_dir
+from hipattn.jit.cache import DiskCache, cache_key, default_cache_dir
+from hipattn.jit.cache_format import CACHE_FORMAT_VERSION
 from hipattn.jit.registry import compile_inputs, compile_spec
 from hipattn.jit.target import Target
 

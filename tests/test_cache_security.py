@@ -17,7 +17,9 @@ from support.fake_backend import FAKE_FAMILY, FakeBackend
 from support.unprivileged import NOBODY, run_unprivileged, running_as_root, unprivileged_directory
 
 from hipattn.backends.base import CompiledKernel
-from hipattn.jit.cache import CACHE_FORMAT_VERSION, MAX_ENTRY_BYTES, DiskCache
+from hipattn.jit.cache import DiskCache
+from hipattn.jit.cache_format import CACHE_FORMAT_VERSION
+from hipattn.jit.cache_safety import MAX_ENTRY_BYTES
 from hipattn.jit.registry import compile_inputs, compile_spec
 from hipattn.jit.target import Target
 

@@ -53,7 +53,7 @@ def _problem(layout=THD, batch=3, max_q=17, max_k=17, total_q=30, total_k=40) ->
 
 def _check(problem, **arrays):
     backend = HostMemoryBackend()
-    checks.check_sequences(backend, 7, problem, **arrays)
+    checks.check_sequences(backend, 7, problem, arrays)
     return backend
 
 

@@ -5,7 +5,7 @@ no GPU needed). Its results are checked in tests/test_amd_emulation.py."""
 from __future__ import annotations
 
 import pytest
-from support.compilers import compile_with_layout_checks, hiprtc_backend
+from support.compilers import compile_with_layout_checks, hiprtc_for
 from support.local_rocm import use_local_rocm
 
 from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
@@ -55,10 +55,7 @@ def test_ships_nothing_without_the_mfma_instructions(arch):
 
 def test_kernel_layout_matches_the_launcher_bytes():
     """One hiprtc compile of the dK/dV kernel's unit with a static_assert per head_dim."""
-    backend = hiprtc_backend()
-    target = Target.parse("gfx90a")
-    if not backend.can_compile_for(target):
-        pytest.skip(backend.unsupported_reason(target))
+    backend, target = hiprtc_for("gfx90a")
     table = dict.fromkeys(FLASH_HEAD_DIMS, FLASH_BACKWARD_DKDV_MFMA_TILES)
     compile_with_layout_checks(
         backend, FLASH_BACKWARD_DKDV_MFMA, target, table,

@@ -4,7 +4,7 @@ passes agree with the layout the kernel computes (checked by hiprtc, no GPU need
 from __future__ import annotations
 
 import pytest
-from support.compilers import compile_with_layout_checks, hiprtc_backend
+from support.compilers import compile_with_layout_checks, hiprtc_for
 from support.local_rocm import use_local_rocm
 
 from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
@@ -51,11 +51,7 @@ def test_ships_nothing_without_the_mfma_instructions(arch):
 
 def test_kernel_layout_matches_the_launcher_bytes():
     """One hiprtc compile of the kernel's unit with a static_assert per table row."""
-    backend = hiprtc_backend()
-    target = Target.parse("gfx90a")
-    if not backend.can_compile_for(target):
-        pytest.skip(backend.unsupported_reason(target))
-
+    backend, target = hiprtc_for("gfx90a")
     compile_with_layout_checks(
         backend, FLASH_FORWARD_MFMA, target, FLASH_FORWARD_MFMA_TILES,
         lambda head_dim, tiles: f"hipattn::flash::MfmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_m}, "

@@ -9,10 +9,8 @@ import pytest
 
 from hipattn.catalog.common import FLASH_HEAD_DIMS
 from hipattn.catalog.flash_backward import (
-    FLASH_BACKWARD_DKDV_TILES,
-    FLASH_BACKWARD_DKDV_TILES_HOPPER,
-    FLASH_BACKWARD_DQ_TILES,
-    FLASH_BACKWARD_DQ_TILES_HOPPER,
+    FLASH_BACKWARD_MMA_TILES,
+    FLASH_BACKWARD_MMA_TILES_HOPPER,
     mma_tiles_for,
     tiles_for,
 )
@@ -25,21 +23,20 @@ from hipattn.jit.target import Target
 def test_every_part_rows_fit_the_smallest_part(head_dim):
     # sm_86 and sm_89 opt in to the least shared memory of the sm_80+ parts one table serves.
     assert FLASH_FORWARD_MMA_TILES[head_dim].shared_bytes(head_dim) <= SM86_SHARED_BYTES
-    assert FLASH_BACKWARD_DKDV_TILES[head_dim].shared_bytes(head_dim) <= SM86_SHARED_BYTES
-    assert FLASH_BACKWARD_DQ_TILES[head_dim].shared_bytes(head_dim) <= SM86_SHARED_BYTES
+    for tiles in FLASH_BACKWARD_MMA_TILES[head_dim]:  # dK/dV, dQ
+        assert tiles.shared_bytes(head_dim) <= SM86_SHARED_BYTES
 
 
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
 def test_hopper_rows_fit_hopper_and_serve_only_it(head_dim):
-    dkdv, dq = FLASH_BACKWARD_DKDV_TILES_HOPPER[head_dim], FLASH_BACKWARD_DQ_TILES_HOPPER[head_dim]
+    dkdv, dq = FLASH_BACKWARD_MMA_TILES_HOPPER[head_dim]
     assert dkdv.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
     assert dq.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
     for arch in ("sm_90", "sm_90a"):
         assert mma_tiles_for(head_dim, Target.parse(arch)) == (dkdv, dq)
     assert tiles_for(head_dim, Target.parse("sm_90")) == (dkdv, dq)
     for arch in ("sm_80", "sm_86", "sm_89", "sm_120"):
-        assert tiles_for(head_dim, Target.parse(arch)) == (FLASH_BACKWARD_DKDV_TILES[head_dim],
-                                                                      FLASH_BACKWARD_DQ_TILES[head_dim])
+        assert tiles_for(head_dim, Target.parse(arch)) == FLASH_BACKWARD_MMA_TILES[head_dim]
 
 
 @pytest.mark.parametrize("hopper", [False, True])

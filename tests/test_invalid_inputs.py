@@ -23,8 +23,9 @@ from support.fake_backend import FakeBackend
 
 import hipattn
 from hipattn import runtime
-from hipattn.arrays import DeviceArray, element_size, raw_array
+from hipattn.arrays import raw_array
 from hipattn.catalog import smallseq as smallseq_catalog
+from hipattn.device_array import DeviceArray, element_size
 from hipattn.errors import DriverError
 from hipattn.jit.cache import DiskCache
 from hipattn.jit.registry import Registry

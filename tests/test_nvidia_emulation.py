@@ -8,46 +8,19 @@ emulation/emulated_sm80.h for what emulation cannot show). These run before a ke
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-from support.emulation import EmulatedDevice, compiler, from_16bit, to_16bit
-from support.raw_calls import run_backward, run_forward, thd_inputs
-from support.reference import TOLERANCE, reference_backward, reference_forward, relative_error
+from support.emulation import EmulatedDevice, needs_compiler
+from support.raw_calls import check_forward, check_forward_and_backward
 
 from hipattn.catalog.smallseq import SmallSeqMmaTiles
 
-# CI installs g++ (.ci/run) and must run these; elsewhere they need it on PATH (or CXX).
-pytestmark = pytest.mark.skipif(compiler() is None and not os.environ.get("CI"),
-                                reason="needs g++ (CXX) to build the emulated kernels")
-
-
-@pytest.fixture(scope="module")
-def build_dirs(tmp_path_factory):
-    return tmp_path_factory.mktemp("emulated-sm80-build"), tmp_path_factory.mktemp("emulated-sm80-cache")
+pytestmark = needs_compiler
 
 
 @pytest.fixture
-def device(build_dirs, monkeypatch):
-    monkeypatch.delenv("HIPATTN_SMALLSEQ", raising=False)
-    monkeypatch.delenv("HIPATTN_SMALLSEQ_KERNEL", raising=False)
-    monkeypatch.delenv("HIPATTN_VARLEN_PREP", raising=False)
-    return EmulatedDevice(*build_dirs, monkeypatch, arch="sm_80")
-
-
-def assert_forward_matches(out, lse, want_out, want_lse, dtype):
-    assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output element was never written"
-    assert relative_error(out, want_out) < TOLERANCE[dtype]
-    finite = np.isfinite(want_lse)
-    assert (np.isinf(lse) == ~finite).all(), "rows that see no key have LSE = +inf, all others a finite one"
-    assert np.abs(lse[finite] - want_lse[finite]).max() < 1e-3
-
-
-def assert_gradients_match(got, want, dtype):
-    for name, g, w in zip("qkv", got, want, strict=True):
-        assert not np.isnan(g).any(), f"d{name}: an element was never written"
-        assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"
+def device(emulation_dirs, monkeypatch):
+    return EmulatedDevice(*emulation_dirs, monkeypatch, arch="sm_80")
 
 
 # ---- small-seq tensor-core kernels (every sequence within the 17-token tile) ----------------------
@@ -71,36 +44,18 @@ def team_runs(request, monkeypatch):
 def test_the_small_seq_tensor_core_kernels_match_float64(device, team_runs, dtype, head_dim, causal):
     """Forward, then backward (Hq == Hkv, the tensor-core backward's case). At head_dim 256 two warps
     share each problem's columns and meet at named barriers."""
-    rng = np.random.default_rng()
-    heads = 4
-    lengths_q, lengths_k = SMALLSEQ_LENGTHS_Q, SMALLSEQ_LENGTHS_K
-    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads, heads, head_dim, dtype)
-    out, lse = run_forward(device, bits, cu_q, cu_k, 17, 17, heads, dtype, causal)
-    scale = head_dim ** -0.5
-    want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k, scale, causal)
-    assert_forward_matches(out, lse, want_out, want_lse, dtype)
-
-    dout_bits = to_16bit(rng.standard_normal(bits["q"].shape), dtype)
-    got = run_backward(device, bits, to_16bit(out, dtype), lse.astype(np.float32), dout_bits, cu_q, cu_k, 17, 17,
-                       dtype, causal)
-    want = reference_backward(exact["q"], exact["k"], exact["v"], from_16bit(dout_bits, dtype), lengths_q, lengths_k,
-                              scale, causal)
+    check_forward_and_backward(device, np.random.default_rng(), SMALLSEQ_LENGTHS_Q, SMALLSEQ_LENGTHS_K, 4, 4, head_dim,
+                               dtype, causal, max_q=17, max_k=17)
     assert device.kernels == ["smallseq_forward_mma", "smallseq_backward_mma"]
-    assert_gradients_match(got, want, dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [("fp16", 64, 4, 1), ("fp16", 256, 4, 2)])
 def test_the_small_seq_tensor_core_forward_matches_float64_with_gqa(device, team_runs, dtype, head_dim, heads_q,
                                                                     heads_kv, causal):
-    rng = np.random.default_rng()
-    lengths_q, lengths_k = SMALLSEQ_LENGTHS_Q, SMALLSEQ_LENGTHS_K
-    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
-    out, lse = run_forward(device, bits, cu_q, cu_k, 17, 17, heads_q, dtype, causal)
-    want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k,
-                                           head_dim ** -0.5, causal)
+    check_forward(device, np.random.default_rng(), SMALLSEQ_LENGTHS_Q, SMALLSEQ_LENGTHS_K, heads_q, heads_kv, head_dim,
+                  dtype, causal, max_q=17, max_k=17)
     assert device.kernels == ["smallseq_forward_gqa_mma"]  # Hq != Hkv: one team per (sequence, KV head) group
-    assert_forward_matches(out, lse, want_out, want_lse, dtype)
 
 
 # ---- flash kernels (mma.sync: FlashAttention-2's forward and its two-kernel backward) ---------------
@@ -118,14 +73,9 @@ FLASH_CASES = [("bf16", 64, 2, 1), ("fp16", 96, 3, 1), ("bf16", 128, 2, 2), ("fp
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", FLASH_CASES)
 def test_the_flash_forward_matches_float64(device, dtype, head_dim, heads_q, heads_kv, causal):
-    rng = np.random.default_rng()
-    lengths_q, lengths_k = FLASH_LENGTHS_Q, FLASH_LENGTHS_K
-    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
-    out, lse = run_forward(device, bits, cu_q, cu_k, max(lengths_q), max(lengths_k), heads_q, dtype, causal)
-    want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k,
-                                           head_dim ** -0.5, causal)
+    check_forward(device, np.random.default_rng(), FLASH_LENGTHS_Q, FLASH_LENGTHS_K, heads_q, heads_kv, head_dim, dtype,
+                  causal)
     assert device.kernels == ["flash_forward_mma"]
-    assert_forward_matches(out, lse, want_out, want_lse, dtype)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -137,19 +87,10 @@ def test_the_flash_backward_matches_float64(device, dtype, head_dim, heads_q, he
     (varlen_records). An empty KV (its rows get dQ = 0), an empty Q (its keys get dK = dV = 0), keys no
     query sees (causal); max_seqlen_q/k are upper bounds above the real maxima, as a graph captured
     for a capacity passes."""
-    rng = np.random.default_rng()
     lengths_q = [18, 150, 5, 33, 0, 40]
     lengths_k = [40, 200, 19, 0, 7, 80]
-    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
-    max_q, max_k = max(lengths_q) + 37, max(lengths_k) + 50
-    out, lse = run_forward(device, bits, cu_q, cu_k, max_q, max_k, heads_q, dtype, causal)
-    dout_bits = to_16bit(rng.standard_normal(bits["q"].shape), dtype)
-    got = run_backward(device, bits, to_16bit(out, dtype), lse.astype(np.float32), dout_bits, cu_q, cu_k, max_q,
-                       max_k, dtype, causal, deterministic=deterministic)
-    # The reference starts from the same rounded inputs; the kernel's O and LSE are the forward's.
-    want = reference_backward(exact["q"], exact["k"], exact["v"], from_16bit(dout_bits, dtype), lengths_q, lengths_k,
-                              head_dim ** -0.5, causal)
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
+                               causal, max_q=max(lengths_q) + 37, max_k=max(lengths_k) + 50, deterministic=deterministic)
     dq_kernels = ["flash_backward_dq_mma"] if deterministic else ["bwd_convert_dq"]
     assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
                               *dq_kernels]
-    assert_gradients_match(got, want, dtype)

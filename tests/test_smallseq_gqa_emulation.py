@@ -6,21 +6,27 @@ NaN first; every element is compared, and rows past a sequence must stay unwritt
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-from support.emulation import EmulatedDevice, array_16bit, compiler, from_16bit, to_16bit
-from support.raw_calls import NAN_BITS, run_backward, run_forward, thd_inputs
-from support.reference import TOLERANCE, reference_backward, reference_forward, relative_error
+from support.emulation import EmulatedDevice, from_16bit, needs_compiler, to_16bit
+from support.raw_calls import (
+    check_bshd_forward_and_backward,
+    check_forward_and_backward,
+    run_backward,
+    run_forward,
+    thd_inputs,
+)
+from support.reference import (
+    assert_forward_matches,
+    assert_gradients_match,
+    reference_backward,
+    reference_forward,
+)
 
-import hipattn
 from hipattn.catalog import smallseq
 from hipattn.catalog.smallseq import SmallSeqBackwardGqaMmaTiles, SmallSeqForwardGqaMmaTiles, SmallSeqMmaTiles
 
-# CI installs g++ (.ci/run) and must run these; elsewhere they need it on PATH (or CXX).
-pytestmark = pytest.mark.skipif(compiler() is None and not os.environ.get("CI"),
-                                reason="needs g++ (CXX) to build the emulated kernels")
+pytestmark = needs_compiler
 
 GROUPED = ["smallseq_forward_gqa_mma", "smallseq_backward_gqa_mma"]
 
@@ -32,44 +38,14 @@ LENGTHS_K = [17, 5, 3, 0, 12, 17, 1, 1]
 HEADS = [(4, 2), (6, 2), (8, 2), (8, 1), (16, 1)]
 
 
-@pytest.fixture(scope="module")
-def build_dirs(tmp_path_factory):
-    return tmp_path_factory.mktemp("emulated-sm80-build"), tmp_path_factory.mktemp("emulated-sm80-cache")
-
-
 @pytest.fixture
-def device(build_dirs, monkeypatch):
-    monkeypatch.delenv("HIPATTN_SMALLSEQ", raising=False)
-    monkeypatch.delenv("HIPATTN_SMALLSEQ_KERNEL", raising=False)
-    return EmulatedDevice(*build_dirs, monkeypatch, arch="sm_80")
+def device(emulation_dirs, monkeypatch):
+    return EmulatedDevice(*emulation_dirs, monkeypatch, arch="sm_80")
 
 
-def check_forward(out, lse, want_out, want_lse, dtype):
-    assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output element was never written"
-    assert relative_error(out, want_out) < TOLERANCE[dtype]
-    finite = np.isfinite(want_lse)
-    assert (np.isinf(lse) == ~finite).all(), "rows that see no key have LSE = +inf, all others a finite one"
-    assert np.abs(lse[finite] - want_lse[finite]).max(initial=0.0) < 1e-3
-
-
-def check_gradients(got, want, dtype):
-    for name, g, w in zip("qkv", got, want, strict=True):
-        assert not np.isnan(g).any(), f"d{name}: an element was never written"
-        assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"
-
-
-def forward_and_backward_match(device, rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal):
-    bits, exact, cu_q, cu_k = thd_inputs(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
-    scale = head_dim ** -0.5
-    out, lse = run_forward(device, bits, cu_q, cu_k, 17, 17, heads_q, dtype, causal)
-    want_out, want_lse = reference_forward(exact["q"], exact["k"], exact["v"], lengths_q, lengths_k, scale, causal)
-    check_forward(out, lse, want_out, want_lse, dtype)
-    dout_bits = to_16bit(rng.standard_normal(bits["q"].shape), dtype)
-    got = run_backward(device, bits, to_16bit(out, dtype), lse.astype(np.float32), dout_bits, cu_q, cu_k, 17, 17,
-                       dtype, causal)
-    want = reference_backward(exact["q"], exact["k"], exact["v"], from_16bit(dout_bits, dtype), lengths_q, lengths_k,
-                              scale, causal)
-    check_gradients(got, want, dtype)
+def grouped_kernels_match(device, rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal):
+    check_forward_and_backward(device, rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, max_q=17,
+                               max_k=17)
     assert device.kernels == GROUPED
 
 
@@ -80,7 +56,7 @@ def forward_and_backward_match(device, rng, lengths_q, lengths_k, heads_q, heads
 def test_the_grouped_kernels_match_float64(device, dtype, head_dim, heads_q, heads_kv, causal):
     """One team per (sequence, KV head) group: at head_dim 256 the forward's teams are two warps and
     the backward's four, meeting at barriers; at 64 and 128 a block holds several teams."""
-    forward_and_backward_match(device, np.random.default_rng(), LENGTHS_Q, LENGTHS_K, heads_q, heads_kv, head_dim,
+    grouped_kernels_match(device, np.random.default_rng(), LENGTHS_Q, LENGTHS_K, heads_q, heads_kv, head_dim,
                                dtype, causal)
 
 
@@ -94,7 +70,7 @@ def test_teams_walking_runs_of_groups_match_float64(device, monkeypatch, groups_
     rng = np.random.default_rng()
     lengths_q = [17, 0, 1, 5, 17, 0, 12, 3, 16, 1, 17]
     lengths_k = [17, 4, 1, 0, 9, 0, 17, 17, 2, 17, 3]
-    forward_and_backward_match(device, rng, lengths_q, lengths_k, 9, 3, head_dim, "bf16", True)
+    grouped_kernels_match(device, rng, lengths_q, lengths_k, 9, 3, head_dim, "bf16", True)
 
 
 # One query against one key alone would have dQ = dK = 0 exactly in float64 (P = 1), which rounding
@@ -127,58 +103,18 @@ def test_batch_of_one_or_none(device, lengths):
     want_out, want_lse = reference_forward(exact["q"][rows["q"]], exact["k"][rows["k"]], exact["v"][rows["v"]],
                                            lengths_q, lengths_k, scale, True)
     if total_q:
-        check_forward(out[:total_q], lse[:, :total_q], want_out, want_lse, dtype)
+        assert_forward_matches(out[:total_q], lse[:, :total_q], want_out, want_lse, dtype)
     want = reference_backward(exact["q"][rows["q"]], exact["k"][rows["k"]], exact["v"][rows["v"]],
                               from_16bit(dout_bits, dtype)[rows["q"]], lengths_q, lengths_k, scale, True)
-    for name, g, w in zip("qkv", got, want, strict=True):
-        g = g[rows[name]]
-        assert not np.isnan(g).any(), f"d{name}: an element was never written"
-        if g.size:
-            assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"
-
-
-def _bshd(x, lengths):
-    """THD rows [sum(lengths), ...] of a padded [B, S, ...] array's first lengths[b] tokens per sequence."""
-    return np.concatenate([x[b, :n] for b, n in enumerate(lengths)])
+    assert_gradients_match([g[rows[name]] for name, g in zip("qkv", got, strict=True)], want, dtype)
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "fp16"), (256, "bf16")])
 def test_bshd_with_seqused_matches_float64_and_leaves_the_padding_alone(device, head_dim, dtype):
-    rng = np.random.default_rng()
-    heads_q, heads_kv, seq_q, seq_k = 12, 4, 17, 15  # G = 3
-    used_q = np.array([17, 0, 3, 9, 1, 12], dtype=np.int32)
-    used_k = np.array([13, 5, 0, 2, 15, 1], dtype=np.int32)
-    batch = len(used_q)
-    exact = {name: from_16bit(to_16bit(rng.standard_normal(shape), dtype), dtype)
-             for name, shape in (("q", (batch, seq_q, heads_q, head_dim)), ("k", (batch, seq_k, heads_kv, head_dim)),
-                                 ("v", (batch, seq_k, heads_kv, head_dim)), ("dout", (batch, seq_q, heads_q, head_dim)))}
-    bits = {name: to_16bit(x, dtype) for name, x in exact.items()}
-    out = np.full(bits["q"].shape, NAN_BITS[dtype], dtype=np.uint16)
-    lse = np.full((batch, heads_q, seq_q), np.nan, dtype=np.float32)
-    seq = dict(seqused_q=device.array(used_q), seqused_k=device.array(used_k), causal=True)
-    hipattn.forward(*(array_16bit(bits[n], dtype) for n in "qkv"), out=array_16bit(out, dtype), lse=device.array(lse),
-                    **seq)
-    grads = {name: np.full(bits[name].shape, NAN_BITS[dtype], dtype=np.uint16) for name in "qkv"}
-    hipattn.backward(array_16bit(bits["dout"], dtype), *(array_16bit(bits[n], dtype) for n in "qkv"),
-                     array_16bit(out, dtype), device.array(lse), dq=array_16bit(grads["q"], dtype),
-                     dk=array_16bit(grads["k"], dtype), dv=array_16bit(grads["v"], dtype), **seq)
+    used_q, used_k = [17, 0, 3, 9, 1, 12], [13, 5, 0, 2, 15, 1]
+    check_bshd_forward_and_backward(device, np.random.default_rng(), used_q, used_k, 17, 15, 12, 4, head_dim, dtype,
+                                    True)  # G = 3
     assert device.kernels == GROUPED
-
-    lengths_q, lengths_k = used_q.tolist(), used_k.tolist()
-    thd = {name: _bshd(exact[name], lengths_q if name in ("q", "dout") else lengths_k) for name in exact}
-    scale = head_dim ** -0.5
-    want_out, want_lse = reference_forward(thd["q"], thd["k"], thd["v"], lengths_q, lengths_k, scale, True)
-    got_lse = np.concatenate([lse[b, :, :n] for b, n in enumerate(lengths_q)], axis=1).astype(np.float64)
-    check_forward(_bshd(from_16bit(out, dtype), lengths_q), got_lse, want_out, want_lse, dtype)
-    want = reference_backward(thd["q"], thd["k"], thd["v"], thd["dout"], lengths_q, lengths_k, scale, True)
-    check_gradients([_bshd(from_16bit(grads[n], dtype), lengths_q if n == "q" else lengths_k) for n in "qkv"], want,
-                    dtype)
-    # Rows past each sequence's length (the padding) are never written: still the poison.
-    for b in range(batch):
-        assert np.isnan(from_16bit(out[b, used_q[b]:], dtype)).all() and np.isnan(lse[b, :, used_q[b]:]).all()
-        assert np.isnan(from_16bit(grads["q"][b, used_q[b]:], dtype)).all()
-        assert np.isnan(from_16bit(grads["k"][b, used_k[b]:], dtype)).all()
-        assert np.isnan(from_16bit(grads["v"][b, used_k[b]:], dtype)).all()
 
 
 @pytest.fixture
@@ -200,4 +136,4 @@ def test_blocks_of_several_multi_warp_teams_match_float64(device, grouped_rows, 
     monkeypatch.setattr(SmallSeqMmaTiles, "run_length", lambda tiles, problems: tiles.problems_per_team)
     lengths_q = [17, 0, 1, 5, 17, 0, 12, 3, 16, 1, 17]
     lengths_k = [17, 4, 1, 0, 9, 0, 17, 17, 2, 17, 3]
-    forward_and_backward_match(device, np.random.default_rng(), lengths_q, lengths_k, 12, 4, head_dim, "fp16", True)
+    grouped_kernels_match(device, np.random.default_rng(), lengths_q, lengths_k, 12, 4, head_dim, "fp16", True)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from support import amdgpu_metadata
-from support.compilers import compile_family, hiprtc_backend
+from support.compilers import compile_family, hiprtc_for
 from support.local_rocm import use_local_rocm
 
 from hipattn.catalog.common import DTYPES
@@ -109,19 +109,11 @@ def test_ships_nothing_without_the_mfma_instructions(arch):
     assert SMALLSEQ_BACKWARD_MFMA.shipped(Target.parse(arch)) == []
 
 
-def _hiprtc_for_gfx90a():
-    backend = hiprtc_backend()
-    target = Target.parse("gfx90a")
-    if not backend.can_compile_for(target):
-        pytest.skip(backend.unsupported_reason(target))
-    return backend, target
-
-
 @pytest.mark.parametrize("direction", TABLES)
 def test_kernel_layout_matches_the_launcher_bytes(direction):
     """One hiprtc compile of the kernel's unit with static_asserts per row: the exchange's LDS bytes
     and the workgroup's threads."""
-    backend, target = _hiprtc_for_gfx90a()
+    backend, target = hiprtc_for("gfx90a")
     tensors = 1 if direction == "forward" else 2
     checks = []
     for head_dim, tiles in sorted(TABLES[direction].items()):
@@ -137,7 +129,7 @@ def test_kernel_layout_matches_the_launcher_bytes(direction):
 def test_every_shipped_instantiation_compiles_for_gfx90a_without_scratch(tmp_path):
     """`hipattn warm` of both families for gfx90a (parallel processes), then each binary's AMDGPU
     metadata: no spills, no private (scratch) segment, no static LDS, registers within budget."""
-    backend, target = _hiprtc_for_gfx90a()
+    backend, target = hiprtc_for("gfx90a")
     environment = dict(os.environ, HIPATTN_CACHE_DIR=str(tmp_path / "cache"))
     command = [sys.executable, "-m", "hipattn", "warm", "--arch", "gfx90a", "--jobs", str(os.cpu_count() or 2)]
     for family in FAMILIES.values():

@@ -7,22 +7,13 @@ from __future__ import annotations
 import pytest
 from support.compilers import compile_family, nvrtc_backend
 
-from hipattn.catalog.smallseq import (
-    SMALLSEQ_BACKWARD_MMA,
-    SMALLSEQ_BACKWARD_MMA_TILES,
-    SMALLSEQ_FORWARD_MMA,
-    SMALLSEQ_FORWARD_MMA_TILES,
-    SMALLSEQ_HEAD_DIMS,
-    SMALLSEQ_TEAMS_WANTED,
-    SMALLSEQ_TILE,
-    SmallSeqBackwardMmaTiles,
-    SmallSeqForwardMmaTiles,
-)
+from hipattn.catalog import smallseq as catalog
+from hipattn.catalog.smallseq import SMALLSEQ_HEAD_DIMS, SMALLSEQ_TEAMS_WANTED, SMALLSEQ_TILE
 from hipattn.catalog.targets import SM86_SHARED_BYTES
 from hipattn.jit.target import Target
 
-TABLES = {"forward": SMALLSEQ_FORWARD_MMA_TILES, "backward": SMALLSEQ_BACKWARD_MMA_TILES}
-ROWS = {"forward": SmallSeqForwardMmaTiles, "backward": SmallSeqBackwardMmaTiles}
+TABLES = {"forward": catalog.SMALLSEQ_FORWARD_MMA_TILES, "backward": catalog.SMALLSEQ_BACKWARD_MMA_TILES}
+ROWS = {"forward": catalog.SmallSeqForwardMmaTiles, "backward": catalog.SmallSeqBackwardMmaTiles}
 
 
 @pytest.mark.parametrize("direction", TABLES)
@@ -36,23 +27,23 @@ def test_every_head_dim_has_a_row_whose_block_fits_every_sm_80_part(direction):
 
 
 def test_team_bytes_formula():
+    forward, backward = ROWS["forward"], ROWS["backward"]
     pitch = (128 + 8) * 2
     one, pair = {"warps": 1, "problems_per_team": 1}, {"warps": 2, "problems_per_team": 1, "split": 2}
     # A zero row and the tiles: forward Q, K, V ...
-    assert SmallSeqForwardMmaTiles(**one).team_bytes(128) == pitch + 3 * SMALLSEQ_TILE * pitch
+    assert forward(**one).team_bytes(128) == pitch + 3 * SMALLSEQ_TILE * pitch
     # ... backward Q, dO, K, V; then 17 LSE floats (80 bytes) and P and dZ (17 rows of 40 16-bit elements).
-    assert SmallSeqBackwardMmaTiles(**one).team_bytes(128) == pitch + 4 * SMALLSEQ_TILE * pitch + 80 + 2 * 17 * 80
+    assert backward(**one).team_bytes(128) == pitch + 4 * SMALLSEQ_TILE * pitch + 80 + 2 * 17 * 80
     # Two warps of 128 of head_dim 256's columns each; the partial sums one hands the other travel in
     # one of its tiles, so they add nothing.
-    assert SmallSeqForwardMmaTiles(**pair).team_bytes(256) == 2 * (pitch + 3 * SMALLSEQ_TILE * pitch)
-    assert SmallSeqBackwardMmaTiles(**pair).team_bytes(256) == 2 * (pitch + 4 * SMALLSEQ_TILE * pitch) + 80 + 2 * 17 * 80
-    assert SmallSeqBackwardMmaTiles(warps=4, problems_per_team=1, split=2).shared_bytes(256) == (
-        2 * SmallSeqBackwardMmaTiles(**pair).team_bytes(256))
+    assert forward(**pair).team_bytes(256) == 2 * (pitch + 3 * SMALLSEQ_TILE * pitch)
+    assert backward(**pair).team_bytes(256) == 2 * (pitch + 4 * SMALLSEQ_TILE * pitch) + 80 + 2 * 17 * 80
+    assert backward(warps=4, problems_per_team=1, split=2).shared_bytes(256) == 2 * backward(**pair).team_bytes(256)
 
 
 @pytest.mark.parametrize("family,direction,layout", [
-    (SMALLSEQ_FORWARD_MMA, "forward", "ForwardTeamTiles<hipattn::bf16_t, {d}, {tile}, {split}>"),
-    (SMALLSEQ_BACKWARD_MMA, "backward", "BackwardTeamTiles<hipattn::bf16_t, {d}, {tile}, {split}>"),
+    (catalog.SMALLSEQ_FORWARD_MMA, "forward", "ForwardTeamTiles<hipattn::bf16_t, {d}, {tile}, {split}>"),
+    (catalog.SMALLSEQ_BACKWARD_MMA, "backward", "BackwardTeamTiles<hipattn::bf16_t, {d}, {tile}, {split}>"),
 ])
 def test_the_launcher_reserves_the_bytes_the_kernel_lays_out(family, direction, layout):
     backend = nvrtc_backend()
@@ -70,9 +61,9 @@ def test_the_launcher_reserves_the_bytes_the_kernel_lays_out(family, direction, 
 
 @pytest.mark.parametrize("problems", [1, 7, SMALLSEQ_TEAMS_WANTED - 1, 2 * SMALLSEQ_TEAMS_WANTED + 5, 80_000 * 32,
                                       10**9])
-@pytest.mark.parametrize("tiles", [SmallSeqForwardMmaTiles(warps=4, problems_per_team=4),
-                                   SmallSeqBackwardMmaTiles(warps=1, problems_per_team=1),
-                                   SmallSeqForwardMmaTiles(warps=4, problems_per_team=16, split=2)])
+@pytest.mark.parametrize("tiles", [catalog.SmallSeqForwardMmaTiles(warps=4, problems_per_team=4),
+                                   catalog.SmallSeqBackwardMmaTiles(warps=1, problems_per_team=1),
+                                   catalog.SmallSeqForwardMmaTiles(warps=4, problems_per_team=16, split=2)])
 def test_the_runs_of_problems_cover_every_problem_once(problems, tiles):
     per_team = tiles.run_length(problems)
     assert 1 <= per_team <= tiles.problems_per_team

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from hipattn.arrays import DeviceArray, raw_array
+from hipattn.arrays import raw_array
+from hipattn.device_array import DeviceArray
 from hipattn.streams import on_device, producer_streams, resolve_stream, wait_for_producers
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from hipattn import catalog, pinned, varlen_prep
-from hipattn.catalog.flash_backward import FLASH_BACKWARD_DKDV_TILES, FLASH_BACKWARD_PARAMS
+from hipattn.catalog.flash_backward import FLASH_BACKWARD_MMA_TILES, FLASH_BACKWARD_PARAMS
 from hipattn.jit import sources
 from hipattn.pinned import PinnedPool, device_pool, pending_host_funcs
 from hipattn.problem import THD, Problem
@@ -232,7 +232,7 @@ def test_the_launcher_sizes_the_grid_from_the_bound():
 
     problem = Problem(layout=THD, dtype="bf16", batch=100, heads_q=8, heads_kv=2, head_dim=128, max_seqlen_q=4096,
                       max_seqlen_k=4096, total_q=20000, total_k=20000, causal=True, softmax_scale=0.1, device=0)
-    block_n = FLASH_BACKWARD_DKDV_TILES[128].block_n
+    block_n = FLASH_BACKWARD_MMA_TILES[128][0].block_n  # the dK/dV row's
     bound = key_block_bound(SequenceLimits.of(problem), 100, block_n)
     assert flash_backward.dkdv_grid_blocks(problem, True, block_n) == bound * 2
     assert flash_backward.dkdv_grid_blocks(problem, False, block_n) == 4096 // block_n * 100 * 2 > bound * 2

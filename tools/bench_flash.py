@@ -23,13 +23,11 @@ mma.sync kernel run on sm_90a too); each checks its output against SDPA's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
-import sys
 
-from tools.benchlib import median_ms, run_child
+from tools.benchlib import median_ms, run_child, write_report
 
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
@@ -229,17 +227,9 @@ def main() -> None:
                 row = _run_child(peer, workload, causal, not args.no_backward)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(),
-        "command": "python -m tools.bench_flash " + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
-        "flops": "forward: 4 * H * D per visible (query, key) pair; forward + backward: 3.5 x that",
-        "varlen_lengths": varlen_lengths(),
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, "tools.bench_flash", torch=torch.__version__,
+                 flops="forward: 4 * H * D per visible (query, key) pair; forward + backward: 3.5 x that",
+                 varlen_lengths=varlen_lengths(), rows=rows)
     print()
     print(_table(rows, peers, workloads, "forward_tflops"))
     if not args.no_backward:

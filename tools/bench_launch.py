@@ -11,10 +11,7 @@ caller-provided outputs (validation, device guard, stream resolution, dispatch, 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +24,7 @@ from hipattn.jit.cache import DiskCache
 from hipattn.jit.registry import Registry
 from hipattn.ops import preprocess
 from hipattn.streams import on_device
+from tools.benchlib import write_report
 
 SPECS = [
     preprocess_catalog.dot_do_o_spec("bf16", 128),
@@ -91,17 +89,8 @@ def main() -> None:
     torch.cuda.synchronize()
     api_us = _median_us(lambda: hipattn.forward(q, q, q, **call), args.launches)
     torch.cuda.synchronize()
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(),
-        "compiler": backend.compiler_identity(),
-        "command": "python -m tools.bench_launch " + " ".join(sys.argv[1:]),
-        "specs": rows,
-        "preprocess_launch_host_us": kernel_us,
-        "forward_call_host_us": api_us,
-    }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, "tools.bench_launch", compiler=backend.compiler_identity(), specs=rows,
+                 preprocess_launch_host_us=kernel_us, forward_call_host_us=api_us)
     for row in rows:
         print(f"{row['spec']:>70}  compile {row['cold_compile_s']:6.2f} s  load {row['load_from_disk_ms']:7.2f} ms"
               f"  hit {row['registry_hit_us']:.2f} us")

@@ -14,12 +14,10 @@ illegal address that poisons the process) cannot take the others down.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import sys
 
-from tools.benchlib import median_ms, run_child
+from tools.benchlib import median_ms, run_child, write_report
 
 WORKLOADS = [(16384, 16, 128), (16384, 32, 128), (8192, 16, 256), (4096, 32, 256)]
 TILE = 17
@@ -145,16 +143,8 @@ def main() -> None:
                     row[f"{direction}_ratio"] = row[f"{direction}_ms"] / row[f"{direction}_floor_ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(),
-        "command": "python -m tools.bench_smallseq " + " ".join(sys.argv[1:]),
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "torch": torch.__version__,
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, "tools.bench_smallseq", copy_bandwidth_bytes_per_s=bandwidth, torch=torch.__version__,
+                 rows=rows)
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(f"{'workload':>18} {'peer':>15} {'fwd ms':>8} {'fwd/floor':>9} {'bwd ms':>8} {'bwd/floor':>9}")
     for row in rows:

@@ -14,13 +14,11 @@ device time of one call alone (CUDA events) for scale.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import sys
 import time
 
-from tools.benchlib import median_ms
+from tools.benchlib import median_ms, write_report
 
 CALLS, SEQUENCES, HEADS, HEAD_DIM, LENGTHS = 300, 32, 8, 64, (16, 512)
 WAYS = ("device", "host", "sync")
@@ -68,12 +66,8 @@ def main() -> None:
         alone_ms = median_ms(lambda way=way: call(0, way))
         rows.append({"way": way, "wall_us_per_call_back_to_back": per_call_us, "device_ms_one_call": alone_ms})
         print(json.dumps(rows[-1]), flush=True)
-    report = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-              "command": "python -m tools.bench_varlen_prep " + " ".join(sys.argv[1:]),
-              "calls": CALLS, "sequences": SEQUENCES, "heads": HEADS, "head_dim": HEAD_DIM, "lengths": LENGTHS,
-              "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, "tools.bench_varlen_prep", calls=CALLS, sequences=SEQUENCES, heads=HEADS,
+                 head_dim=HEAD_DIM, lengths=LENGTHS, rows=rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Shared by the benchmark scripts in tools/: event timing and one-peer-per-process runs."""
+"""Shared by the benchmark scripts in tools/: event timing, one-peer-per-process runs and the report file."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -73,3 +74,14 @@ def precompile(specs) -> None:
     failures += [f"{spec} for {target.arch}: the compiler killed its process" for spec, target in crashed]
     if failures:
         raise SystemExit("could not compile:\n" + "\n".join(failures))
+
+
+def write_report(path: str, module: str, **fields) -> None:
+    """Write a benchmark's JSON report to ``path``: the date, the device and the command that measured
+    it (``python -m module`` with this process's arguments), then ``fields`` in the order given."""
+    import torch
+
+    report = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "command": f"python -m {module} " + " ".join(sys.argv[1:]), **fields}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)

@@ -203,6 +203,18 @@ def _with_families(case: Case) -> Case:
     return Case(**{**case.__dict__, "families": families_of(case)})
 
 
+def _flash_configurations(kind: str, lengths_q: list[int], lengths_k: list[int], quick: bool):
+    """(cu_seqlens_q, cu_seqlens_k, Case fields) of each configuration a flash kernel runs at (the
+    second alone when ``quick``): THD sequences of these lengths in arrays with rows past the last
+    sequence, bounded by the longest."""
+    cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
+    configs = (("bf16", 64, 4, 4), ("fp16", 128, 4, 2))
+    for dtype, head_dim, hq, hkv in configs[1:] if quick else configs:
+        yield cu_q, cu_k, dict(kind=kind, dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv,
+                               total_q=cu_q[-1] + 7, total_k=cu_k[-1] + 3, max_seqlen_q=max(lengths_q),
+                               max_seqlen_k=max(lengths_k))
+
+
 def build_cases(quick: bool = False) -> list[Case]:
     """Every case the script runs. ``quick`` (for the sanitizer, which slows each launch 10-100x)
     keeps two configurations per small-seq kernel, malformed descriptions on both sides at once,
@@ -251,12 +263,8 @@ def build_cases(quick: bool = False) -> list[Case]:
                     cases.append(Case(name=f"{tag} thd {name} with valid cu_seqlens", cu_seqlens_q=valid_q,
                                       cu_seqlens_k=valid_k, seqused_q=used, seqused_k=used, **base))
     # The flash forward, called directly (dispatch would send short sequences elsewhere): valid, then adversarial.
-    flash_q = cumulative([0, 1, 70, 33])
-    flash_k = cumulative([5, 64, 0, 40])
-    flash_configs = (("bf16", 64, 4, 4), ("fp16", 128, 4, 2))
-    for dtype, head_dim, hq, hkv in flash_configs[1:] if quick else flash_configs:
-        base = dict(kind="flash_forward", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv,
-                    total_q=flash_q[-1] + 7, total_k=flash_k[-1] + 3, max_seqlen_q=70, max_seqlen_k=64)
+    for flash_q, flash_k, base in _flash_configurations("flash_forward", [0, 1, 70, 33], [5, 64, 0, 40], quick):
+        dtype, head_dim, hq, hkv = base["dtype"], base["head_dim"], base["heads_q"], base["heads_kv"]
         for causal in (False, True):
             for kernel in ("device", "mma.sync"):
                 cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid causal={causal} kernel={kernel}",
@@ -269,13 +277,8 @@ def build_cases(quick: bool = False) -> list[Case]:
     # tiles (128 keys, or 64 at head_dim 128 off Hopper: catalog.flash_backward.tiles_for), both dQ schedules, the
     # work list from the kernel and from the host path, the device's dK/dV kernel and the mma.sync one;
     # then adversarial descriptions.
-    backward_q = cumulative([0, 1, 90, 33])
-    backward_k = cumulative([5, 150, 0, 70])
-    backward_configs = (("bf16", 64, 4, 4), ("fp16", 128, 4, 2))
-    for dtype, head_dim, hq, hkv in backward_configs[1:] if quick else backward_configs:
-        base = dict(kind="flash_backward", dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv,
-                    total_q=backward_q[-1] + 7, total_k=backward_k[-1] + 3, max_seqlen_q=90, max_seqlen_k=150)
-        tag = f"flash backward {dtype} d{head_dim} h{hq}/{hkv}"
+    for backward_q, backward_k, base in _flash_configurations("flash_backward", [0, 1, 90, 33], [5, 150, 0, 70], quick):
+        tag = f"flash backward {base['dtype']} d{base['head_dim']} h{base['heads_q']}/{base['heads_kv']}"
         for deterministic in (False, True):
             for prep in ("device", "host"):
                 for causal in (deterministic,) if quick else (False, True):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .. import env
-from ..errors import CompileError
+from ..errors import BackendUnavailableError, CompileError
 from ..jit.target import Target
 
 
@@ -61,6 +61,20 @@ class KernelArgumentSlot(threading.local):
         cell = ctypes.c_void_p()
         # (cell, address of cell): one attribute read on the hot path gives both.
         self.cell_and_address = (cell, ctypes.addressof(cell))
+
+
+def binding_modules(package: str, names: tuple[str, ...], given: tuple[Any, ...], distribution: str,
+                    install_hint: str) -> tuple[Any, ...]:
+    """``from package import names``, for each name whose module is not ``given`` (tests pass stand-ins);
+    BackendUnavailableError naming the ``distribution`` and how to install it when it is missing."""
+    if all(module is not None for module in given):
+        return given
+    try:
+        package_module = __import__(package, fromlist=names)
+        imported = tuple(getattr(package_module, name) for name in names)
+    except (ImportError, AttributeError) as error:
+        raise BackendUnavailableError(f"{distribution} is not installed ({error}); {install_hint}") from None
+    return tuple(imported_module if module is None else module for module, imported_module in zip(given, imported, strict=True))
 
 
 def binding_outputs(call: str, returned: tuple, error: Callable[[str, Any], Exception]) -> Any:
@@ -148,7 +162,7 @@ class Backend(ABC):
     @abstractmethod
     def set_max_dynamic_shared_memory(self, function: Any, nbytes: int) -> None: ...
 
-    # ---- the hot path: launches, memsets, event records and queries ------------------------------
+    # ---- the hot path: launches, memsets, event records and queries, host functions ---------------
     # Bound once by each vendor's constructor (the binding's function objects, no lookups per call);
     # the methods below are the same for both, error names from CALL_NAMES.
     _launch_kernel: Callable[..., tuple]
@@ -157,8 +171,19 @@ class Backend(ABC):
     _event_record_call: Callable[..., tuple]
     _event_query_call: Callable[..., tuple]
     _not_ready: int  # the result code of an event still pending
+    _launch_host_func_call: Callable[[int, int, int], tuple]  # bound by the vendor: its binding's, or one of its own
     _argument_slot: KernelArgumentSlot
-    CALL_NAMES: ClassVar[Mapping[str, str]] = {}  # launch, memset_async, event_record, event_query
+    CALL_NAMES: ClassVar[Mapping[str, str]] = {}  # launch, memset_async, event_record, event_query, launch_host_func
+
+    def _bind_hot_path(self, binding: Any, *, launch_extra: Any, not_ready: int) -> None:
+        """Bind the hot path's functions of ``binding`` once, by their CALL_NAMES: a launch then does no
+        lookups. Each vendor's constructor calls this."""
+        self._launch_kernel = getattr(binding, self.CALL_NAMES["launch"])
+        self._memset_d8_async = getattr(binding, self.CALL_NAMES["memset_async"])
+        self._event_record_call = getattr(binding, self.CALL_NAMES["event_record"])
+        self._event_query_call = getattr(binding, self.CALL_NAMES["event_query"])
+        self._launch_extra = launch_extra
+        self._not_ready = not_ready
 
     @abstractmethod
     def _error(self, call: str, result: Any) -> Exception:
@@ -203,9 +228,17 @@ class Backend(ABC):
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Any direction (unified addressing): device<->device, device<->pinned host."""
 
-    @abstractmethod
     def launch_host_func(self, stream: int, function_address: int, user_data: int) -> None:
         """Enqueue a host function; ``function_address`` is the int address of a C-callable ``void(void*)``."""
+        if type(function_address) is not int:
+            # A CFUNCTYPE object is not its address, and hip-python would even take one silently and
+            # pass the address of its Python-side buffer.
+            raise TypeError(
+                f"function_address must be the int address of a C function, got {type(function_address).__name__}"
+            )
+        (result,) = self._launch_host_func_call(stream, function_address, user_data)
+        if result:
+            raise self._error(self.CALL_NAMES["launch_host_func"], result)
 
     # ---- one runtime call each: memory, streams, events -------------------------------------------
     # Each vendor names, per generic call, the binding function that serves it and the constants that

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, DriverError
 from ..jit.target import NVIDIA, Target
-from .base import Backend, KernelArgumentSlot, LoadedFunction, RuntimeCall
+from .base import Backend, KernelArgumentSlot, LoadedFunction, RuntimeCall, binding_modules
 from .rtc import RuntimeCompiler
 
 logger = logging.getLogger("hipattn")
@@ -68,7 +68,7 @@ class CudaBackend(Backend):
     name = "cuda"
     vendor = NVIDIA
     CALL_NAMES = {"launch": "cuLaunchKernel", "memset_async": "cuMemsetD8Async", "event_record": "cuEventRecord",
-                  "event_query": "cuEventQuery"}
+                  "event_query": "cuEventQuery", "launch_host_func": "cuLaunchHostFunc"}
     RUNTIME_CALLS = {
         "malloc_async": RuntimeCall("cuMemAllocAsync"),
         "free_async": RuntimeCall("cuMemFreeAsync"),
@@ -93,13 +93,8 @@ class CudaBackend(Backend):
         """``driver_module``/``nvrtc_module`` default to cuda-bindings; tests may pass stand-ins."""
         # The dlopen probe guards the real cuda-bindings only; an injected stand-in needs no libcuda.
         self._probe_driver_library = driver_module is None
-        if driver_module is None or nvrtc_module is None:
-            try:
-                from cuda.bindings import driver, nvrtc
-            except ImportError as error:
-                raise BackendUnavailableError(f"cuda-bindings is not installed ({error}); {_INSTALL_HINT}") from None
-            driver_module = driver_module or driver
-            nvrtc_module = nvrtc_module or nvrtc
+        driver_module, nvrtc_module = binding_modules("cuda.bindings", ("driver", "nvrtc"), (driver_module, nvrtc_module),
+                                                      "cuda-bindings", _INSTALL_HINT)
         self._driver = driver_module
         self._nvrtc = nvrtc_module
         self._init_lock = threading.Lock()
@@ -113,14 +108,12 @@ class CudaBackend(Backend):
 
         d = driver_module
         # Bound once: the hot path (launch, memset, memcpy, set_device) then does no module lookups.
-        self._launch_kernel = d.cuLaunchKernel
-        self._launch_extra = 0
-        self._memset_d8_async = d.cuMemsetD8Async
-        self._event_record_call = d.cuEventRecord
-        self._event_query_call = d.cuEventQuery
-        self._not_ready = int(d.CUresult.CUDA_ERROR_NOT_READY)
+        self._bind_hot_path(d, launch_extra=0, not_ready=int(d.CUresult.CUDA_ERROR_NOT_READY))
         self._cuMemcpyAsync = d.cuMemcpyAsync
-        self._cuLaunchHostFunc = d.cuLaunchHostFunc
+        # The real driver through libcuda itself (see _launch_host_func_through_libcuda); a stand-in's own call.
+        self._launch_host_func_call = (
+            self._launch_host_func_through_libcuda if self._probe_driver_library else d.cuLaunchHostFunc
+        )
         self._cuCtxSetCurrent = d.cuCtxSetCurrent
 
     # ---- the one error path ---------------------------------------------------------------------
@@ -285,21 +278,11 @@ class CudaBackend(Backend):
             if result:
                 raise self._error("cuMemcpyAsync", result)
 
-    def launch_host_func(self, stream: int, function_address: int, user_data: int) -> None:
-        if type(function_address) is not int:
-            # A CFUNCTYPE object is not its address; the HIP bindings even accept one silently.
-            raise TypeError(
-                f"function_address must be the int address of a C function, got {type(function_address).__name__}"
-            )
-        if self._probe_driver_library:
-            # Straight into libcuda, not through cuda-bindings: its cuLaunchHostFunc wraps the
-            # function in a heap record that its trampoline frees after the first call (and runs
-            # under the GIL). A graph that captured the host node replays it, and the second
-            # replay then reads freed memory: seen on the H200 as a segfault in the callback
-            # thread. The direct call registers our own C function, which survives every replay.
-            code = _libcuda_launch_host_func()(stream or None, function_address, user_data or None)
-            result = self._driver.CUresult(code)
-        else:
-            (result,) = self._cuLaunchHostFunc(stream, function_address, user_data)
-        if result:
-            raise self._error("cuLaunchHostFunc", result)
+    def _launch_host_func_through_libcuda(self, stream: int, function_address: int, user_data: int) -> tuple:
+        # Straight into libcuda, not through cuda-bindings: its cuLaunchHostFunc wraps the function
+        # in a heap record that its trampoline frees after the first call (and runs under the GIL).
+        # A graph that captured the host node replays it, and the second replay then reads freed
+        # memory: seen on the H200 as a segfault in the callback thread. The direct call registers
+        # our own C function, which survives every replay.
+        code = _libcuda_launch_host_func()(stream or None, function_address, user_data or None)
+        return (self._driver.CUresult(code),)

@@ -28,6 +28,7 @@ from .base import (
     KernelArgumentSlot,
     LoadedFunction,
     RuntimeCall,
+    binding_modules,
     compile_error,
 )
 from .rtc import RuntimeCompiler, binding_text
@@ -82,7 +83,7 @@ class HipBackend(Backend):
     name = "hip"
     vendor = AMD
     CALL_NAMES = {"launch": "hipModuleLaunchKernel", "memset_async": "hipMemsetAsync", "event_record": "hipEventRecord",
-                  "event_query": "hipEventQuery"}
+                  "event_query": "hipEventQuery", "launch_host_func": "hipLaunchHostFunc"}
     RUNTIME_CALLS = {
         "malloc_async": RuntimeCall("hipMallocAsync"),
         "free_async": RuntimeCall("hipFreeAsync"),
@@ -105,13 +106,8 @@ class HipBackend(Backend):
 
     def __init__(self, hip_module: Any = None, hiprtc_module: Any = None) -> None:
         """``hip_module``/``hiprtc_module`` default to hip-python's; tests may pass stand-ins."""
-        if hip_module is None or hiprtc_module is None:
-            try:
-                from hip import hip, hiprtc
-            except ImportError as error:
-                raise BackendUnavailableError(f"hip-python is not installed ({error}); {_INSTALL_HINT}") from None
-            hip_module = hip_module or hip
-            hiprtc_module = hiprtc_module or hiprtc
+        hip_module, hiprtc_module = binding_modules("hip", ("hip", "hiprtc"), (hip_module, hiprtc_module), "hip-python",
+                                                    _INSTALL_HINT)
         self._hip = hip_module
         self._hiprtc = hiprtc_module
         self._identity: str | None = None
@@ -128,14 +124,9 @@ class HipBackend(Backend):
                                          destroy=lambda program: hiprtc_module.hiprtcDestroyProgram(program.createRef()))
 
         h = hip_module
-        self._launch_kernel = h.hipModuleLaunchKernel
-        self._launch_extra = None
-        self._memset_d8_async = h.hipMemsetAsync
-        self._event_record_call = h.hipEventRecord
-        self._event_query_call = h.hipEventQuery
-        self._not_ready = int(h.hipError_t.hipErrorNotReady)
+        self._bind_hot_path(h, launch_extra=None, not_ready=int(h.hipError_t.hipErrorNotReady))
         self._hipMemcpyAsync = h.hipMemcpyAsync
-        self._hipLaunchHostFunc = h.hipLaunchHostFunc
+        self._launch_host_func_call = h.hipLaunchHostFunc
         self._hipSetDevice = h.hipSetDevice
         self._memcpy_default = h.hipMemcpyKind.hipMemcpyDefault  # unified addressing: any direction
 
@@ -308,13 +299,3 @@ class HipBackend(Backend):
             (result,) = self._hipMemcpyAsync(dst, src, nbytes, self._memcpy_default, stream)
             if result:
                 raise self._error("hipMemcpyAsync", result)
-
-    def launch_host_func(self, stream: int, function_address: int, user_data: int) -> None:
-        if type(function_address) is not int:
-            # hip-python would take a CFUNCTYPE object and pass the address of its Python-side buffer.
-            raise TypeError(
-                f"function_address must be the int address of a C function, got {type(function_address).__name__}"
-            )
-        (result,) = self._hipLaunchHostFunc(stream, function_address, user_data)
-        if result:
-            raise self._error("hipLaunchHostFunc", result)

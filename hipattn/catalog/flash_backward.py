@@ -6,7 +6,6 @@ sm_90a, MFMA on AMD gfx90a/gfx94x. One row type per kernel; ``tiles_for`` picks 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..jit.params import ParamsStruct
 from ..jit.spec import KernelFamily
@@ -18,228 +17,11 @@ from .common import (
     FLASH_ROW_PAD,
     MFMA_ROW_PAD,
     WGMMA_WARPGROUP_ROWS,
-    WGMMA_WARPGROUP_THREADS,
 )
 from .fields import SEQUENCE_FIELDS, row_statistic, strided
 from .index import register
 from .targets import has_hopper_shared_memory, runs_amd_mfma, runs_nvidia_mma, runs_nvidia_wgmma
-from .tiles import ELEMENT_BYTES, KernelTiles
-
-
-@dataclass(frozen=True)
-class _MmaRow(KernelTiles):
-    """BLOCK_M, BLOCK_N and WARPS of an mma.sync backward kernel."""
-
-    block_m: int  # query rows per tile
-    block_n: int  # keys per tile
-    warps: int
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
-
-    def template_args(self, head_dim: int) -> dict[str, Any]:
-        return {"block_m": self.block_m, "block_n": self.block_n, "warps": self.warps}
-
-
-@dataclass(frozen=True)
-class FlashDkdvMmaTiles(_MmaRow):
-    """The mma.sync dK/dV kernel: a warp owns 16 keys and head_dim / (warps / (block_n / 16)) columns of
-    their dK and dV."""
-
-    @property
-    def family(self) -> KernelFamily:
-        return FLASH_BACKWARD_DKDV_MMA
-
-    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
-        """flash::KeyBlockTiles<...>::kBytes: K and V (block_n rows each), two slots each of Q and dO
-        (block_m rows), every row head_dim + 8 elements; Pᵀ and dSᵀ (block_n rows of block_m + 8); then
-        fp32 LSE and Delta, two slots of block_m."""
-        pitch = head_dim + FLASH_ROW_PAD
-        elements = (2 * self.block_n + 4 * self.block_m) * pitch + 2 * self.block_n * (self.block_m + FLASH_ROW_PAD)
-        return elements * element_bytes + 2 * 2 * self.block_m * 4
-
-
-@dataclass(frozen=True)
-class FlashDqMmaTiles(_MmaRow):
-    """The mma.sync dQ kernel of the deterministic schedule: one warp per 16 query rows."""
-
-    @property
-    def family(self) -> KernelFamily:
-        return FLASH_BACKWARD_DQ_MMA
-
-    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
-        """flash::QueryBlockTiles<...>::kBytes: Q and dO (block_m rows each), then two K and two V slots
-        (block_n rows each), rows head_dim + 8 long."""
-        return (2 * self.block_m + 4 * self.block_n) * (head_dim + FLASH_ROW_PAD) * element_bytes
-
-
-# Padding (fp32 words) of each staged dQ row of the wgmma dK/dV kernel (WgmmaKeyBlockTiles::kDqPitch):
-# a warp's two-word stores of rows g and g + 8 then meet no bank twice.
-WGMMA_DQ_ROW_PAD = 8
-
-
-@dataclass(frozen=True)
-class FlashDkdvWgmmaTiles(KernelTiles):
-    """The wgmma dK/dV kernel (sm_90a): its WARPGROUPS, 64 keys each, walk query tiles of 64 rows (the
-    M of dQ's wgmma)."""
-
-    warpgroups: int
-
-    block_m = WGMMA_WARPGROUP_ROWS  # query rows per tile, fixed (dQ's M): not a field
-
-    @property
-    def family(self) -> KernelFamily:
-        return FLASH_BACKWARD_DKDV_WGMMA
-
-    @property
-    def block_n(self) -> int:
-        return WGMMA_WARPGROUP_ROWS * self.warpgroups
-
-    @property
-    def threads(self) -> int:
-        return WGMMA_WARPGROUP_THREADS * self.warpgroups
-
-    def template_args(self, head_dim: int) -> dict[str, Any]:
-        return {"warpgroups": self.warpgroups}
-
-    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
-        """flash::WgmmaKeyBlockTiles<...>::kBytes: K and V (block_n rows each), two slots each of Q and
-        dO (block_m rows), unpadded (swizzled); dSᵀ (block_n rows of block_m); then fp32 LSE and Delta,
-        two slots of block_m; then each warpgroup's fp32 share of dQ (block_m rows of its head_dim /
-        warpgroups columns, padded by 8 words)."""
-        elements = (2 * self.block_n + 4 * self.block_m) * head_dim + self.block_n * self.block_m
-        dq_pitch = head_dim // self.warpgroups + WGMMA_DQ_ROW_PAD
-        return elements * element_bytes + 2 * 2 * self.block_m * 4 + self.warpgroups * self.block_m * dq_pitch * 4
-
-
-@dataclass(frozen=True)
-class FlashDkdvMfmaTiles(KernelTiles):
-    """The MFMA dK/dV kernel (AMD gfx90a, gfx94x): one 64-lane wave per 16 of its block_n keys, walking
-    16-row query tiles."""
-
-    block_n: int
-
-    block_m = 16  # query rows per tile, fixed: the MFMA's M
-
-    @property
-    def family(self) -> KernelFamily:
-        return FLASH_BACKWARD_DKDV_MFMA
-
-    @property
-    def threads(self) -> int:
-        return self.block_n // 16 * 64
-
-    def template_args(self, head_dim: int) -> dict[str, Any]:
-        return {"block_n": self.block_n}
-
-    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
-        """flash::MfmaKeyBlockTiles<...>::kBytes: Qᵀ and dOᵀ of a 16-row query tile (head_dim rows of
-        16 + 4 elements each), then each wave's Pᵀ and dSᵀ (16 rows of 16 + 4)."""
-        pitch = 16 + MFMA_ROW_PAD
-        return (2 * head_dim * pitch + self.block_n // 16 * 2 * 16 * pitch) * element_bytes
-
-
-@dataclass(frozen=True)
-class FlashDqMfmaTiles(KernelTiles):
-    """The MFMA dQ kernel (AMD): one wave per 16 of its block_m rows, walking 16-key tiles; no LDS."""
-
-    block_m: int
-
-    block_n = 16  # keys per tile, fixed: the MFMA's N
-
-    @property
-    def family(self) -> KernelFamily:
-        return FLASH_BACKWARD_DQ_MFMA
-
-    @property
-    def threads(self) -> int:
-        return self.block_m // 16 * 64
-
-    def template_args(self, head_dim: int) -> dict[str, Any]:
-        return {"block_m": self.block_m}
-
-    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
-        return 0
-
-
-FlashDkdvTiles = FlashDkdvMmaTiles | FlashDkdvWgmmaTiles | FlashDkdvMfmaTiles
-FlashDqTiles = FlashDqMmaTiles | FlashDqMfmaTiles
-
-# Every sm_80+ target; every row fits 99 KiB (sm_86/sm_89's opt-in limit; tests/test_flash_tiles.py).
-# dK/dV: K, V, Pᵀ and dSᵀ of a key tile plus two slots of Q and dO stay in shared memory, so the
-# query tile is short (32 rows) and the key tile as long as the budget allows: 128 keys up to
-# head_dim 96, 64 at 128. A warp's dK and dV accumulators take head_dim / 2 registers per lane when it
-# owns all columns of its 16 keys: at head_dim 128 two warps share each 16-key slice, and at 256 they
-# must, with the tiles shrunk to 16 x 32 to fit. Every row compiles without spills for sm_90.
-FLASH_BACKWARD_DKDV_TILES: dict[int, FlashDkdvMmaTiles] = {
-    64: FlashDkdvMmaTiles(block_m=32, block_n=128, warps=8),
-    96: FlashDkdvMmaTiles(block_m=32, block_n=128, warps=8),
-    128: FlashDkdvMmaTiles(block_m=32, block_n=64, warps=8),
-    256: FlashDkdvMmaTiles(block_m=16, block_n=32, warps=4),
-}
-# dQ: like the forward (Q and dO of the block, two K and two V slots), the key tile shrinking as
-# head_dim grows so that the double-buffered K/V slots fit.
-FLASH_BACKWARD_DQ_TILES: dict[int, FlashDqMmaTiles] = {
-    64: FlashDqMmaTiles(block_m=128, block_n=64, warps=8),
-    96: FlashDqMmaTiles(block_m=64, block_n=64, warps=4),
-    128: FlashDqMmaTiles(block_m=64, block_n=32, warps=4),
-    256: FlashDqMmaTiles(block_m=64, block_n=16, warps=4),
-}
-
-# Hopper (sm_90, sm_90a) lets a block opt in to 227 KiB, and the larger tiles that buys win on the
-# H200 (tools/sweep_flash_backward.py): 128-key tiles with 64-row query tiles at head_dims 64 to 128
-# (every key tile adds its dQ share once, and a longer key tile means fewer additions); 32 x 64 at
-# head_dim 256. 128-row dQ tiles make the deterministic schedule 2-7% faster still.
-FLASH_BACKWARD_DKDV_TILES_HOPPER: dict[int, FlashDkdvMmaTiles] = {
-    64: FlashDkdvMmaTiles(block_m=64, block_n=128, warps=8),
-    96: FlashDkdvMmaTiles(block_m=64, block_n=128, warps=8),
-    128: FlashDkdvMmaTiles(block_m=64, block_n=128, warps=8),
-    256: FlashDkdvMmaTiles(block_m=32, block_n=64, warps=8),
-}
-FLASH_BACKWARD_DQ_TILES_HOPPER: dict[int, FlashDqMmaTiles] = {
-    64: FlashDqMmaTiles(block_m=128, block_n=128, warps=8),
-    96: FlashDqMmaTiles(block_m=128, block_n=64, warps=8),
-    128: FlashDqMmaTiles(block_m=128, block_n=64, warps=8),
-    256: FlashDqMmaTiles(block_m=128, block_n=32, warps=8),
-}
-
-# head_dim 128 only: two warpgroups hold dK and dV (64 fp32 registers each per thread) beside Sᵀ and
-# dPᵀ (32 each), and each takes 64 of dQ's columns, a whole swizzle block of K. At head_dim 64 two
-# warpgroups would split dQ into 32-column halves of a swizzle block, and one warpgroup would add dQ
-# per 64 keys instead of 128; at 96 the rows are not whole swizzle blocks, and at 256 dK and dV alone
-# would take every register. Those keep the mma.sync kernel.
-FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashDkdvWgmmaTiles] = {
-    128: FlashDkdvWgmmaTiles(warpgroups=2),
-}
-
-# Every head_dim, both dtypes. dK/dV: four waves of 16 keys each; a wave keeps its K and V fragments,
-# Kᵀ's for dQ, and dKᵀ and dVᵀ in registers, and LDS holds Qᵀ and dOᵀ of one query tile and each
-# wave's Pᵀ and dSᵀ (10 to 25 KiB). dQ: four waves of 16 rows, no LDS. hiprtc 5.2's gfx90a code
-# objects use 100-196 of a lane's 512 registers up to head_dim 128 and 372 at 256 (dK/dV; dQ 80-216),
-# with no spills. Not tuned or timed: there is no AMD GPU here.
-FLASH_BACKWARD_DKDV_MFMA_TILES = FlashDkdvMfmaTiles(block_n=64)
-FLASH_BACKWARD_DQ_MFMA_TILES = FlashDqMfmaTiles(block_m=64)
-
-
-def mma_tiles_for(head_dim: int, target: Target | None) -> tuple[FlashDkdvMmaTiles, FlashDqMmaTiles]:
-    """The mma.sync kernels' (dK/dV, dQ) rows of ``head_dim`` for ``target``: Hopper's, or the every-part ones."""
-    if has_hopper_shared_memory(target):
-        return FLASH_BACKWARD_DKDV_TILES_HOPPER[head_dim], FLASH_BACKWARD_DQ_TILES_HOPPER[head_dim]
-    return FLASH_BACKWARD_DKDV_TILES[head_dim], FLASH_BACKWARD_DQ_TILES[head_dim]
-
-
-def tiles_for(head_dim: int, target: Target | None) -> tuple[FlashDkdvTiles, FlashDqTiles]:
-    """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: MFMA's on AMD; the wgmma dK/dV kernel on
-    sm_90a where its table has the head_dim, else the mma.sync rows. (On NVIDIA the deterministic
-    schedule's dQ kernel is mma.sync everywhere.)"""
-    if runs_amd_mfma(target):
-        return FLASH_BACKWARD_DKDV_MFMA_TILES, FLASH_BACKWARD_DQ_MFMA_TILES
-    dkdv, dq = mma_tiles_for(head_dim, target)
-    if runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES:
-        dkdv = FLASH_BACKWARD_DKDV_WGMMA_TILES[head_dim]
-    return dkdv, dq
-
+from .tiles import ELEMENT_BYTES, KernelTiles, WarpgroupTiles
 
 # One struct for every kernel of the backward (a dK/dV and a dQ kernel share a source file, and a
 # compile unit declares one struct): the dK/dV kernel leaves dq unread, the dQ kernel dq_accum, dk, dv
@@ -277,6 +59,8 @@ def _family(name: str, source: str, template_params: tuple[str, ...], shipped) -
                                  params=FLASH_BACKWARD_PARAMS, shipped=shipped, structs=(VARLEN_RECORD,)))
 
 
+# Each ships its rows (below) for both dtypes (and the dK/dV kernels with and without dQ) on the
+# targets that run its instructions.
 FLASH_BACKWARD_DKDV_MMA = _family(
     "flash_backward_dkdv_mma", "flash/backward_mma.hip", ("block_m", "block_n", "warps", "write_dq"),
     lambda target: _dkdv_specs(_mma_rows(target, 0)))
@@ -292,3 +76,182 @@ FLASH_BACKWARD_DKDV_MFMA = _family(
 FLASH_BACKWARD_DQ_MFMA = _family(
     "flash_backward_dq_mfma", "flash/backward_mfma.hip", ("block_m",),
     lambda target: _dq_specs(_mfma_rows(FLASH_BACKWARD_DQ_MFMA_TILES, target)))
+
+
+@dataclass(frozen=True)
+class _MmaRow(KernelTiles):
+    """BLOCK_M, BLOCK_N and WARPS of an mma.sync backward kernel."""
+
+    block_m: int  # query rows per tile
+    block_n: int  # keys per tile
+    warps: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+
+
+@dataclass(frozen=True)
+class FlashDkdvMmaTiles(_MmaRow):
+    """The mma.sync dK/dV kernel: a warp owns 16 keys and head_dim / (warps / (block_n / 16)) columns of
+    their dK and dV."""
+
+    family = FLASH_BACKWARD_DKDV_MMA
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """flash::KeyBlockTiles<...>::kBytes: K and V (block_n rows each), two slots each of Q and dO
+        (block_m rows), every row head_dim + 8 elements; Pᵀ and dSᵀ (block_n rows of block_m + 8); then
+        fp32 LSE and Delta, two slots of block_m."""
+        pitch = head_dim + FLASH_ROW_PAD
+        elements = (2 * self.block_n + 4 * self.block_m) * pitch + 2 * self.block_n * (self.block_m + FLASH_ROW_PAD)
+        return elements * element_bytes + 2 * 2 * self.block_m * 4
+
+
+@dataclass(frozen=True)
+class FlashDqMmaTiles(_MmaRow):
+    """The mma.sync dQ kernel of the deterministic schedule: one warp per 16 query rows."""
+
+    family = FLASH_BACKWARD_DQ_MMA
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """flash::QueryBlockTiles<...>::kBytes: Q and dO (block_m rows each), then two K and two V slots
+        (block_n rows each), rows head_dim + 8 long."""
+        return (2 * self.block_m + 4 * self.block_n) * (head_dim + FLASH_ROW_PAD) * element_bytes
+
+
+# Padding (fp32 words) of each staged dQ row of the wgmma dK/dV kernel (WgmmaKeyBlockTiles::kDqPitch):
+# a warp's two-word stores of rows g and g + 8 then meet no bank twice.
+WGMMA_DQ_ROW_PAD = 8
+
+
+@dataclass(frozen=True)
+class FlashDkdvWgmmaTiles(WarpgroupTiles):
+    """The wgmma dK/dV kernel (sm_90a): its WARPGROUPS, 64 keys each, walk query tiles of 64 rows (the
+    M of dQ's wgmma)."""
+
+    warpgroups: int
+
+    block_m = WGMMA_WARPGROUP_ROWS  # query rows per tile, fixed (dQ's M): not a field
+
+    family = FLASH_BACKWARD_DKDV_WGMMA
+
+    @property
+    def block_n(self) -> int:
+        return self.warpgroup_rows
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """flash::WgmmaKeyBlockTiles<...>::kBytes: K and V (block_n rows each), two slots each of Q and
+        dO (block_m rows), unpadded (swizzled); dSᵀ (block_n rows of block_m); then fp32 LSE and Delta,
+        two slots of block_m; then each warpgroup's fp32 share of dQ (block_m rows of its head_dim /
+        warpgroups columns, padded by 8 words)."""
+        elements = (2 * self.block_n + 4 * self.block_m) * head_dim + self.block_n * self.block_m
+        dq_pitch = head_dim // self.warpgroups + WGMMA_DQ_ROW_PAD
+        return elements * element_bytes + 2 * 2 * self.block_m * 4 + self.warpgroups * self.block_m * dq_pitch * 4
+
+
+@dataclass(frozen=True)
+class FlashDkdvMfmaTiles(KernelTiles):
+    """The MFMA dK/dV kernel (AMD gfx90a, gfx94x): one 64-lane wave per 16 of its block_n keys, walking
+    16-row query tiles."""
+
+    block_n: int
+
+    block_m = 16  # query rows per tile, fixed: the MFMA's M
+
+    family = FLASH_BACKWARD_DKDV_MFMA
+
+    @property
+    def threads(self) -> int:
+        return self.block_n // 16 * 64
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """flash::MfmaKeyBlockTiles<...>::kBytes: Qᵀ and dOᵀ of a 16-row query tile (head_dim rows of
+        16 + 4 elements each), then each wave's Pᵀ and dSᵀ (16 rows of 16 + 4)."""
+        pitch = 16 + MFMA_ROW_PAD
+        return (2 * head_dim * pitch + self.block_n // 16 * 2 * 16 * pitch) * element_bytes
+
+
+@dataclass(frozen=True)
+class FlashDqMfmaTiles(KernelTiles):
+    """The MFMA dQ kernel (AMD): one wave per 16 of its block_m rows, walking 16-key tiles; no LDS."""
+
+    block_m: int
+
+    block_n = 16  # keys per tile, fixed: the MFMA's N
+
+    family = FLASH_BACKWARD_DQ_MFMA
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // 16 * 64
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        return 0
+
+
+FlashDkdvTiles = FlashDkdvMmaTiles | FlashDkdvWgmmaTiles | FlashDkdvMfmaTiles
+FlashDqTiles = FlashDqMmaTiles | FlashDqMfmaTiles
+
+# The mma.sync kernels' (dK/dV, dQ) rows per head_dim: a backward runs the pair.
+#
+# Every sm_80+ target; every row fits 99 KiB (sm_86/sm_89's opt-in limit; tests/test_flash_tiles.py).
+# dK/dV: K, V, Pᵀ and dSᵀ of a key tile plus two slots of Q and dO stay in shared memory, so the
+# query tile is short (32 rows) and the key tile as long as the budget allows: 128 keys up to
+# head_dim 96, 64 at 128. A warp's dK and dV accumulators take head_dim / 2 registers per lane when it
+# owns all columns of its 16 keys: at head_dim 128 two warps share each 16-key slice, and at 256 they
+# must, with the tiles shrunk to 16 x 32 to fit. Every row compiles without spills for sm_90.
+# dQ: like the forward (Q and dO of the block, two K and two V slots), the key tile shrinking as
+# head_dim grows so that the double-buffered K/V slots fit.
+FLASH_BACKWARD_MMA_TILES: dict[int, tuple[FlashDkdvMmaTiles, FlashDqMmaTiles]] = {
+    64: (FlashDkdvMmaTiles(block_m=32, block_n=128, warps=8), FlashDqMmaTiles(block_m=128, block_n=64, warps=8)),
+    96: (FlashDkdvMmaTiles(block_m=32, block_n=128, warps=8), FlashDqMmaTiles(block_m=64, block_n=64, warps=4)),
+    128: (FlashDkdvMmaTiles(block_m=32, block_n=64, warps=8), FlashDqMmaTiles(block_m=64, block_n=32, warps=4)),
+    256: (FlashDkdvMmaTiles(block_m=16, block_n=32, warps=4), FlashDqMmaTiles(block_m=64, block_n=16, warps=4)),
+}
+
+# Hopper (sm_90, sm_90a) lets a block opt in to 227 KiB, and the larger tiles that buys win on the
+# H200 (tools/sweep_flash_backward.py): 128-key tiles with 64-row query tiles at head_dims 64 to 128
+# (every key tile adds its dQ share once, and a longer key tile means fewer additions); 32 x 64 at
+# head_dim 256. 128-row dQ tiles make the deterministic schedule 2-7% faster still.
+FLASH_BACKWARD_MMA_TILES_HOPPER: dict[int, tuple[FlashDkdvMmaTiles, FlashDqMmaTiles]] = {
+    64: (FlashDkdvMmaTiles(block_m=64, block_n=128, warps=8), FlashDqMmaTiles(block_m=128, block_n=128, warps=8)),
+    96: (FlashDkdvMmaTiles(block_m=64, block_n=128, warps=8), FlashDqMmaTiles(block_m=128, block_n=64, warps=8)),
+    128: (FlashDkdvMmaTiles(block_m=64, block_n=128, warps=8), FlashDqMmaTiles(block_m=128, block_n=64, warps=8)),
+    256: (FlashDkdvMmaTiles(block_m=32, block_n=64, warps=8), FlashDqMmaTiles(block_m=128, block_n=32, warps=8)),
+}
+
+# head_dim 128 only: two warpgroups hold dK and dV (64 fp32 registers each per thread) beside Sᵀ and
+# dPᵀ (32 each), and each takes 64 of dQ's columns, a whole swizzle block of K. At head_dim 64 two
+# warpgroups would split dQ into 32-column halves of a swizzle block, and one warpgroup would add dQ
+# per 64 keys instead of 128; at 96 the rows are not whole swizzle blocks, and at 256 dK and dV alone
+# would take every register. Those keep the mma.sync kernel.
+FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashDkdvWgmmaTiles] = {
+    128: FlashDkdvWgmmaTiles(warpgroups=2),
+}
+
+# Every head_dim, both dtypes. dK/dV: four waves of 16 keys each; a wave keeps its K and V fragments,
+# Kᵀ's for dQ, and dKᵀ and dVᵀ in registers, and LDS holds Qᵀ and dOᵀ of one query tile and each
+# wave's Pᵀ and dSᵀ (10 to 25 KiB). dQ: four waves of 16 rows, no LDS. hiprtc 5.2's gfx90a code
+# objects use 100-196 of a lane's 512 registers up to head_dim 128 and 372 at 256 (dK/dV; dQ 80-216),
+# with no spills. Not tuned or timed: there is no AMD GPU here.
+FLASH_BACKWARD_DKDV_MFMA_TILES = FlashDkdvMfmaTiles(block_n=64)
+FLASH_BACKWARD_DQ_MFMA_TILES = FlashDqMfmaTiles(block_m=64)
+
+
+def mma_tiles_for(head_dim: int, target: Target | None) -> tuple[FlashDkdvMmaTiles, FlashDqMmaTiles]:
+    """The mma.sync kernels' (dK/dV, dQ) rows of ``head_dim`` for ``target``: Hopper's, or the every-part ones."""
+    table = FLASH_BACKWARD_MMA_TILES_HOPPER if has_hopper_shared_memory(target) else FLASH_BACKWARD_MMA_TILES
+    return table[head_dim]
+
+
+def tiles_for(head_dim: int, target: Target | None) -> tuple[FlashDkdvTiles, FlashDqTiles]:
+    """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: MFMA's on AMD; the wgmma dK/dV kernel on
+    sm_90a where its table has the head_dim, else the mma.sync rows. (On NVIDIA the deterministic
+    schedule's dQ kernel is mma.sync everywhere.)"""
+    if runs_amd_mfma(target):
+        return FLASH_BACKWARD_DKDV_MFMA_TILES, FLASH_BACKWARD_DQ_MFMA_TILES
+    dkdv, dq = mma_tiles_for(head_dim, target)
+    if runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES:
+        dkdv = FLASH_BACKWARD_DKDV_WGMMA_TILES[head_dim]
+    return dkdv, dq

@@ -5,16 +5,40 @@ a target runs, and the row's type names the kernel."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..jit.params import ParamsStruct
 from ..jit.spec import KernelFamily
 from ..jit.target import Target
-from .common import DTYPES, FLASH_ROW_PAD, MFMA_ROW_PAD, WGMMA_WARPGROUP_ROWS, WGMMA_WARPGROUP_THREADS
+from .common import DTYPES, FLASH_ROW_PAD, MFMA_ROW_PAD
 from .fields import SEQUENCE_FIELDS, row_statistic, strided
 from .index import register
 from .targets import runs_amd_mfma, runs_nvidia_mma, runs_nvidia_wgmma
-from .tiles import ELEMENT_BYTES, KernelTiles
+from .tiles import ELEMENT_BYTES, KernelTiles, WarpgroupTiles
+
+FLASH_FORWARD_PARAMS = ParamsStruct(
+    "FlashForwardParams",
+    strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr") + SEQUENCE_FIELDS
+    + (("heads_q", "i32"),),
+)
+
+
+def _family(name: str, template_params: tuple[str, ...], shipped) -> KernelFamily:
+    return register(KernelFamily(
+        name=name, source=f"flash/{name.replace('flash_', '')}.hip", template=f"hipattn::{name}",
+        template_params=("dtype", "head_dim", *template_params), params=FLASH_FORWARD_PARAMS, shipped=shipped))
+
+
+def _specs(table: dict[int, KernelTiles]) -> list:
+    return [row.spec(t, d) for t in DTYPES for d, row in table.items()]
+
+
+# Each ships its table's rows (below) for both dtypes on the targets that run its instructions.
+FLASH_FORWARD_MMA = _family("flash_forward_mma", ("block_m", "block_n", "stages", "m_tiles"),
+                            lambda target: _specs(FLASH_FORWARD_MMA_TILES) if runs_nvidia_mma(target) else [])
+FLASH_FORWARD_WGMMA = _family("flash_forward_wgmma", ("block_n", "warpgroups", "stages"),
+                              lambda target: _specs(FLASH_FORWARD_WGMMA_TILES) if runs_nvidia_wgmma(target) else [])
+FLASH_FORWARD_MFMA = _family("flash_forward_mfma", ("block_m", "block_n"),
+                             lambda target: _specs(FLASH_FORWARD_MFMA_TILES) if runs_amd_mfma(target) else [])
 
 
 @dataclass(frozen=True)
@@ -26,16 +50,11 @@ class FlashForwardMmaTiles(KernelTiles):
     stages: int  # K and V shared-memory slots each (1 = FlashAttention-2's interleaved K/V schedule)
     m_tiles: int = 1  # 16-row tiles per warp: each K/V fragment a warp loads feeds this many MMAs
 
-    @property
-    def family(self) -> KernelFamily:
-        return FLASH_FORWARD_MMA
+    family = FLASH_FORWARD_MMA
 
     @property
     def threads(self) -> int:
         return self.block_m // (16 * self.m_tiles) * 32
-
-    def template_args(self, head_dim: int) -> dict[str, Any]:
-        return {"block_m": self.block_m, "block_n": self.block_n, "stages": self.stages, "m_tiles": self.m_tiles}
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """flash::ForwardTiles<...>::kBytes: a BLOCK_M-row Q tile, then STAGES K slots and STAGES V slots
@@ -45,27 +64,18 @@ class FlashForwardMmaTiles(KernelTiles):
 
 
 @dataclass(frozen=True)
-class FlashForwardWgmmaTiles(KernelTiles):
+class FlashForwardWgmmaTiles(WarpgroupTiles):
     """The wgmma forward's BLOCK_N, WARPGROUPS and STAGES (sm_90a)."""
 
     block_n: int  # keys per tile of the inner loop: one wgmma's N for S (64 or 128)
     warpgroups: int  # 64 query rows each; they share the block's K and V tiles
     stages: int = 2  # K and V shared-memory slots each: copies run stages - 1 tiles ahead (2 or 3)
 
-    @property
-    def family(self) -> KernelFamily:
-        return FLASH_FORWARD_WGMMA
+    family = FLASH_FORWARD_WGMMA
 
     @property
     def block_m(self) -> int:
-        return WGMMA_WARPGROUP_ROWS * self.warpgroups
-
-    @property
-    def threads(self) -> int:
-        return WGMMA_WARPGROUP_THREADS * self.warpgroups
-
-    def template_args(self, head_dim: int) -> dict[str, Any]:
-        return {"block_n": self.block_n, "warpgroups": self.warpgroups, "stages": self.stages}
+        return self.warpgroup_rows
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """flash::WgmmaForwardTiles<...>::kBytes: the Q tile (64 rows per warpgroup), then STAGES K
@@ -81,16 +91,11 @@ class FlashForwardMfmaTiles(KernelTiles):
     block_m: int  # query rows per block; one 64-lane wave per 16 rows
     block_n: int  # keys per tile of the inner loop
 
-    @property
-    def family(self) -> KernelFamily:
-        return FLASH_FORWARD_MFMA
+    family = FLASH_FORWARD_MFMA
 
     @property
     def threads(self) -> int:
         return self.block_m // 16 * 64
-
-    def template_args(self, head_dim: int) -> dict[str, Any]:
-        return {"block_m": self.block_m, "block_n": self.block_n}
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """flash::MfmaForwardTiles<...>::kBytes: a K tile of BLOCK_N rows of HEAD_DIM + 4 elements, then
@@ -145,24 +150,3 @@ def tiles_for(head_dim: int, target: Target | None) -> FlashForwardTiles:
     if runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WGMMA_TILES:
         return FLASH_FORWARD_WGMMA_TILES[head_dim]
     return FLASH_FORWARD_MMA_TILES[head_dim]
-
-
-FLASH_FORWARD_PARAMS = ParamsStruct(
-    "FlashForwardParams",
-    strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr") + SEQUENCE_FIELDS
-    + (("heads_q", "i32"),),
-)
-
-
-def _family(name: str, template_params: tuple[str, ...], table: dict[int, KernelTiles], runs) -> KernelFamily:
-    return register(KernelFamily(
-        name=name, source=f"flash/{name.replace('flash_', '')}.hip", template=f"hipattn::{name}",
-        template_params=("dtype", "head_dim", *template_params), params=FLASH_FORWARD_PARAMS,
-        shipped=lambda target: [row.spec(t, d) for t in DTYPES for d, row in table.items()] if runs(target) else []))
-
-
-FLASH_FORWARD_MMA = _family("flash_forward_mma", ("block_m", "block_n", "stages", "m_tiles"),
-                            FLASH_FORWARD_MMA_TILES, runs_nvidia_mma)
-FLASH_FORWARD_WGMMA = _family("flash_forward_wgmma", ("block_n", "warpgroups", "stages"),
-                              FLASH_FORWARD_WGMMA_TILES, runs_nvidia_wgmma)
-FLASH_FORWARD_MFMA = _family("flash_forward_mfma", ("block_m", "block_n"), FLASH_FORWARD_MFMA_TILES, runs_amd_mfma)

@@ -9,17 +9,20 @@ nothing to add to a dispatch ladder.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any
 
 from ..jit.spec import KernelFamily, KernelSpec
+from .common import WGMMA_WARPGROUP_ROWS, WGMMA_WARPGROUP_THREADS
 
 # bf16 and fp16 alike: the element size every shared-memory formula defaults to.
 ELEMENT_BYTES = 2
 
 
 class KernelTiles(ABC):
-    """A tile row (subclasses are frozen dataclasses). ``threads`` is a block's thread count."""
+    """A tile row (subclasses are frozen dataclasses whose fields are the kernel's template arguments,
+    unless they say otherwise in ``template_args``). ``threads`` is a block's thread count."""
 
     @property
     @abstractmethod
@@ -30,9 +33,11 @@ class KernelTiles(ABC):
     @abstractmethod
     def threads(self) -> int: ...
 
-    @abstractmethod
     def template_args(self, head_dim: int) -> dict[str, Any]:
-        """The template arguments the row fixes (beyond ``dtype`` and ``head_dim``)."""
+        """The template arguments the row fixes (beyond ``dtype`` and ``head_dim``): by default its
+        dataclass fields, each named as the template parameter it sets. Launchers ask once per
+        (row, dtype, head_dim), so this is not on the launch path."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
     @abstractmethod
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
@@ -42,3 +47,17 @@ class KernelTiles(ABC):
         """The instantiation of this row's kernel for ``dtype`` and ``head_dim`` (``more``: the family's
         other template arguments, such as ``heads`` or ``write_dq``)."""
         return self.family.spec(dtype=dtype, head_dim=head_dim, **self.template_args(head_dim), **more)
+
+
+class WarpgroupTiles(KernelTiles):
+    """A row of a wgmma kernel (sm_90a): its ``warpgroups`` (a field of the subclass) of 128 threads
+    each take 64 rows, a wgmma's M, of the tile they split."""
+
+    @property
+    def threads(self) -> int:
+        return WGMMA_WARPGROUP_THREADS * self.warpgroups
+
+    @property
+    def warpgroup_rows(self) -> int:
+        """The rows of the tile the warpgroups split: 64 each."""
+        return WGMMA_WARPGROUP_ROWS * self.warpgroups

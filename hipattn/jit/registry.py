@@ -19,7 +19,8 @@ from typing import Any
 from ..backends.base import Backend, CompiledKernel
 from ..errors import HipattnError
 from . import sources
-from .cache import DiskCache, cache_key, default_cache, printable
+from .cache import DiskCache, cache_key, default_cache
+from .cache_safety import printable
 from .params import ParamsStruct
 from .spec import KernelSpec
 from .target import Target

@@ -7,7 +7,7 @@ which refuses a missing field.
 
 from __future__ import annotations
 
-from ..arrays import DeviceArray
+from ..device_array import DeviceArray
 from ..problem import THD, Problem, lse_strides
 
 

@@ -32,11 +32,11 @@ from __future__ import annotations
 import functools
 
 from .. import runtime
-from ..arrays import DeviceArray
 from ..catalog import flash_backward
 from ..catalog.flash_backward import FlashDkdvTiles, FlashDqTiles
 from ..catalog.targets import check_grid
 from ..catalog.tiles import KernelTiles
+from ..device_array import DeviceArray
 from ..jit.spec import KernelSpec
 from ..problem import THD, Problem
 from ..varlen_metadata import VARLEN_RECORD_WORDS, SequenceLimits, key_block_bound

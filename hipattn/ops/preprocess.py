@@ -8,13 +8,13 @@ and dq_accum are fp32. Everything is enqueued on the given stream, on the curren
 from __future__ import annotations
 
 from .. import runtime
-from ..arrays import DeviceArray
 from ..catalog.preprocess import (
     PREPROCESS_BLOCK_THREADS,
     PREPROCESS_ROWS_PER_BLOCK,
     convert_dq_spec,
     dot_do_o_spec,
 )
+from ..device_array import DeviceArray
 from .fields import put_strided
 
 

@@ -48,6 +48,29 @@ def cumulative(lengths) -> list[int]:
     return cu
 
 
+def bshd_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, generator):
+    """Random q, k, v of a padded batch: q [batch, seqlen_q, heads_q, head_dim], k and v
+    [batch, seqlen_k, heads_kv, head_dim], in ``dtype`` ('bf16' or 'fp16')."""
+    t = TORCH_DTYPE[dtype]
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=generator, device="cuda").to(t)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=generator, device="cuda").to(t)
+    return q, k, randn_like(k, generator)
+
+
+def with_and_without_seqused(q, k, used_q, used_k):
+    """(lengths_q, lengths_k, seqused keyword arguments) of a BSHD call on ``q`` and ``k``: first every
+    sequence full (no seqused), then the per-sequence lengths ``used_q`` and ``used_k``."""
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    yield [seqlen_q] * batch, [seqlen_k] * batch, {}
+    yield used_q, used_k, dict(seqused_q=torch.tensor(used_q, dtype=torch.int32, device="cuda"),
+                               seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"))
+
+
+def rows_of_each_sequence(x, lengths, dim=0):
+    """THD rows of a padded batch: the first ``lengths[b]`` along ``dim`` of each ``x[b]``, concatenated."""
+    return torch.cat([x[b].narrow(dim, 0, n) for b, n in enumerate(lengths)], dim=dim)
+
+
 def device_array_or_none(t, name: str):
     """hipattn's description of an optional tensor argument (None stays None)."""
     from hipattn import arrays

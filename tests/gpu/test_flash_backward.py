@@ -27,6 +27,7 @@ from .conftest import (
     ROW_TOLERANCE_FACTOR,
     TOLERANCE,
     TORCH_DTYPE,
+    bshd_inputs,
     cumulative,
     describe_call,
     device_array_or_none,
@@ -34,6 +35,8 @@ from .conftest import (
     randn_like,
     record_errors,
     relative_error,
+    rows_of_each_sequence,
+    with_and_without_seqused,
     worst_row_error,
 )
 from .reference import attention_reference
@@ -243,30 +246,20 @@ def test_batch_zero_does_nothing(deterministic):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_bshd_with_and_without_seqused(dtype, causal, rng):
-    batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = 4, 300, 211, 4, 2, 128
-    t = TORCH_DTYPE[dtype]
-    q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=rng, device="cuda").to(t)
-    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=rng, device="cuda").to(t)
-    v = randn_like(k, rng)
-    dout = torch.randn(q.shape, generator=rng, device="cuda").to(t)
-    scale = 1.0 / math.sqrt(head_dim)
-    for used in (None, ([300, 0, 17, 129], [211, 5, 0, 64])):
+    q, k, v = bshd_inputs(4, 300, 211, 4, 2, 128, dtype, rng)
+    dout = randn_like(q, rng)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for lq, lk, seqused in with_and_without_seqused(q, k, [300, 0, 17, 129], [211, 5, 0, 64]):
         for deterministic in (False, True):
-            dq, dk, dv = (poisoned(x.shape, t) for x in (q, k, v))
-            kwargs = {}
-            lq, lk = [seqlen_q] * batch, [seqlen_k] * batch
-            if used is not None:
-                lq, lk = used
-                kwargs = dict(seqused_q=torch.tensor(lq, dtype=torch.int32, device="cuda"),
-                              seqused_k=torch.tensor(lk, dtype=torch.int32, device="cuda"))
-            flash_forward_backward(q, k, v, dout, dq, dk, dv, causal=causal, deterministic=deterministic, **kwargs)
+            dq, dk, dv = (poisoned(x.shape, x.dtype) for x in (q, k, v))
+            flash_forward_backward(q, k, v, dout, dq, dk, dv, causal=causal, deterministic=deterministic, **seqused)
             torch.cuda.synchronize()
-            case = f"bshd {dtype} causal={causal} seqused={used is not None} deterministic={deterministic}"
-            for b in range(batch):  # rows past seqused: dK, dV never written; dQ see _check_rows_past_the_end
+            case = f"bshd {dtype} causal={causal} seqused={bool(seqused)} deterministic={deterministic}"
+            for b in range(q.shape[0]):  # rows past seqused: dK, dV never written; dQ see _check_rows_past_the_end
                 assert torch.isnan(dk[b, lk[b]:]).all() and torch.isnan(dv[b, lk[b]:]).all(), case
                 if deterministic:
                     assert torch.isnan(dq[b, lq[b]:]).all(), case
-            thd = [torch.cat([x[b, :n[b]] for b in range(batch)]) for x, n in
+            thd = [rows_of_each_sequence(x, n) for x, n in
                    ((dq, lq), (dk, lk), (dv, lk), (q, lq), (k, lk), (v, lk), (dout, lq))]
             _check_gradients(*thd, cumulative(lq), cumulative(lk), causal=causal, scale=scale, dtype=dtype,
                              case=case)

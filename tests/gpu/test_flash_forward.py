@@ -17,17 +17,7 @@ from hipattn.catalog.flash_forward import FLASH_FORWARD_MMA_TILES, FLASH_FORWARD
 from hipattn.ops import flash
 from hipattn.streams import on_device, resolve_stream
 
-from .conftest import (
-    TOLERANCE,
-    TORCH_DTYPE,
-    cumulative,
-    describe_call,
-    fresh_seed,
-    poisoned,
-    randn_like,
-    record_errors,
-    relative_error,
-)
+from . import conftest as gpu
 from .reference import attention_reference
 
 # Lengths that hit every edge: empty, one token, the small-seq tile (17) and one past it, a long
@@ -40,7 +30,7 @@ LENGTHS_K = [9, 1, 18, 17, 1000, 63, 129, 200, 0, 40, 333]
 def flash_forward(q, k, v, out, lse, *, stream=None, tiles=None, **call):
     """What attention.forward does, with ops.flash.forward in place of dispatch's choice. ``call``:
     describe_call's keyword arguments; ``tiles`` picks a kernel other than the device's own."""
-    (qa, ka, va), sequences, problem = describe_call(q, k, v, **call)
+    (qa, ka, va), sequences, problem = gpu.describe_call(q, k, v, **call)
     assert tuple(lse.shape) == problem_mod.lse_shape(problem)
     with on_device(get_backend(), problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
@@ -83,29 +73,29 @@ def _check(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, case):
     empty_rows = torch.isinf(ref_lse).transpose(0, 1)  # [total_q, H]
     assert bool((out[empty_rows] == 0).all()), f"{case}: a row that sees no key is not 0"
     finite = ~torch.isinf(ref_lse)
-    errors = {"out": relative_error(out, ref_out), "lse": relative_error(lse[finite], ref_lse[finite])}
+    errors = {"out": gpu.relative_error(out, ref_out), "lse": gpu.relative_error(lse[finite], ref_lse[finite])}
     # Second, independent reference: SDPA in the same precision. hipattn may be at most about twice
     # as far from the float64 answer as SDPA is (flash-attn's criterion).
     sdpa = sdpa_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
     seen = ~empty_rows
-    sdpa_error = relative_error(sdpa[seen], ref_out[seen])
-    errors["out_vs_sdpa"] = relative_error(out[seen], sdpa[seen])
-    record_errors(case, sdpa_to_float64=sdpa_error, **errors)
-    assert max(errors.values()) < TOLERANCE[dtype], (case, errors)
-    assert errors["out"] <= 2 * sdpa_error + TOLERANCE[dtype] / 10, (case, errors, sdpa_error)
+    sdpa_error = gpu.relative_error(sdpa[seen], ref_out[seen])
+    errors["out_vs_sdpa"] = gpu.relative_error(out[seen], sdpa[seen])
+    gpu.record_errors(case, sdpa_to_float64=sdpa_error, **errors)
+    assert max(errors.values()) < gpu.TOLERANCE[dtype], (case, errors)
+    assert errors["out"] <= 2 * sdpa_error + gpu.TOLERANCE[dtype] / 10, (case, errors, sdpa_error)
     return errors
 
 
 def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, bound_slack=0,
                  tail_rows=0, tiles=None, case=""):
     """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
-    cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
-    t = TORCH_DTYPE[dtype]
+    cu_q, cu_k = gpu.cumulative(lengths_q), gpu.cumulative(lengths_k)
+    t = gpu.TORCH_DTYPE[dtype]
     q = torch.randn(cu_q[-1] + tail_rows, heads_q, head_dim, generator=rng, device="cuda").to(t)
     k = torch.randn(cu_k[-1] + tail_rows, heads_kv, head_dim, generator=rng, device="cuda").to(t)
     v = torch.randn(cu_k[-1] + tail_rows, heads_kv, head_dim, generator=rng, device="cuda").to(t)
-    out = poisoned(q.shape, t)
-    lse = poisoned((heads_q, q.shape[0]), torch.float32)
+    out = gpu.poisoned(q.shape, t)
+    lse = gpu.poisoned((heads_q, q.shape[0]), torch.float32)
     scale = 1.0 / math.sqrt(head_dim)
     flash_forward(q, k, v, out, lse, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                   cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
@@ -170,8 +160,8 @@ def test_max_seqlen_is_an_upper_bound(rng):
 
 def test_batch_zero_does_nothing(rng):
     q = torch.randn(0, 2, 64, device="cuda", dtype=torch.bfloat16)
-    out = poisoned(q.shape, q.dtype)
-    lse = poisoned((2, 0), torch.float32)
+    out = gpu.poisoned(q.shape, q.dtype)
+    lse = gpu.poisoned((2, 0), torch.float32)
     cu = torch.zeros(1, dtype=torch.int32, device="cuda")
     flash_forward(q, q, q, out, lse, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=0, max_seqlen_k=0)
     torch.cuda.synchronize()
@@ -180,41 +170,27 @@ def test_batch_zero_does_nothing(rng):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_bshd_with_and_without_seqused(dtype, causal, rng):
-    batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = 4, 300, 211, 4, 2, 128
-    t = TORCH_DTYPE[dtype]
-    q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=rng, device="cuda").to(t)
-    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=rng, device="cuda").to(t)
-    v = randn_like(k, rng)
-    scale = 1.0 / math.sqrt(head_dim)
-    for used in (None, ([300, 0, 17, 129], [211, 5, 0, 64])):
-        out = poisoned(q.shape, t)
-        lse = poisoned((batch, heads_q, seqlen_q), torch.float32)
-        kwargs = {}
-        lq, lk = [seqlen_q] * batch, [seqlen_k] * batch
-        if used is not None:
-            lq, lk = used
-            kwargs = dict(seqused_q=torch.tensor(lq, dtype=torch.int32, device="cuda"),
-                          seqused_k=torch.tensor(lk, dtype=torch.int32, device="cuda"))
-        flash_forward(q, k, v, out, lse, causal=causal, **kwargs)
+    q, k, v = gpu.bshd_inputs(4, 300, 211, 4, 2, 128, dtype, rng)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for lq, lk, seqused in gpu.with_and_without_seqused(q, k, [300, 0, 17, 129], [211, 5, 0, 64]):
+        out = gpu.poisoned(q.shape, q.dtype)
+        lse = gpu.poisoned((q.shape[0], q.shape[2], q.shape[1]), torch.float32)
+        flash_forward(q, k, v, out, lse, causal=causal, **seqused)
         torch.cuda.synchronize()
-        for b in range(batch):  # rows past seqused are not written
+        for b in range(q.shape[0]):  # rows past seqused are not written
             assert torch.isnan(out[b, lq[b]:]).all() and torch.isnan(lse[b, :, lq[b]:]).all()
-        q_thd = torch.cat([q[b, :lq[b]] for b in range(batch)])
-        k_thd = torch.cat([k[b, :lk[b]] for b in range(batch)])
-        v_thd = torch.cat([v[b, :lk[b]] for b in range(batch)])
-        out_thd = torch.cat([out[b, :lq[b]] for b in range(batch)])
-        lse_thd = torch.cat([lse[b, :, :lq[b]] for b in range(batch)], dim=1)
-        _check(out_thd, lse_thd, q_thd, k_thd, v_thd, cumulative(lq), cumulative(lk), causal=causal, scale=scale,
-               dtype=dtype, case=f"bshd {dtype} causal={causal} seqused={used is not None}")
+        thd = [gpu.rows_of_each_sequence(x, n) for x, n in ((out, lq), (q, lq), (k, lk), (v, lk))]
+        _check(thd[0], gpu.rows_of_each_sequence(lse, lq, dim=1), *thd[1:], gpu.cumulative(lq), gpu.cumulative(lk),
+               causal=causal, scale=scale, dtype=dtype, case=f"bshd {dtype} causal={causal} seqused={bool(seqused)}")
 
 
 def test_softmax_scale_is_honoured(rng):
     lengths = [129, 300]
-    cu = cumulative(lengths)
+    cu = gpu.cumulative(lengths)
     q = torch.randn(cu[-1], 4, 64, generator=rng, device="cuda").bfloat16()
-    k, v = randn_like(q, rng), randn_like(q, rng)
-    out = poisoned(q.shape, q.dtype)
-    lse = poisoned((4, cu[-1]), torch.float32)
+    k, v = gpu.randn_like(q, rng), gpu.randn_like(q, rng)
+    out = gpu.poisoned(q.shape, q.dtype)
+    lse = gpu.poisoned((4, cu[-1]), torch.float32)
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
     flash_forward(q, k, v, out, lse, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev, max_seqlen_q=300, max_seqlen_k=300,
                   softmax_scale=0.3)
@@ -243,10 +219,10 @@ def test_graph_replays_new_cu_seqlens(rng):
     with torch.cuda.graph(graph, stream=stream):
         flash_forward(q, k, v, out, lse, **args)
     for replay in range(3):
-        gen = torch.Generator().manual_seed(1000 + replay + fresh_seed() % 1000)
+        gen = torch.Generator().manual_seed(1000 + replay + gpu.fresh_seed() % 1000)
         lengths_q = torch.randint(0, capacity_per_sequence + 1, (batch,), generator=gen).tolist()
         lengths_k = torch.randint(0, capacity_per_sequence + 1, (batch,), generator=gen).tolist()
-        host_q, host_k = cumulative(lengths_q), cumulative(lengths_k)
+        host_q, host_k = gpu.cumulative(lengths_q), gpu.cumulative(lengths_k)
         cu_q.copy_(torch.tensor(host_q, dtype=torch.int32))
         cu_k.copy_(torch.tensor(host_k, dtype=torch.int32))
         for buffer in (q, k, v):
@@ -265,8 +241,8 @@ def test_many_sequences_put_the_count_on_grid_x(rng):
     """More than 65535 (sequence, head) pairs of two query tiles each: no grid.y/z limit is hit."""
     batch, heads, head_dim, length = 20_000, 4, 64, 130
     q = torch.randn(batch * length, heads, head_dim, generator=rng, device="cuda").bfloat16()
-    out = poisoned(q.shape, q.dtype)
-    lse = poisoned((heads, q.shape[0]), torch.float32)
+    out = gpu.poisoned(q.shape, q.dtype)
+    lse = gpu.poisoned((heads, q.shape[0]), torch.float32)
     cu = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
     flash_forward(q, q, q, out, lse, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=length, max_seqlen_k=length)
     torch.cuda.synchronize()
@@ -275,4 +251,4 @@ def test_many_sequences_put_the_count_on_grid_x(rng):
         rows = slice(b * length, (b + 1) * length)
         ref, _ = attention_reference(q[rows], q[rows], q[rows], [0, length], [0, length], causal=False,
                                      scale=1 / math.sqrt(head_dim))
-        assert relative_error(out[rows], ref) < TOLERANCE["bf16"]
+        assert gpu.relative_error(out[rows], ref) < gpu.TOLERANCE["bf16"]

@@ -166,14 +166,21 @@ def test_teams_of_one_or_two_warps_match_float64(head_dim, split, mma_row, monke
         assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
-def test_batch_zero_is_valid_and_touches_nothing(forward_kernel):
-    q = torch.empty(0, 8, 64, dtype=torch.bfloat16, device="cuda")
+def _run_a_batch_of_zero(heads_q, heads_kv):
+    """hipattn.forward and hipattn.backward of zero sequences: valid calls, with empty outputs of the right shapes."""
+    q = torch.empty(0, heads_q, 64, dtype=torch.bfloat16, device="cuda")
+    kv = torch.empty(0, heads_kv, 64, dtype=torch.bfloat16, device="cuda")
     cu = torch.zeros(1, dtype=torch.int32, device="cuda")
     args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=SMALLSEQ_TILE, max_seqlen_k=SMALLSEQ_TILE)
-    out, lse = hipattn.forward(q, q, q, **args)
-    dq, dk, dv = hipattn.backward(q, q, q, q, out, lse, **args)
+    out, lse = hipattn.forward(q, kv, kv, **args)
+    dq, dk, dv = hipattn.backward(q, q, kv, kv, out, lse, **args)
     torch.cuda.synchronize()
-    assert out.shape == q.shape and lse.shape == (8, 0) and dq.shape == dk.shape == dv.shape == q.shape
+    assert out.shape == q.shape and lse.shape == (heads_q, 0) and dq.shape == q.shape
+    assert dk.shape == dv.shape == kv.shape
+
+
+def test_batch_zero_is_valid_and_touches_nothing(forward_kernel):
+    _run_a_batch_of_zero(8, 8)
 
 
 @pytest.mark.parametrize("lengths", [([7], [11]), ([17], [17]), ([1], [1]), ([0, 4], [0, 9]), ([12], [3])])
@@ -199,53 +206,68 @@ def test_empty_kv_gives_zero_output_infinite_lse_and_zero_gradients(rng):
     assert torch.equal(dq, torch.zeros_like(dq))
 
 
-def test_max_seqlen_is_an_upper_bound_and_graph_replays_new_cu_seqlens(rng):
-    """Capture with a capacity bound (17) once; replay with new lengths written into the same buffers."""
-    batch, heads, head_dim = 64, 16, 128
+def _captured_forward_backward(batch, heads_q, heads_kv, head_dim, dtype, causal):
+    """THD buffers with room for ``batch`` sequences of up to 17 tokens, their cu_seqlens, and a CUDA graph of
+    hipattn.forward then hipattn.backward on them captured with that capacity bound (after a warm-up
+    call compiled and loaded the kernels outside the capture): (graph, tensors, cu_q, cu_k)."""
     capacity = batch * SMALLSEQ_TILE
-    t = torch.bfloat16
-    q = torch.empty(capacity, heads, head_dim, dtype=t, device="cuda")
-    k = torch.empty_like(q)
-    v = torch.empty_like(q)
-    dout = torch.empty_like(q)
+    t = TORCH_DTYPE[dtype]
+    q = torch.empty(capacity, heads_q, head_dim, dtype=t, device="cuda")
+    k = torch.empty(capacity, heads_kv, head_dim, dtype=t, device="cuda")
+    v, dout = torch.empty_like(k), torch.empty_like(q)
+    out, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+    lse = torch.empty(heads_q, capacity, dtype=torch.float32, device="cuda")
     cu_q = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
     cu_k = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-    lse = torch.empty(heads, capacity, dtype=torch.float32, device="cuda")
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=SMALLSEQ_TILE, max_seqlen_k=SMALLSEQ_TILE)
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=SMALLSEQ_TILE, max_seqlen_k=SMALLSEQ_TILE,
+                causal=causal)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        hipattn.forward(q, k, v, out=out, lse=lse, **args)  # warm: compile and load outside the capture
+        hipattn.forward(q, k, v, out=out, lse=lse, **args)
         hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         hipattn.forward(q, k, v, out=out, lse=lse, **args)
         hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
+    return graph, (q, k, v, dout, out, lse, dq, dk, dv), cu_q, cu_k
+
+
+def _replay_with_new_cu_seqlens(graph, tensors, cu_q, cu_k, batch, heads_q, head_dim, dtype, causal, rng, gen):
+    """Write new lengths (0, 1 and 17 among them) into the captured cu_seqlens, fresh inputs and NaN
+    outputs into the captured buffers, replay, and return the errors against float64."""
+    q, k, v, dout, out, lse, dq, dk, dv = tensors
+    lengths_q = [0, 1, SMALLSEQ_TILE] + torch.randint(0, SMALLSEQ_TILE + 1, (batch - 3,), generator=gen).tolist()
+    lengths_k = [SMALLSEQ_TILE, 1, 0] + torch.randint(0, SMALLSEQ_TILE + 1, (batch - 3,), generator=gen).tolist()
+    host_q = [0] + torch.tensor(lengths_q).cumsum(0).tolist()
+    host_k = [0] + torch.tensor(lengths_k).cumsum(0).tolist()
+    cu_q.copy_(torch.tensor(host_q, dtype=torch.int32))
+    cu_k.copy_(torch.tensor(host_k, dtype=torch.int32))
+    for buffer in (q, k, v, dout):
+        buffer.normal_(generator=rng)
+    for buffer in (out, dq, dk, dv, lse):
+        buffer.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    nq, nk = host_q[-1], host_k[-1]
+    for name, t in (("out", out[:nq]), ("lse", lse[:, :nq]), ("dq", dq[:nq]), ("dk", dk[:nk]), ("dv", dv[:nk])):
+        assert not torch.isnan(t).any(), f"replay: {name} has unwritten (NaN) elements"
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q[:nq], k[:nk], v[:nk], host_q, host_k,
+                                                                   causal=causal, scale=1 / math.sqrt(head_dim),
+                                                                   dout=dout[:nq])
+    assert torch.equal(torch.isinf(lse[:, :nq]), torch.isinf(ref_lse)), "replay: lse is +inf on the wrong rows"
+    return {"out": relative_error(out[:nq], ref_out), "dq": relative_error(dq[:nq], ref_dq),
+            "dk": relative_error(dk[:nk], ref_dk), "dv": relative_error(dv[:nk], ref_dv)}
+
+
+def test_max_seqlen_is_an_upper_bound_and_graph_replays_new_cu_seqlens(rng):
+    """Capture with a capacity bound (17) once; replay with new lengths written into the same buffers."""
+    batch, heads, head_dim = 64, 16, 128
+    graph, tensors, cu_q, cu_k = _captured_forward_backward(batch, heads, heads, head_dim, "bf16", False)
+    gen = torch.Generator().manual_seed(fresh_seed())
     for replay in range(3):
-        gen = torch.Generator().manual_seed(1000 + replay + fresh_seed() % 1000)
-        lengths_q = torch.randint(0, SMALLSEQ_TILE + 1, (batch,), generator=gen).tolist()
-        lengths_k = torch.randint(0, SMALLSEQ_TILE + 1, (batch,), generator=gen).tolist()
-        host_q = [0] + torch.tensor(lengths_q).cumsum(0).tolist()
-        host_k = [0] + torch.tensor(lengths_k).cumsum(0).tolist()
-        cu_q.copy_(torch.tensor(host_q, dtype=torch.int32))
-        cu_k.copy_(torch.tensor(host_k, dtype=torch.int32))
-        for buffer in (q, k, v, dout):
-            buffer.normal_(generator=rng)
-        for buffer in (out, dq, dk, dv, lse):
-            buffer.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        nq, nk = host_q[-1], host_k[-1]
-        ref = attention_reference(q[:nq], k[:nk], v[:nk], host_q, host_k, causal=False,
-                                  scale=1 / math.sqrt(head_dim), dout=dout[:nq])
-        errors = {
-            "out": relative_error(out[:nq], ref[0]),
-            "dq": relative_error(dq[:nq], ref[2]),
-            "dk": relative_error(dk[:nk], ref[3]),
-            "dv": relative_error(dv[:nk], ref[4]),
-        }
+        errors = _replay_with_new_cu_seqlens(graph, tensors, cu_q, cu_k, batch, heads, head_dim, "bf16", False, rng,
+                                             gen)
         record_errors(f"graph replay {replay}", **errors)
         assert max(errors.values()) < TOLERANCE["bf16"], errors
 
@@ -315,33 +337,6 @@ def launched_families(monkeypatch):
     return families_seen
 
 
-def _replay_with_new_cu_seqlens(graph, tensors, cu_q, cu_k, batch, heads_q, head_dim, dtype, causal, rng, gen):
-    """Write new lengths (0, 1 and 17 among them) into the captured cu_seqlens, fresh inputs and NaN
-    outputs into the captured buffers, replay, and return the errors against float64."""
-    q, k, v, dout, out, lse, dq, dk, dv = tensors
-    lengths_q = [0, 1, SMALLSEQ_TILE] + torch.randint(0, SMALLSEQ_TILE + 1, (batch - 3,), generator=gen).tolist()
-    lengths_k = [SMALLSEQ_TILE, 1, 0] + torch.randint(0, SMALLSEQ_TILE + 1, (batch - 3,), generator=gen).tolist()
-    host_q = [0] + torch.tensor(lengths_q).cumsum(0).tolist()
-    host_k = [0] + torch.tensor(lengths_k).cumsum(0).tolist()
-    cu_q.copy_(torch.tensor(host_q, dtype=torch.int32))
-    cu_k.copy_(torch.tensor(host_k, dtype=torch.int32))
-    for buffer in (q, k, v, dout):
-        buffer.normal_(generator=rng)
-    for buffer in (out, dq, dk, dv, lse):
-        buffer.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    nq, nk = host_q[-1], host_k[-1]
-    for name, t in (("out", out[:nq]), ("lse", lse[:, :nq]), ("dq", dq[:nq]), ("dk", dk[:nk]), ("dv", dv[:nk])):
-        assert not torch.isnan(t).any(), f"replay: {name} has unwritten (NaN) elements"
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q[:nq], k[:nk], v[:nk], host_q, host_k,
-                                                                   causal=causal, scale=1 / math.sqrt(head_dim),
-                                                                   dout=dout[:nq])
-    assert torch.equal(torch.isinf(lse[:, :nq]), torch.isinf(ref_lse)), "replay: lse is +inf on the wrong rows"
-    return {"out": relative_error(out[:nq], ref_out), "dq": relative_error(dq[:nq], ref_dq),
-            "dk": relative_error(dk[:nk], ref_dk), "dv": relative_error(dv[:nk], ref_dv)}
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads_q,heads_kv", GROUPED_HEADS)
 @pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
@@ -359,29 +354,10 @@ def test_grouped_heads_match_float64_and_replay_in_a_graph(dtype, head_dim, head
     assert launched_families == ["smallseq_forward_gqa_mma", "smallseq_backward_gqa_mma"]
 
     batch = 24
-    capacity = batch * SMALLSEQ_TILE
-    t = TORCH_DTYPE[dtype]
-    q = torch.empty(capacity, heads_q, head_dim, dtype=t, device="cuda")
-    k = torch.empty(capacity, heads_kv, head_dim, dtype=t, device="cuda")
-    v, dout = torch.empty_like(k), torch.empty_like(q)
-    out, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
-    lse = torch.empty(heads_q, capacity, dtype=torch.float32, device="cuda")
-    cu_q = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
-    cu_k = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
-    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=SMALLSEQ_TILE, max_seqlen_k=SMALLSEQ_TILE,
-                causal=causal)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        hipattn.forward(q, k, v, out=out, lse=lse, **args)  # warm: compile and load outside the capture
-        hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        hipattn.forward(q, k, v, out=out, lse=lse, **args)
-        hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **args)
+    graph, tensors, cu_q, cu_k = _captured_forward_backward(batch, heads_q, heads_kv, head_dim, dtype, causal)
     for replay in range(2):
-        errors = _replay_with_new_cu_seqlens(graph, (q, k, v, dout, out, lse, dq, dk, dv), cu_q, cu_k, batch, heads_q,
-                                             head_dim, dtype, causal, rng, gen)
+        errors = _replay_with_new_cu_seqlens(graph, tensors, cu_q, cu_k, batch, heads_q, head_dim, dtype, causal, rng,
+                                             gen)
         record_errors(f"grouped graph replay {replay} {dtype} d{head_dim} {heads_q}/{heads_kv} causal={causal}",
                       **errors)
         assert max(errors.values()) < TOLERANCE[dtype], errors
@@ -399,14 +375,7 @@ def test_grouped_heads_on_a_batch_of_one(lengths, heads_q, heads_kv, launched_fa
 
 
 def test_grouped_heads_batch_zero_is_valid_and_touches_nothing(launched_families):
-    q = torch.empty(0, 8, 64, dtype=torch.bfloat16, device="cuda")
-    kv = torch.empty(0, 2, 64, dtype=torch.bfloat16, device="cuda")
-    cu = torch.zeros(1, dtype=torch.int32, device="cuda")
-    args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=SMALLSEQ_TILE, max_seqlen_k=SMALLSEQ_TILE)
-    out, lse = hipattn.forward(q, kv, kv, **args)
-    dq, dk, dv = hipattn.backward(q, q, kv, kv, out, lse, **args)
-    torch.cuda.synchronize()
-    assert out.shape == q.shape and lse.shape == (8, 0) and dq.shape == q.shape and dk.shape == dv.shape == kv.shape
+    _run_a_batch_of_zero(8, 2)
     assert launched_families == [], "batch 0 launches nothing"
 
 

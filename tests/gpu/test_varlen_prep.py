@@ -128,8 +128,8 @@ class VarlenCall:
     """One THD problem's buffers (inputs, outputs, workspace), reused by every call with new cu_seqlens."""
 
     def __init__(self, batch: int, max_seqlen: int, heads_q: int, heads_kv: int, head_dim: int, causal: bool,
-                 deterministic: bool, seed: int):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+                 deterministic: bool, rng: np.random.Generator):
+        gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
         self.batch, self.max_seqlen, self.deterministic = batch, max_seqlen, deterministic
         total = batch * max_seqlen
         self.q = torch.randn(total, heads_q, head_dim, generator=gen, device="cuda").bfloat16()
@@ -166,6 +166,17 @@ class VarlenCall:
             result["lse"] = torch.full(problem_mod.lse_shape(self.problem), float("nan"), device="cuda")
         return result
 
+    def set_random_cu_seqlens(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """New random cu_seqlens written into the call's buffers, in the current stream's order; returns them."""
+        cu_q, cu_k = self.random_cu_seqlens(rng)
+        self.cu_q.copy_(torch.from_numpy(cu_q))
+        self.cu_k.copy_(torch.from_numpy(cu_k))
+        return cu_q, cu_k
+
+    def forward_and_backward(self, o: dict, stream: int) -> None:
+        self.forward(o, stream)
+        self.backward(o, stream)
+
     def forward(self, o: dict, stream: int) -> None:
         flash.forward(self.problem, self.qa, self.ka, self.va, arrays.as_device_array(o["out"], "out"),
                       arrays.as_device_array(o["lse"], "lse"), stream, **self.sequences)
@@ -195,34 +206,33 @@ def assert_same(actual: dict, expected: dict, exact: bool, what: str) -> None:
                                        msg=lambda m, name=name: f"{what}: {name}: {m}")
 
 
+@pytest.fixture(params=WAYS)
+def way(request, monkeypatch):
+    """Each way of preparing the work list in turn, chosen as users choose it (HIPATTN_VARLEN_PREP)."""
+    monkeypatch.setenv(PREP_SWITCH, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("way", WAYS)
-def test_a_captured_forward_and_backward_replays_with_new_cu_seqlens(way, deterministic, monkeypatch):
-    monkeypatch.setenv(PREP_SWITCH, way)
+def test_a_captured_forward_and_backward_replays_with_new_cu_seqlens(way, deterministic):
     backend = get_backend()
     rng = np.random.default_rng()
     call = VarlenCall(batch=6, max_seqlen=150, heads_q=4, heads_kv=2, head_dim=128, causal=True,
-                      deterministic=deterministic, seed=int(rng.integers(2**31)))
+                      deterministic=deterministic, rng=rng)
     stream = torch.cuda.Stream()
     captured = call.outputs()
     with on_device(backend, 0), torch.cuda.stream(stream):
-        cu_q, cu_k = call.random_cu_seqlens(rng)
-        call.cu_q.copy_(torch.from_numpy(cu_q))
-        call.cu_k.copy_(torch.from_numpy(cu_k))
-        call.forward(captured, stream.cuda_stream)  # warm-up: kernels compiled and loaded before capture
-        call.backward(captured, stream.cuda_stream)
+        call.set_random_cu_seqlens(rng)
+        call.forward_and_backward(captured, stream.cuda_stream)  # warm-up: kernels compiled and loaded before capture
     stream.synchronize()
     reserve_blocks(device_pool(backend, 0), call.batch)  # a global-mode capture forbids pinned allocation
     graph = torch.cuda.CUDAGraph()
     errors_before = len(pinned.host_func_errors)
     with on_device(backend, 0), torch.cuda.graph(graph, stream=stream):
-        call.forward(captured, stream.cuda_stream)
-        call.backward(captured, stream.cuda_stream)
+        call.forward_and_backward(captured, stream.cuda_stream)
     for replay in range(4):
-        cu_q, cu_k = call.random_cu_seqlens(rng)
         with torch.cuda.stream(stream):
-            call.cu_q.copy_(torch.from_numpy(cu_q))
-            call.cu_k.copy_(torch.from_numpy(cu_k))
+            cu_q, cu_k = call.set_random_cu_seqlens(rng)
             for t in captured.values():
                 t.fill_(float("nan"))
             graph.replay()
@@ -230,8 +240,7 @@ def test_a_captured_forward_and_backward_replays_with_new_cu_seqlens(way, determ
         np.testing.assert_array_equal(call.sections["varlen_records"].cpu().numpy(), call.expected_records(cu_q, cu_k))
         uncaptured = call.outputs()
         with on_device(backend, 0), torch.cuda.stream(stream):
-            call.forward(uncaptured, stream.cuda_stream)
-            call.backward(uncaptured, stream.cuda_stream)
+            call.forward_and_backward(uncaptured, stream.cuda_stream)
         stream.synchronize()
         assert_same(captured, uncaptured, deterministic, f"replay {replay} ({way})")
         assert not torch.isnan(captured["dk"][: int(cu_k[-1])]).any(), "a key of a sequence got no dK"
@@ -240,13 +249,11 @@ def test_a_captured_forward_and_backward_replays_with_new_cu_seqlens(way, determ
     del graph
 
 
-@pytest.mark.parametrize("way", WAYS)
-def test_1000_back_to_back_backward_calls_match_each_call_run_alone(way, monkeypatch):
-    monkeypatch.setenv(PREP_SWITCH, way)
+def test_1000_back_to_back_backward_calls_match_each_call_run_alone(way):
     backend = get_backend()
     rng = np.random.default_rng()
     call = VarlenCall(batch=4, max_seqlen=130, heads_q=2, heads_kv=1, head_dim=128, causal=False,
-                      deterministic=True, seed=int(rng.integers(2**31)))
+                      deterministic=True, rng=rng)
     calls, patterns = 1000, 97  # a prime: consecutive calls always differ
     stream = torch.cuda.Stream()
     table_q = torch.zeros(patterns, call.batch + 1, dtype=torch.int32, device="cuda")
@@ -299,24 +306,19 @@ def test_1000_back_to_back_backward_calls_match_each_call_run_alone(way, monkeyp
     collect_host_funcs()
 
 
-@pytest.mark.parametrize("way", WAYS)
 def test_the_backward_makes_no_host_blocking_call_and_returns_while_the_stream_is_busy(way, monkeypatch):
-    monkeypatch.setenv(PREP_SWITCH, way)
     backend = get_backend()
     rng = np.random.default_rng()
     # One dQ schedule per way: atomics (with its memset and convert_dq) on the device way, the dQ
     # kernel on the host way.
     call = VarlenCall(batch=8, max_seqlen=200, heads_q=4, heads_kv=2, head_dim=64, causal=True,
-                      deterministic=way == "host", seed=int(rng.integers(2**31)))
+                      deterministic=way == "host", rng=rng)
     calls = 20
     stream = torch.cuda.Stream()
     o = call.outputs()
     with on_device(backend, 0), torch.cuda.stream(stream):
-        cu_q, cu_k = call.random_cu_seqlens(rng)
-        call.cu_q.copy_(torch.from_numpy(cu_q))
-        call.cu_k.copy_(torch.from_numpy(cu_k))
-        call.forward(o, stream.cuda_stream)
-        call.backward(o, stream.cuda_stream)  # warm: kernels loaded, the pool has its blocks
+        cu_q, cu_k = call.set_random_cu_seqlens(rng)
+        call.forward_and_backward(o, stream.cuda_stream)  # warm: kernels loaded, the pool has its blocks
     stream.synchronize()
     reserve_blocks(device_pool(backend, 0), call.batch, calls)
 

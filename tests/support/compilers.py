@@ -9,6 +9,7 @@ from hipattn.backends.cuda import CudaBackend  # both modules import their vendo
 from hipattn.backends.hip import HipBackend
 from hipattn.errors import BackendUnavailableError
 from hipattn.jit.sources import compile_unit
+from hipattn.jit.target import Target
 from support.local_rocm import use_local_rocm
 
 use_local_rocm()
@@ -31,6 +32,15 @@ def nvrtc_backend():
 
 def hiprtc_backend():
     return _loadable_backend("hip", "hip-python", HipBackend, "hiprtc")
+
+
+def hiprtc_for(arch: str):
+    """(hiprtc backend, target) for ``arch``, or a skip where this hiprtc's release cannot compile for it."""
+    backend = hiprtc_backend()
+    target = Target.parse(arch)
+    if not backend.can_compile_for(target):
+        pytest.skip(backend.unsupported_reason(target))
+    return backend, target
 
 
 def compile_family(backend, family, target, spec, extra_lines=(), options=()):

@@ -27,13 +27,14 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from hipattn import runtime
+from hipattn import dispatch, runtime, varlen_prep
 from hipattn.arrays import raw_array
 from hipattn.backends.base import Backend, CompiledKernel
 from hipattn.errors import CompileError
 from hipattn.jit.cache import DiskCache
 from hipattn.jit.registry import Registry
 from hipattn.jit.target import Target
+from hipattn.ops import smallseq
 
 RUNTIME_DIR = Path(__file__).parent / "emulation"
 RUNTIME_HEADER = RUNTIME_DIR / "emulated_device.h"
@@ -88,6 +89,15 @@ def _dynamic_shared_as_buffer(text: str) -> str:
 
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
+
+
+# CI installs g++ (.ci/run) and must run the emulated kernels; elsewhere they need it on PATH (or CXX).
+needs_compiler = pytest.mark.skipif(compiler() is None and not os.environ.get("CI"),
+                                    reason="needs g++ (CXX) to build the emulated kernels")
+
+# The switches that steer dispatch: an emulated device starts from their defaults, so that what a test
+# runs does not depend on the environment it was started from (a test sets one itself to force a path).
+DISPATCH_SWITCHES = (dispatch.SMALLSEQ_SWITCH, smallseq.KERNEL_SWITCH, varlen_prep.PREP_SWITCH)
 
 
 class EmulatedLaunchError(RuntimeError):
@@ -224,9 +234,11 @@ class _RecordingRuntime(runtime.Runtime):
 
 class EmulatedDevice:
     """The emulation backend and a registry over it, installed as the active runtime for the test
-    (monkeypatch restores the previous one)."""
+    (monkeypatch restores the previous one), with the DISPATCH_SWITCHES unset."""
 
     def __init__(self, build_dir, cache_dir, monkeypatch: pytest.MonkeyPatch, arch: str = EMULATED_ARCH):
+        for switch in DISPATCH_SWITCHES:
+            monkeypatch.delenv(switch, raising=False)
         self.backend = EmulationBackend(str(build_dir), arch)
         self.registry = Registry(self.backend, DiskCache(str(cache_dir)))
         self.runtime = _RecordingRuntime(self.backend, self.registry)

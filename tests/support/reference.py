@@ -66,4 +66,27 @@ def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal):
 
 
 def relative_error(got, want):
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+    """The largest absolute error relative to the largest reference value (0 for empty arrays)."""
+    return float(np.abs(got - want).max(initial=0.0) / max(np.abs(want).max(initial=0.0), 1e-30))
+
+
+def packed(x, lengths):
+    """THD rows [sum(lengths), ...] of a padded [B, S, ...] array's first lengths[b] tokens per sequence."""
+    return np.concatenate([x[b, :n] for b, n in enumerate(lengths)])
+
+
+def assert_forward_matches(out, lse, want_out, want_lse, dtype):
+    """Every element written, O within the dtype's tolerance of float64, and LSE +inf exactly on the
+    rows that see no key and close to the reference on every other."""
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output element was never written"
+    assert relative_error(out, want_out) < TOLERANCE[dtype]
+    finite = np.isfinite(want_lse)
+    assert (np.isinf(lse) == ~finite).all(), "rows that see no key have LSE = +inf, all others a finite one"
+    assert np.abs(lse[finite] - want_lse[finite]).max(initial=0.0) < 1e-3
+
+
+def assert_gradients_match(got, want, dtype):
+    """dQ, dK and dV (in that order) each fully written and within the dtype's tolerance of float64."""
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert not np.isnan(g).any(), f"d{name}: an element was never written"
+        assert relative_error(g, w) < TOLERANCE[dtype], f"d{name}"

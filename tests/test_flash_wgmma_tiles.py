@@ -1,0 +1,122 @@
+"""The Hopper (wgmma) kernels' tile tables, the forward's and the dK/dV kernel's: only sm_90a ships and
+runs them, their rows fit Hopper's shared memory, the bytes the launcher passes agree with the layouts
+the kernels compute, and the header that holds the wgmma instructions refuses every other target (all
+checked by NVRTC, no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+from support.compilers import compile_family, compile_with_layout_checks, nvrtc_backend
+
+from hipattn.catalog import flash_backward, flash_forward
+from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
+from hipattn.catalog.targets import HOPPER_SHARED_BYTES, runs_nvidia_wgmma
+from hipattn.errors import CompileError
+from hipattn.jit.target import Target
+
+FORWARD_ROWS = flash_forward.FLASH_FORWARD_WGMMA_TILES
+DKDV_ROWS = flash_backward.FLASH_BACKWARD_DKDV_WGMMA_TILES
+
+
+# ---- the forward ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", sorted(FORWARD_ROWS))
+def test_every_forward_row_fits_hopper_and_names_wgmma_shapes(head_dim):
+    tiles = FORWARD_ROWS[head_dim]
+    assert tiles.block_n in (64, 128), "S is one m64nN wgmma: the header defines N = 64 and 128 for it"
+    assert head_dim in (64, 128, 256), "O is one m64nN wgmma with N = head_dim, in whole 64-column blocks"
+    assert tiles.threads == 128 * tiles.warpgroups and tiles.block_m == 64 * tiles.warpgroups
+    assert tiles.stages in (2, 3), "K of the next tile is read while this one's P V runs: two slots at least"
+    assert tiles.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
+
+
+def test_forward_shared_bytes_formula():
+    # head_dim 128, 128-key tiles, two warpgroups, two stages: Q (128 rows), two K and two V slots (128 rows
+    # each), 2 bytes.
+    assert flash_forward.FlashForwardWgmmaTiles(128, 2, 2).shared_bytes(128) == (128 + 4 * 128) * 128 * 2
+
+
+def test_only_sm_90a_ships_the_forward_for_every_head_dim_but_96():
+    specs = flash_forward.FLASH_FORWARD_WGMMA.shipped(Target.parse("sm_90a"))
+    assert {(spec.arg("dtype"), spec.arg("head_dim")) for spec in specs} == {
+        (dtype, head_dim) for dtype in DTYPES for head_dim in FLASH_HEAD_DIMS if head_dim != 96
+    }
+    for arch in ("sm_80", "sm_89", "sm_90", "sm_100a", "gfx90a"):
+        assert not runs_nvidia_wgmma(Target.parse(arch))
+        assert list(flash_forward.FLASH_FORWARD_WGMMA.shipped(Target.parse(arch))) == []
+
+
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_each_target_gets_its_forward_kernels_row(head_dim):
+    mma_row = flash_forward.FLASH_FORWARD_MMA_TILES[head_dim]
+    assert flash_forward.tiles_for(head_dim, Target.parse("sm_90a")) == FORWARD_ROWS.get(head_dim, mma_row)
+    for arch in ("sm_80", "sm_89", "sm_90", "sm_120"):
+        assert flash_forward.tiles_for(head_dim, Target.parse(arch)) == mma_row
+    for arch in ("gfx90a", "gfx942:xnack-"):
+        assert flash_forward.tiles_for(head_dim, Target.parse(arch)) == flash_forward.FLASH_FORWARD_MFMA_TILES[head_dim]
+
+
+@pytest.mark.nvrtc
+def test_plain_sm_90_is_refused_with_the_reason():
+    backend = nvrtc_backend()
+    family = flash_forward.FLASH_FORWARD_WGMMA
+    spec = family.shipped(Target.parse("sm_90a"))[0]
+    with pytest.raises(CompileError, match="needs the sm_90a target"):
+        compile_family(backend, family, Target.parse("sm_90"), spec)
+
+
+# ---- the dK/dV kernel -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", sorted(DKDV_ROWS))
+def test_every_dkdv_row_fits_hopper_and_splits_dq_into_whole_swizzle_blocks(head_dim):
+    tiles = DKDV_ROWS[head_dim]
+    assert head_dim in (64, 128), "dK and dV are one m64nN wgmma each, N = head_dim"
+    assert (head_dim // tiles.warpgroups) % 64 == 0, "each warpgroup's dQ columns are whole 64-column blocks"
+    assert tiles.block_n == 64 * tiles.warpgroups and tiles.threads == 128 * tiles.warpgroups
+    assert tiles.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
+
+
+def test_dkdv_shared_bytes_formula():
+    # head_dim 128, two warpgroups: K and V (128 rows each), two Q and two dO slots (64 rows each),
+    # dSᵀ (128 x 64), 2 bytes; then LSE and Delta, two slots of 64 fp32 each; then each warpgroup's
+    # 64 staged dQ rows of 64 + 8 fp32.
+    assert flash_backward.FlashDkdvWgmmaTiles(2).shared_bytes(128) == (
+        (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 72 * 4)
+
+
+def test_only_sm_90a_ships_the_dkdv_kernel():
+    family = flash_backward.FLASH_BACKWARD_DKDV_WGMMA
+    specs = family.shipped(Target.parse("sm_90a"))
+    assert {(spec.arg("dtype"), spec.arg("head_dim"), spec.arg("write_dq")) for spec in specs} == {
+        (dtype, head_dim, write_dq) for dtype in DTYPES for head_dim in DKDV_ROWS for write_dq in (False, True)}
+    for arch in ("sm_80", "sm_89", "sm_90", "sm_100a", "gfx90a"):
+        assert list(family.shipped(Target.parse(arch))) == []
+
+
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_sm_90a_runs_the_dkdv_kernel_where_the_table_has_the_head_dim(head_dim):
+    dkdv, dq = flash_backward.tiles_for(head_dim, Target.parse("sm_90a"))
+    mma_dkdv, mma_dq = flash_backward.FLASH_BACKWARD_MMA_TILES_HOPPER[head_dim]
+    assert dkdv == DKDV_ROWS.get(head_dim, mma_dkdv)
+    assert dq == mma_dq, "the deterministic dQ kernel stays mma.sync"
+    spec = dkdv.spec("bf16", head_dim, write_dq=True)
+    expected = "flash_backward_dkdv_wgmma" if head_dim in DKDV_ROWS else "flash_backward_dkdv_mma"
+    assert spec.family.name == expected
+
+
+# ---- both -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("family, table, layout_of", [
+    (flash_forward.FLASH_FORWARD_WGMMA, FORWARD_ROWS,
+     lambda head_dim, tiles: f"hipattn::flash::WgmmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}, "
+                             f"{tiles.warpgroups}, {tiles.stages}>"),
+    (flash_backward.FLASH_BACKWARD_DKDV_WGMMA, DKDV_ROWS,
+     lambda head_dim, tiles: f"hipattn::flash::WgmmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.warpgroups}>"),
+], ids=["forward", "dkdv"])
+def test_kernel_layout_matches_the_launcher_bytes(family, table, layout_of):
+    """One NVRTC compile of each kernel's unit with a static_assert per table row."""
+    compile_with_layout_checks(nvrtc_backend(), family, Target.parse("sm_90a"), table, layout_of)
