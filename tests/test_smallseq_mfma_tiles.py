@@ -16,17 +16,17 @@ from support.local_rocm import use_local_rocm
 
 from hipattn.catalog.common import DTYPES
 from hipattn.catalog.smallseq import (
-    SMALLSEQ_BACKWARD_MFMA,
-    SMALLSEQ_BACKWARD_MFMA_TILES,
     SMALLSEQ_BACKWARD_TILES,
-    SMALLSEQ_FORWARD_MFMA,
-    SMALLSEQ_FORWARD_MFMA_TILES,
     SMALLSEQ_FORWARD_TILES,
-    SMALLSEQ_HEAD_DIMS,
-    SMALLSEQ_SHIPPED_HEADS,
-    SMALLSEQ_TILE,
     backward_tiles,
     forward_tiles,
+)
+from hipattn.catalog.smallseq_common import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
+from hipattn.catalog.smallseq_mfma import (
+    SMALLSEQ_BACKWARD_MFMA,
+    SMALLSEQ_BACKWARD_MFMA_TILES,
+    SMALLSEQ_FORWARD_MFMA,
+    SMALLSEQ_FORWARD_MFMA_TILES,
 )
 from hipattn.catalog.targets import AMD_LDS_BYTES
 from hipattn.jit.cache import DiskCache

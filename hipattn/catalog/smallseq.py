@@ -1,68 +1,38 @@
-"""The small-sequence kernels (every sequence <= SMALLSEQ_TILE tokens on both sides): the portable
-CUDA-core forward and backward (any GPU, any wave size), the NVIDIA tensor-core (mma.sync, sm_80+)
-forward and backward, for ungrouped heads and for grouped ones (GQA/MQA), and the AMD matrix-core
-(MFMA, gfx90a/gfx94x) forward and backward. Each row of
-the tables below names its kernel, its spec, its shared memory and how a launch covers a call's
-problems."""
+"""The small-sequence kernels' rows (every sequence <= SMALLSEQ_TILE tokens on both sides) for the
+portable CUDA-core forward and backward (any GPU, any wave size) and the NVIDIA tensor-core (mma.sync,
+sm_80+) forward and backward, for ungrouped heads and for grouped ones (GQA/MQA); the AMD matrix-core
+rows are in ``smallseq_mfma``. Each row of the tables below names its kernel, its spec, its shared
+memory and how a launch covers a call's problems; ``forward_tiles``/``backward_tiles`` choose a call's
+row on its target."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..jit.params import ParamsStruct
 from ..jit.spec import KernelFamily, KernelSpec
 from ..jit.target import Target
 from .common import DTYPES
-from .fields import SEQUENCE_FIELDS, row_statistic, strided
 from .index import register
+from .smallseq_common import (
+    BACKWARD_FIELDS,
+    FORWARD_FIELDS,
+    RUN_FIELD,
+    SMALLSEQ_HEAD_DIMS,
+    SMALLSEQ_LANE_ELEMENTS,
+    SMALLSEQ_SCORE_PITCH,
+    SMALLSEQ_TEAMS_WANTED,
+    SMALLSEQ_TILE,
+    SmallSeqLaunch,
+    SmallSeqTiles,
+    shipped_per_heads,
+    smallseq_family,
+)
+from .smallseq_mfma import SMALLSEQ_BACKWARD_MFMA_TILES, SMALLSEQ_FORWARD_MFMA_TILES
 from .targets import runs_amd_mfma, runs_nvidia_mma
-from .tiles import ELEMENT_BYTES, KernelTiles
-
-# The longest sequence the small-seq kernels handle, on either side: the tile every problem fits in.
-# This is the one definition; it reaches the kernels as their TILE template argument.
-SMALLSEQ_TILE = 17
-SMALLSEQ_HEAD_DIMS = (64, 128, 256)
-# The query head counts shipped precompiled; any other compiles on first use.
-SMALLSEQ_SHIPPED_HEADS = (8, 16, 32)
-# A portable team's lane holds this many consecutive elements of each row (8-byte accesses).
-SMALLSEQ_LANE_ELEMENTS = 4
-# A call of fewer than problems_per_team * SMALLSEQ_TEAMS_WANTED problems gives its teams shorter runs,
-# so that it still spreads over the GPU.
-SMALLSEQ_TEAMS_WANTED = 16384
-# The tensor-core backward's P and dZ tiles: [SMALLSEQ_TILE query rows][32 keys + 8 of pad], 16-bit
-# (smallseq::kScorePitch).
-SMALLSEQ_SCORE_PITCH = 32 + 8
-
-
-@dataclass(frozen=True)
-class SmallSeqLaunch:
-    """How one launch covers a call's problems: its grid, block, dynamic shared memory, and the kernel
-    fields the launch sets (the tensor-core kernels' run of problems per team, the grouped kernels'
-    group size)."""
-
-    blocks: int
-    threads: int
-    shared_bytes: int
-    fields: Mapping[str, int] = field(default_factory=dict)
-
-
-class SmallSeqTiles(KernelTiles):
-    """A small-seq row: it picks the instantiation a call needs and sizes its launch."""
-
-    def call_spec(self, dtype: str, head_dim: int, heads: int) -> KernelSpec:
-        """The instantiation serving a call with ``heads`` query heads: the kernels take the head count
-        as a template argument (so that a problem index divides by a constant), unless a row's kernel
-        takes it at run time."""
-        return self.spec(dtype, head_dim, heads=heads)
-
-    @abstractmethod
-    def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
-        """The launch over ``problems`` problems as the launcher counts them ((sequence, query head)
-        pairs for the forward, (sequence, KV head) pairs for the backward), of query heads grouped
-        ``group`` to a KV head."""
+from .tiles import ELEMENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -307,90 +277,6 @@ SMALLSEQ_BACKWARD_MMA_TILES = {
 }
 
 
-# ---- AMD matrix cores (MFMA 16x16x16, gfx90a and gfx94x) ----
-# A key tile of the MFMA kernels' scores: 16 keys; a 17-token sequence has a second one of one row.
-_MFMA_KEY_TILES = -(-SMALLSEQ_TILE // 16)
-
-
-def _exchange_bytes(waves: int, tensors: int) -> int:
-    """smallseq::ScoreExchange<WAVES, TENSORS, KEY_TILES>::kBytes: two buffers of every wave's partial
-    scores per tensor, fp32 (key tile 0's 64 lanes x 4, and key 16's 16 queries when a sequence may
-    have 17 keys); one wave exchanges nothing."""
-    if waves == 1:
-        return 0
-    per_tensor = 64 * 4 + (16 if _MFMA_KEY_TILES > 1 else 0)
-    return 2 * waves * tensors * per_tensor * 4
-
-
-@dataclass(frozen=True)
-class SmallSeqMfmaTiles(SmallSeqTiles):
-    """An MFMA kernel's row: a workgroup of ``waves`` 64-lane waves per (sequence, KV head) serves the
-    stacked query rows of its whole group, so K and V are read once per group; the waves split
-    head_dim and sum their partial scores through LDS (smallseq/mfma_tiles.h)."""
-
-    waves: int
-
-    # The score tensors the waves exchange: the forward's Sᵀ; the backward's Sᵀ and dPᵀ.
-    exchanged_tensors = 1
-
-    @property
-    def threads(self) -> int:
-        return 64 * self.waves
-
-    def template_args(self, head_dim: int) -> dict[str, Any]:
-        return {"tile": SMALLSEQ_TILE, "waves": self.waves}
-
-    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES, *, group: int = 1) -> int:
-        return _exchange_bytes(self.waves, self.exchanged_tensors)
-
-    def launch_blocks(self, problems: int, group: int) -> int:
-        """Workgroups for ``problems`` as the launcher counts them (see the subclasses)."""
-        return problems
-
-    def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
-        return SmallSeqLaunch(self.launch_blocks(problems, group), self.threads, self.shared_bytes(head_dim))
-
-
-@dataclass(frozen=True)
-class SmallSeqForwardMfmaTiles(SmallSeqMfmaTiles):
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_FORWARD_MFMA
-
-    def launch_blocks(self, problems: int, group: int) -> int:
-        """The forward's problems are (sequence, query head) pairs; a workgroup serves a group of them."""
-        return problems // group
-
-
-@dataclass(frozen=True)
-class SmallSeqBackwardMfmaTiles(SmallSeqMfmaTiles):
-    """The backward's problems are (sequence, KV head) pairs already: a workgroup each."""
-
-    exchanged_tensors = 2
-
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_BACKWARD_MFMA
-
-
-# Waves per workgroup, per head_dim; the registers are hiprtc 5.2's for gfx90a (VGPRs and AGPRs, of
-# 512 per SIMD lane). A forward wave keeps K's and Vᵀ's fragments of its columns for the whole group
-# (2 key tiles x columns / 16 operands each) besides a tile's Q, O and scores: 100 registers at 64
-# columns, 156 at 128 (five and three waves per SIMD), so head_dim 256 takes two waves of 128 columns
-# (160) and nothing spills. A backward wave also keeps Kᵀ's fragments and the dK and dV accumulators:
-# 232-240 registers at 64 columns (two waves per SIMD), so its waves take 64 columns at every head_dim.
-SMALLSEQ_FORWARD_MFMA_TILES = {
-    64: SmallSeqForwardMfmaTiles(waves=1),
-    128: SmallSeqForwardMfmaTiles(waves=1),
-    256: SmallSeqForwardMfmaTiles(waves=2),
-}
-SMALLSEQ_BACKWARD_MFMA_TILES = {
-    64: SmallSeqBackwardMfmaTiles(waves=1),
-    128: SmallSeqBackwardMfmaTiles(waves=2),
-    256: SmallSeqBackwardMfmaTiles(waves=4),
-}
-
-
 def _row(head_dim: int, target: Target | None, group: int, portable: bool, mma: dict, grouped: dict, mfma: dict,
          fallback: SmallSeqTiles) -> SmallSeqTiles:
     if portable:
@@ -420,17 +306,8 @@ def backward_tiles(head_dim: int, target: Target | None, *, group: int, portable
                 SMALLSEQ_BACKWARD_MFMA_TILES, SMALLSEQ_BACKWARD_TILES)
 
 
-def _shipped(rows_of_head_dim, target: Target) -> list:
-    return [rows_of_head_dim(d).spec(t, d, heads=h) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS
-            for h in SMALLSEQ_SHIPPED_HEADS]
-
-
 def _shipped_mma(table: dict[int, SmallSeqMmaTiles], target: Target) -> list:
-    return _shipped(table.__getitem__, target) if runs_nvidia_mma(target) else []
-
-
-def _shipped_mfma(table: dict[int, SmallSeqMfmaTiles], target: Target) -> list:
-    return _shipped(table.__getitem__, target) if runs_amd_mfma(target) else []
+    return shipped_per_heads(table.__getitem__, target) if runs_nvidia_mma(target) else []
 
 
 def _shipped_grouped(table: dict[int, SmallSeqGroupedMmaTiles], target: Target) -> list:
@@ -440,53 +317,32 @@ def _shipped_grouped(table: dict[int, SmallSeqGroupedMmaTiles], target: Target) 
     return [table[d].spec(t, d) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS]
 
 
-_SMALLSEQ_TEMPLATE = ("dtype", "head_dim", "heads", "tile")
-_FORWARD_FIELDS = strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr") + SEQUENCE_FIELDS
-_BACKWARD_FIELDS = (strided("q") + strided("k") + strided("v") + strided("dout") + strided("dq") + strided("dk")
-                    + strided("dv") + row_statistic("lse", "const_ptr") + SEQUENCE_FIELDS)
-# The tensor-core kernels' teams walk runs of problems, of a length the launch chooses.
-_RUN_FIELD = (("problems_per_team", "i32"),)
-
-
-def _family(name: str, source: str, template_tail: tuple[str, ...], params: ParamsStruct, shipped) -> KernelFamily:
-    return register(KernelFamily(name=name, source=source, template=f"hipattn::{name}",
-                                 template_params=_SMALLSEQ_TEMPLATE + template_tail, params=params, shipped=shipped))
-
-
-SMALLSEQ_FORWARD = _family(
+SMALLSEQ_FORWARD = smallseq_family(
     "smallseq_forward", "smallseq/forward.hip", ("block_threads", "lane_elements"),
-    ParamsStruct("SmallSeqForwardParams", _FORWARD_FIELDS),
-    lambda target: _shipped(lambda d: SMALLSEQ_FORWARD_TILES, target))
-SMALLSEQ_BACKWARD = _family(
+    ParamsStruct("SmallSeqForwardParams", FORWARD_FIELDS),
+    lambda target: shipped_per_heads(lambda d: SMALLSEQ_FORWARD_TILES, target))
+SMALLSEQ_BACKWARD = smallseq_family(
     "smallseq_backward", "smallseq/backward.hip", ("block_threads", "lane_elements"),
-    ParamsStruct("SmallSeqBackwardParams", _BACKWARD_FIELDS),
-    lambda target: _shipped(lambda d: SMALLSEQ_BACKWARD_TILES, target))
-SMALLSEQ_FORWARD_MMA = _family(
+    ParamsStruct("SmallSeqBackwardParams", BACKWARD_FIELDS),
+    lambda target: shipped_per_heads(lambda d: SMALLSEQ_BACKWARD_TILES, target))
+SMALLSEQ_FORWARD_MMA = smallseq_family(
     "smallseq_forward_mma", "smallseq/forward_mma.hip", ("warps", "split"),
-    ParamsStruct("SmallSeqForwardMmaParams", _FORWARD_FIELDS + _RUN_FIELD),
+    ParamsStruct("SmallSeqForwardMmaParams", FORWARD_FIELDS + RUN_FIELD),
     lambda target: _shipped_mma(SMALLSEQ_FORWARD_MMA_TILES, target))
-SMALLSEQ_BACKWARD_MMA = _family(
+SMALLSEQ_BACKWARD_MMA = smallseq_family(
     "smallseq_backward_mma", "smallseq/backward_mma.hip", ("warps", "split"),
-    ParamsStruct("SmallSeqBackwardMmaParams", _BACKWARD_FIELDS + _RUN_FIELD),
+    ParamsStruct("SmallSeqBackwardMmaParams", BACKWARD_FIELDS + RUN_FIELD),
     lambda target: _shipped_mma(SMALLSEQ_BACKWARD_MMA_TILES, target))
 # The grouped kernels take neither the head count nor a per-head problem index: their teams walk groups.
 _GROUPED_TEMPLATE = ("dtype", "head_dim", "tile", "warps", "split")
-_GROUP_FIELDS = _RUN_FIELD + (("group_size", "i32"),)
+_GROUP_FIELDS = RUN_FIELD + (("group_size", "i32"),)
 SMALLSEQ_FORWARD_GQA_MMA = register(KernelFamily(
     name="smallseq_forward_gqa_mma", source="smallseq/forward_gqa_mma.hip",
     template="hipattn::smallseq_forward_gqa_mma", template_params=_GROUPED_TEMPLATE,
-    params=ParamsStruct("SmallSeqForwardGqaMmaParams", _FORWARD_FIELDS + _GROUP_FIELDS),
+    params=ParamsStruct("SmallSeqForwardGqaMmaParams", FORWARD_FIELDS + _GROUP_FIELDS),
     shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_FORWARD_MMA_TILES, target)))
 SMALLSEQ_BACKWARD_GQA_MMA = register(KernelFamily(
     name="smallseq_backward_gqa_mma", source="smallseq/backward_gqa_mma.hip",
     template="hipattn::smallseq_backward_gqa_mma", template_params=_GROUPED_TEMPLATE,
-    params=ParamsStruct("SmallSeqBackwardGqaMmaParams", _BACKWARD_FIELDS + _GROUP_FIELDS),
+    params=ParamsStruct("SmallSeqBackwardGqaMmaParams", BACKWARD_FIELDS + _GROUP_FIELDS),
     shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_BACKWARD_MMA_TILES, target)))
-SMALLSEQ_FORWARD_MFMA = _family(
-    "smallseq_forward_mfma", "smallseq/forward_mfma.hip", ("waves",),
-    ParamsStruct("SmallSeqForwardMfmaParams", _FORWARD_FIELDS),
-    lambda target: _shipped_mfma(SMALLSEQ_FORWARD_MFMA_TILES, target))
-SMALLSEQ_BACKWARD_MFMA = _family(
-    "smallseq_backward_mfma", "smallseq/backward_mfma.hip", ("waves",),
-    ParamsStruct("SmallSeqBackwardMfmaParams", _BACKWARD_FIELDS),
-    lambda target: _shipped_mfma(SMALLSEQ_BACKWARD_MFMA_TILES, target))

@@ -83,7 +83,7 @@ HIPATTN_DEVICE void store_row(T* first, const mfma::Accumulator (&x)[STEPS], flo
 // Sᵀ and dPᵀ), key tile 0's accumulators (64 lanes x 4), then key 16's scores of the tile's 16 queries
 // (accumulator element 0 of quarter 0, the one real row of key tile 1). Two buffers, by query tile
 // parity: a wave may write tile m + 1's while another still reads tile m's, so one barrier per tile
-// suffices. One wave exchanges nothing. The host's rows (hipattn/catalog/smallseq.py,
+// suffices. One wave exchanges nothing. The host's rows (hipattn/catalog/smallseq_mfma.py,
 // _exchange_bytes) compute kBytes with the same formula.
 template <int WAVES, int TENSORS, int KEY_TILES>
 struct ScoreExchange {

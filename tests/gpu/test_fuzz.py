@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import hipattn
 from hipattn.catalog.common import FLASH_HEAD_DIMS
-from hipattn.catalog.smallseq import SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
+from hipattn.catalog.smallseq_common import SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
 
 from .conftest import (
     ROW_TOLERANCE_FACTOR,

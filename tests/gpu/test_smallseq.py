@@ -11,14 +11,8 @@ import torch
 import hipattn
 from hipattn import runtime
 from hipattn.catalog import smallseq
-from hipattn.catalog.smallseq import (
-    SMALLSEQ_HEAD_DIMS,
-    SMALLSEQ_SHIPPED_HEADS,
-    SMALLSEQ_TILE,
-    SmallSeqBackwardMmaTiles,
-    SmallSeqForwardMmaTiles,
-    SmallSeqMmaTiles,
-)
+from hipattn.catalog.smallseq import SmallSeqBackwardMmaTiles, SmallSeqForwardMmaTiles, SmallSeqMmaTiles
+from hipattn.catalog.smallseq_common import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED_HEADS, SMALLSEQ_TILE
 
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
