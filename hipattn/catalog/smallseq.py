@@ -232,12 +232,15 @@ class SmallSeqBackwardGqaMmaTiles(SmallSeqGroupedMmaTiles):
         return self.split * warp + lse + scores + (self.split - 1) * 2 * _GQA_EXCHANGE_BYTES
 
 
-# Rows chosen by counts, not yet timed (the kernels' header comments): warps per SM from shared memory
-# (registers never bind tighter: tests/test_smallseq_gqa_tiles.py), each warp at an instruction every
-# 6-7 cycles, should issue a group's instructions in no more time than its bytes take. Forward warps
-# need 9.4, 17.8 and (two of 128 columns) 20.8 KiB at head_dim 64, 128 and 256: 20, 12 and 10 per H200
-# SM. Backward teams need 16.5, 33.5 and 67.3 KiB: 12 warps per SM at every head_dim. Runs of 2 groups
-# a team, as MHA's rows run 2-4 problems. Every block stays within the 99 KiB that sm_86/sm_89 allow.
+# Rows measured on the H200 (tools/sweep_smallseq.py over the matrix's small-seq cells; BENCHMARKS.md).
+# The kernels are latency-bound, so a row sets warps per SM and how rarely a block retires. Shared
+# memory sets the warps per SM (registers never bind tighter: tests/test_smallseq_gqa_tiles.py):
+# forward warps need 9.4, 17.8 and (two of 128 columns) 20.8 KiB at head_dim 64, 128 and 256, so 20,
+# 12 and 10 fit an SM; backward teams need 16.5, 33.5 and 67.3 KiB, 12 warps at every head_dim. The
+# forward's blocks of 1, 2 or 4 warps and runs of 1 to 4 groups land within about 0.05x of the floor
+# of each other. The backward's blocks of 4 warps beat blocks of 2 at G = 2 (1.40 vs 1.47 of the floor
+# at head_dim 64, 1.54 vs 1.64 at 128), and at head_dim 256 runs of 4 groups beat runs of 2 (1.54 vs
+# 1.59). Every block stays within the 99 KiB that sm_86/sm_89 allow.
 SMALLSEQ_GQA_FORWARD_MMA_TILES = {
     64: SmallSeqForwardGqaMmaTiles(warps=4, problems_per_team=2),
     128: SmallSeqForwardGqaMmaTiles(warps=4, problems_per_team=2),
@@ -262,14 +265,15 @@ SMALLSEQ_BACKWARD_TILES = SmallSeqBackwardTiles(block_threads=64)
 # two warps share a problem's columns, 14 KiB each (16 per SM, where one warp per problem fits 8). A
 # backward warp needs 12 and 21 KiB at head_dim 64 and 128 (16 and 10 per SM); at 256 a pair that
 # splits the columns 39 KiB (10 warps per SM, where one warp per problem fits 5). Runs of 2-4
-# problems let a block retire less often than one problem per team would. Every block stays within
-# the 99 KiB that sm_86/sm_89 allow.
+# problems let a block retire less often than one problem per team would: the backward's blocks of 6
+# warps at head_dim 64 measured 1.44 of the floor where 4 took 1.50, and runs of 4 at head_dim 256
+# 1.54 where runs of 2 took 1.56. Every block stays within the 99 KiB that sm_86/sm_89 allow.
 SMALLSEQ_FORWARD_MMA_TILES = {
     64: SmallSeqForwardMmaTiles(warps=4, problems_per_team=4),
     128: SmallSeqForwardMmaTiles(warps=4, problems_per_team=4),
     256: SmallSeqForwardMmaTiles(warps=4, problems_per_team=4, split=2),
 }
-# The tensor-core backward covers Hq == Hkv; GQA/MQA calls take the portable backward.
+# Ungrouped heads (Hq == Hkv); grouped ones take SMALLSEQ_GQA_BACKWARD_MMA_TILES.
 SMALLSEQ_BACKWARD_MMA_TILES = {
     64: SmallSeqBackwardMmaTiles(warps=6, problems_per_team=2),
     128: SmallSeqBackwardMmaTiles(warps=2, problems_per_team=2),

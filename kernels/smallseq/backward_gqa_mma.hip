@@ -29,18 +29,22 @@
 // ready, P and dZ ready (the second also tells the other warps that the slots are free again, and the
 // first of the next chunk that P and dZ were read).
 //
-// Why this shape (head_dim 128, G = 4, lengths drawn from 1..17): one team per group moves the
-// floor's bytes (Q, dO, dQ per query head; K, V, dK, dV once per group), 46 KB a group, 2580 cycles of
-// one SM's share of the copy bandwidth; the portable kernel this replaces for GQA ran at 40-100x the
-// floor. A chunk with at most 16 keys is about 750 instructions of SASS in the first warp (S and dP
-// 16 mma, P and dZ 150, dVᵀ and dKᵀ 24 mma, dQ 8 mma and its rows out) and 600 in the other, plus
-// 120 each for the next chunk's copies; with 2.6 chunks and the epilogue (dK and dV through shared
-// memory, about 300 a warp) a group takes about 5100 for the team, which 12 warps issue in about 2800
-// cycles: about the floor, so the backward should land near MHA's 1.35-1.45x (which issues 2200 a
-// problem with 10 warps). Registers: the launch bounds hold ptxas to 168 (12 warps per SM), which
-// every row's shared memory also allows (16.5, 33.5 and 67.3 KiB a team): S then dP, a warp barrier
-// between the dVᵀ and dKᵀ products, and tile addresses rebuilt from offsets (TilePlaces) keep it
-// there without spills.
+// Why this shape. One team per group moves the floor's bytes (Q, dO, dQ per query head; K, V, dK, dV
+// once per group); the portable kernel this replaces for GQA ran at 40-100x the floor. What is left
+// is latency: on the H200 (ncu) the first version kept 12 warps per SM busy at 1.7 instructions a
+// cycle, with about a third of the stall samples waiting on instruction fetch and the rest on the
+// chain of mma results. So the code keeps the instruction stream short and the chains wide:
+// - S and dP come from one pass over the k-steps (two independent accumulator sets per step), their
+//   row addresses built once without per-row conditions (rows past the chunk or the keys read bytes
+//   that are masked afterwards; the third key tile's rows stop at TILE - 1, so that they never read
+//   the next chunk's Q tile while its cp.async is in flight);
+// - dZ carries the softmax scale, so neither dK nor dQ is scaled again;
+// - dK and dV leave through movmatrix and 32-bit stores (store_group_gradients) instead of one
+//   16-bit store per element.
+// Registers: the launch bounds hold ptxas to 168 (12 warps per SM), which every row's shared memory
+// also allows (16.5, 33.5 and 67.3 KiB a team), without spills. Measured over the matrix's cells this
+// runs at 1.2-1.55x the floor (BENCHMARKS.md), G = 2 the slowest: its groups have the fewest rows to
+// share K and V over.
 #pragma once
 #include "smallseq/group_tiles.h"
 
