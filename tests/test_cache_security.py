@@ -93,6 +93,20 @@ def test_parent_directory_writable_by_others_is_refused(tmp_path, backend, caplo
     assert any("above it is writable by group or others" in m for m in warnings_in(caplog))
 
 
+def test_parent_directory_owned_by_another_user_is_refused(tmp_path, backend, caplog):
+    """Whoever owns a directory above the cache can rename the cache away and put theirs in its place."""
+    if not running_as_root():
+        pytest.skip("needs a directory owned by another user: only root can make one")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    (theirs / "cache").mkdir(mode=0o700)  # this user's own cache, inside a directory they do not own
+    with caplog.at_level(logging.WARNING, logger="hipattn"):
+        cache = DiskCache(theirs / "cache")
+    assert not cache.readable and not cache.writable
+    assert any("neither root nor this user" in m for m in warnings_in(caplog))
+
+
 def test_parent_directory_writable_by_others_but_sticky_is_accepted(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()

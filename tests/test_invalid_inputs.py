@@ -524,6 +524,10 @@ CASES = [
          dq=lambda m, call: m.inside(call["cu_seqlens_k"], Q_SHAPE, "fp16")),
     case("workspace overlaps cu_seqlens_q", backward_thd, ValueError, "workspace overlaps cu_seqlens_q in memory",
          GUARDED, cu_seqlens_q=cu_seqlens_with_room_below, workspace=workspace_over_cu_seqlens_q, **FLASH_BOUNDS),
+    case("workspace overlaps dq", backward_thd, ValueError, "workspace overlaps dq in memory", GUARDED,
+         workspace=lambda m, call: raw_array(call["dq"].ptr, (_workspace_bytes(call),), "uint8", 0), **FLASH_BOUNDS),
+    case("workspace overlaps q", backward_thd, ValueError, "workspace overlaps q in memory", GUARDED,
+         workspace=lambda m, call: raw_array(call["q"].ptr, (_workspace_bytes(call),), "uint8", 0), **FLASH_BOUNDS),
     case("read-only workspace", backward_thd, ValueError, "workspace is read-only", GUARDED,
          workspace=read_only_workspace, **FLASH_BOUNDS),
     # overlaps with strides of any sign, and outputs that overlap themselves
