@@ -19,10 +19,13 @@ import argparse
 import dataclasses
 import datetime
 import json
+import shlex
 import statistics
+import sys
 
 from tools.benchlib import precompile
 from tools.matrix import cells
+from tools.matrix.run import source_identity
 
 SAMPLES = 15
 CALLS_PER_SAMPLE = 8
@@ -129,7 +132,9 @@ def main() -> None:
     results = []
     for cell, rows in plan:
         results += sweep_cell(measurer, cell, rows, cells.floor(cells.work(cell), ceilings)["ms"])
-    report = {"date": datetime.date.today().isoformat(), "environment": measurer.environment(),
+    report = {"date": datetime.date.today().isoformat(),
+              "command": "python -m tools.sweep_smallseq " + shlex.join(sys.argv[1:]),
+              "source": source_identity(), "environment": measurer.environment(),
               "ceilings": dataclasses.asdict(ceilings), "rows": results}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
