@@ -65,7 +65,8 @@ struct GqaForwardTeamTiles {
 // (about a tenth of a chunk's instructions).
 template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS, bool WIDE>
 HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Group& x, const StackedRows& stacked,
-                                  int first, int slot, const TilePlaces& places, int team, int part, int lane) {
+                                  T* o_rows, int first, int slot, const TilePlaces& places, int team, int part,
+                                  int lane) {
   using Team = GqaForwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
   constexpr int COLS = Team::kCols;
   constexpr int kPitchBytes = Team::kPitchBytes;
@@ -205,21 +206,16 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
               mma::pack2<T>(o[nt][half][2 * r], o[nt][half][2 * r + 1]);
   __syncwarp();
   // ---- O's rows (this warp's columns) out with 16-byte stores ----
-  store_stacked_rows<T, COLS>(static_cast<T*>(p.o) + x.batch_index * p.o_batch_stride + x.q.start * p.o_token_stride +
-                                  x.head_kv * stacked.group * p.o_head_stride + part * COLS,
-                              p.o_token_stride, p.o_head_stride, chunk, stacked, first, rows, lane);
+  store_stacked_rows<T, COLS>(o_rows, p.o_token_stride, p.o_head_stride, chunk, stacked, first, rows, lane);
 }
 
-// Issue the copies of the Q rows of chunk [first, first + 16) of group x (COLS columns from `column`).
+// Issue the copies of the Q rows of chunk [first, first + 16) of a group whose stacked Q rows start at
+// `q_rows` (this warp's first column).
 template <typename T, int COLS>
-HIPATTN_DEVICE void stage_forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Group& x,
-                                        const StackedRows& stacked, int first, int column, unsigned char* chunk,
-                                        int lane) {
+HIPATTN_DEVICE void stage_forward_chunk(const SmallSeqForwardGqaMmaParams& p, const StackedRows& stacked,
+                                        const T* q_rows, int first, unsigned char* chunk, int lane) {
   const int rows = stacked.count - first < kChunkRows ? stacked.count - first : kChunkRows;
-  stage_stacked_rows<T, COLS>(chunk, static_cast<const T*>(p.q) + x.batch_index * p.q_batch_stride +
-                                         x.q.start * p.q_token_stride +
-                                         x.head_kv * stacked.group * p.q_head_stride + column,
-                              p.q_token_stride, p.q_head_stride, stacked, first, rows, lane);
+  stage_stacked_rows<T, COLS>(chunk, q_rows, p.q_token_stride, p.q_head_stride, stacked, first, rows, lane);
 }
 
 }  // namespace smallseq
@@ -227,8 +223,8 @@ HIPATTN_DEVICE void stage_forward_chunk(const SmallSeqForwardGqaMmaParams& p, co
 // WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_team groups; the
 // host's table (catalog.smallseq.SMALLSEQ_GQA_FORWARD_MMA_TILES) sizes the dynamic shared memory.
 // Warps of 64 columns need 9.4 KiB of it, so an H200 SM holds 20: the launch bounds ask ptxas for the
-// registers of 20 (95, no spills). Wider warps need twice the shared memory and more, an SM holds at
-// most 12 of them, and their registers (about 125) are left alone.
+// registers of 20 (96, no spills). Wider warps need twice the shared memory and more, an SM holds at
+// most 12 of them, and their registers (about 145) are left alone.
 template <int WARPS, int COLS>
 constexpr int kForwardBlocksPerSm = COLS == 64 ? 20 / WARPS : 1;
 
@@ -257,6 +253,12 @@ __global__ void __launch_bounds__(WARPS * 32, kForwardBlocksPerSm<WARPS, HEAD_DI
   int walked = 0;  // chunks this team has computed: which chunk tile and exchange slot come next
   for (;;) {
     stacked.count = p.group_size * x.q.length;
+    // Where the group's stacked Q and O rows start (this warp's columns): once a group, where each
+    // chunk's stage and store spent their 64-bit stride products on it again.
+    const T* const q_rows = smallseq::group_rows(static_cast<const T*>(p.q), x, stacked, p.q_batch_stride,
+                                                 p.q_token_stride, p.q_head_stride) + column;
+    T* const o_rows = smallseq::group_rows(static_cast<T*>(p.o), x, stacked, p.o_batch_stride, p.o_token_stride,
+                                           p.o_head_stride) + column;
     if (stacked.count > 0) {  // no query rows: nothing to write (the same for the whole team)
       smallseq::stage_rows<T, COLS>(places.warp_bytes(Team::kKOffset),
                                     static_cast<const T*>(p.k) + x.batch_index * p.k_batch_stride +
@@ -267,16 +269,16 @@ __global__ void __launch_bounds__(WARPS * 32, kForwardBlocksPerSm<WARPS, HEAD_DI
                                         x.k.start * p.v_token_stride + x.head_kv * p.v_head_stride + column,
                                     p.v_token_stride, x.k.length, lane);
       smallseq::stage_forward_chunk<T, COLS>(
-          p, x, stacked, 0, column, places.warp_bytes(Team::kChunksOffset) + (walked % 2) * Team::kChunkBytes, lane);
+          p, stacked, q_rows, 0, places.warp_bytes(Team::kChunksOffset) + (walked % 2) * Team::kChunkBytes, lane);
       mma::commit_async_copies();
     }
     for (int first = 0; first < stacked.count; first += smallseq::kChunkRows, ++walked) {
       const int slot = walked % 2;
       if (first + smallseq::kChunkRows < stacked.count) {
         // The next chunk's Q rows land in the other chunk tile while this one computes.
-        smallseq::stage_forward_chunk<T, COLS>(
-            p, x, stacked, first + smallseq::kChunkRows, column,
-            places.warp_bytes(Team::kChunksOffset) + (1 - slot) * Team::kChunkBytes, lane);
+        smallseq::stage_forward_chunk<T, COLS>(p, stacked, q_rows, first + smallseq::kChunkRows,
+                                               places.warp_bytes(Team::kChunksOffset) + (1 - slot) * Team::kChunkBytes,
+                                               lane);
         mma::commit_async_copies();
         mma::wait_async_copies_except<1>();
       } else {
@@ -284,11 +286,11 @@ __global__ void __launch_bounds__(WARPS * 32, kForwardBlocksPerSm<WARPS, HEAD_DI
       }
       __syncwarp();
       if (x.k.length > 16)
-        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, true>(p, x, stacked, first, slot, places, team, part,
-                                                                       lane);
+        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, true>(p, x, stacked, o_rows, first, slot, places,
+                                                                       team, part, lane);
       else
-        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, false>(p, x, stacked, first, slot, places, team, part,
-                                                                        lane);
+        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, false>(p, x, stacked, o_rows, first, slot, places,
+                                                                        team, part, lane);
       __syncwarp();  // O has left the chunk tile before the chunk after next lands in it
     }
     // Every lane is done with K and V (the last chunk's O has been stored: __syncwarp above) before

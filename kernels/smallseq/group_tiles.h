@@ -111,8 +111,16 @@ HIPATTN_DEVICE bool next_group_of_block(const Params& p, Group& x) {
   return x.batch_index < p.batch && index < static_cast<long long>(blockIdx.x + 1) * TEAMS * p.problems_per_team;
 }
 
-// Calls visit(tile_row, rows) for each row of the chunk of stacked rows [first, first + count) of
-// which this lane moves a 16-byte piece (RowCopy's geometry: row lane / pieces, then every
+// The element (query 0, head 0 of the group, column 0) of group x's stacked rows in Q, O or their
+// gradients.
+template <typename T>
+HIPATTN_DEVICE T* group_rows(T* tensor, const Group& x, const StackedRows& stacked, long long batch_stride,
+                             long long token_stride, long long head_stride) {
+  return tensor + (x.batch_index * batch_stride + x.q.start * token_stride + x.head_kv * stacked.group * head_stride);
+}
+
+// Calls visit(tile_row, rows) for each row of the chunk of stacked rows [first, first + count), count
+// <= kChunkRows, of which this lane moves a 16-byte piece (RowCopy's geometry: row lane / pieces, then every
 // kRowsPerPass-th), where rows[n] points at that stacked row's piece in tensor n: `group_rows[n]`
 // (query 0, head 0 of the group, the lane's piece) plus query * token_stride[n] + head *
 // head_stride[n] elements. Only the lane's first row is divided; each pass then moves the byte
@@ -140,7 +148,11 @@ HIPATTN_DEVICE void for_lane_stacked_rows(const StackedRows& stacked, int first,
     step[n] = (step_queries * token_stride[n] + step_heads * head_stride[n]) * kElement;
     wrapped_step[n] = step[n] + (token_stride[n] - stacked.group * head_stride[n]) * kElement;
   }
-  for (; row < count; row += kStep) {
+  // A chunk holds at most kChunkRows rows, so a lane makes at most kChunkRows / kStep passes: unrolled
+  // that far, the loop has no trip count to work out and no remainder to branch around.
+#pragma unroll
+  for (int pass = 0; pass < kChunkRows / kStep; ++pass, row += kStep) {
+    if (row >= count) return;
     visit(row, rows);
     head += step_heads;
     const bool wraps = head >= stacked.group;
