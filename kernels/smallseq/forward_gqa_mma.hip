@@ -9,19 +9,17 @@
 // accumulators, P normalised and reused as the A operand of O = P V, O written back over the chunk's
 // Q rows and out with 16-byte stores. The LSE of each stacked row goes to its head's row.
 //
-// Why this shape. The kernels are latency-bound: an SM's time follows the bytes its warps stage and
-// the instructions they issue (one every 6-7 cycles per warp). MHA's one-problem-per-head kernel,
-// given GQA, stages Q, K and V per query head: at G = 4 and lengths drawn from 1..17 (mean 9, head_dim
-// 128) that is 4 x 2.3 KB through shared memory for a floor of Q + O + (K + V) / G, 1.6x the floor's
-// bytes from L2, and it ran at 1.8-2.1x the floor. Here K and V cross once per group, so the bytes
-// staged are the floor's: 23 KB a group of 4, 1290 cycles of one SM's share of the copy bandwidth.
-// Stacked rows fill the m16 tiles: 2.6 chunks a group of 4 heads instead of the 4.2 mostly-empty tiles
-// of one problem per head (and of a loop over the group's heads one at a time with K and V resident,
-// which stages the same bytes). A chunk at head_dim 128 with at most 16 keys is about 660
-// instructions of SASS (S, softmax, LSE and P V 370, with 32 mma; the next chunk's copies 140; O out
-// 140), so a group of 4 takes about 2000, 500 a query head where MHA's kernel took 1230 a problem:
-// with 12 warps an SM issues them in about 1100 cycles, under the floor's 1290. Registers: 48-80
-// (ptxas), so shared memory alone sets the warps per SM (20, 12, 10 at head_dim 64, 128, 256).
+// Why this shape. MHA's one-problem-per-head kernel, given GQA, stages Q, K and V per query head: at
+// G = 4 and lengths drawn from 1..17 (mean 9, head_dim 128) that is 1.6x the floor's bytes, and it
+// ran at 1.8-2.1x the floor. Here K and V cross once per group, so the bytes staged are the floor's,
+// and stacked rows fill the m16 tiles: 2.6 chunks a group of 4 heads instead of the 4.2 mostly-empty
+// tiles of one problem per head. What remains is issue-bound. A chunk of 16 rows with at most 16 keys
+// is about 550 instructions of SASS at head_dim 64 and 690 at 128 (ptxas for sm_90a), nearly half of
+// them the address arithmetic and copies of the stacked rows, whose bytes halve with head_dim while
+// the softmax's instructions do not. So head_dim 128 and 256 run at 1.05-1.18x the floor on the H200,
+// head_dim 64 at 1.15-1.31x, the largest groups the slowest (BENCHMARKS.md). Issuing the next group's
+// copies during a group's last chunk, to hide the wait at each group's start, measured no gain.
+// Shared memory sets the warps per SM (20, 12, 10 at head_dim 64, 128, 256).
 //
 // SPLIT warps share a group (a team), each staging HEAD_DIM / SPLIT columns. With SPLIT = 2 each
 // hands its partial S of a chunk to the other through a slot of its own (two slots, alternating with
