@@ -153,7 +153,7 @@ def ceilings_text(ceilings: dict | None) -> str:
 
 def _source_text(doc: dict) -> str:
     source = doc.get("source", {})
-    commit = (source.get("commit") or "unknown commit")[:10]
+    commit = source["commit"][:10] if source.get("commit") else "unknown commit"
     if source.get("dirty"):
         commit += " + uncommitted changes"
     return f"{commit} (sources sha256 {source.get('source_sha256', '?')[:12]})"
