@@ -95,7 +95,7 @@ def describe_call(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=No
 
 
 def relative_error(actual, expected) -> float:
-    """||actual - expected|| / ||expected|| in float64 (METHOD.md's measure); NaN fails every bound."""
+    """||actual - expected|| / ||expected|| in float64, the error every GPU check bounds; NaN fails every bound."""
     actual = actual.double()
     expected = expected.double()
     denominator = expected.norm().item()

@@ -12,7 +12,8 @@ A cell is one workload in one direction with a stable name, e.g. ``smallseq/d128
 - ``decode``: one query token per sequence against a long KV, BSHD, forward only.
 
 The floor of a cell is the larger of its FLOPs over the measured bf16 GEMM rate and its bytes over
-the measured copy bandwidth (METHOD.md's two numbers); which one binds is recorded with it.
+the measured copy bandwidth, both measured at the start of the run; which one binds is recorded
+with it.
 """
 
 from __future__ import annotations
@@ -294,7 +295,8 @@ class Ceilings:
     gemm_flops_per_s: float  # bf16 matrix product on random data
 
 
-# What KINDS.md measured on an H200 here; used for estimates only, never for a recorded floor.
+# An H200's copy bandwidth and bf16 GEMM rate as measured on the device tool's H200 (BENCHMARKS.md's
+# runs); used for estimates only, never for a recorded floor.
 NOMINAL_CEILINGS = Ceilings(copy_bytes_per_s=4.3e12, gemm_flops_per_s=7.8e14)
 
 

@@ -147,7 +147,7 @@ def ceilings_text(ceilings: dict | None) -> str:
     text = (f"copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + written), "
             f"bf16 GEMM 8192³ {ceilings['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s")
     if ceilings.get("nominal"):
-        return text + f" (NOT measured: KINDS.md's figures; the measurement failed: {ceilings.get('error')})"
+        return text + f" (NOT measured: nominal H200 figures; the measurement failed: {ceilings.get('error')})"
     return text + ", measured in the run"
 
 

@@ -270,7 +270,7 @@ def work_loop(directory: pathlib.Path, deadline: float, measurer) -> int:
         doc["environment"] = measurer.environment()
         try:
             doc["ceilings"] = measurer.ceilings()
-        except Exception as error:  # noqa: BLE001 - the floors then use KINDS.md's figures, and say so
+        except Exception as error:  # noqa: BLE001 - the floors then use nominal H200 figures, and say so
             if not measurer.context_ok():
                 raise
             nominal = cells.NOMINAL_CEILINGS
