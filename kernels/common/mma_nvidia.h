@@ -38,6 +38,16 @@ HIPATTN_DEVICE unsigned int opaque(unsigned int x) {
   return x;
 }
 
+// A 64-bit `x`, hidden from the optimiser: a value computed once that ptxas would otherwise compute
+// again at each use (from kernel parameters, which look cheap to it) stays in the registers it was
+// computed into.
+HIPATTN_DEVICE long long opaque_64(long long x) {
+#if !defined(HIPATTN_EMULATION)
+  asm volatile("" : "+l"(x));
+#endif
+  return x;
+}
+
 // Four 8x8 b16 matrices from a shared-state-space address (shared_address); lane l gives the row
 // address of matrix l / 8.
 HIPATTN_DEVICE void ldmatrix_x4(unsigned int (&r)[4], unsigned int row_address) {

@@ -14,11 +14,13 @@
 // ran at 1.8-2.1x the floor. Here K and V cross once per group, so the bytes staged are the floor's,
 // and stacked rows fill the m16 tiles: 2.6 chunks a group of 4 heads instead of the 4.2 mostly-empty
 // tiles of one problem per head. What remains is issue-bound. A chunk of 16 rows with at most 16 keys
-// is about 550 instructions of SASS at head_dim 64 and 690 at 128 (ptxas for sm_90a), nearly half of
-// them the address arithmetic and copies of the stacked rows, whose bytes halve with head_dim while
-// the softmax's instructions do not. So head_dim 128 and 256 run at 1.05-1.18x the floor on the H200,
-// head_dim 64 at 1.15-1.31x, the largest groups the slowest (BENCHMARKS.md). Issuing the next group's
-// copies during a group's last chunk, to hide the wait at each group's start, measured no gain.
+// is about 485 instructions of SASS at head_dim 64 and 665 at 128 (ptxas for sm_90a), 30-40% of them
+// the copies of the stacked rows, whose bytes halve with head_dim while the softmax's instructions do
+// not. Each lane's walk over those rows carries on from chunk to chunk (StackedRowCursor), so a chunk
+// no longer pays for finding its rows (550 and 690 instructions before). Before that change head_dim
+// 128 and 256 ran at 1.05-1.18x the floor on the H200, head_dim 64 at 1.15-1.31x, the largest groups
+// the slowest (BENCHMARKS.md). Issuing the next group's copies during a group's last chunk, to hide
+// the wait at each group's start, measured no gain.
 // Shared memory sets the warps per SM (20, 12, 10 at head_dim 64, 128, 256).
 //
 // SPLIT warps share a group (a team), each staging HEAD_DIM / SPLIT columns. With SPLIT = 2 each
@@ -63,8 +65,8 @@ struct GqaForwardTeamTiles {
 // (about a tenth of a chunk's instructions).
 template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS, bool WIDE>
 HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Group& x, const StackedRows& stacked,
-                                  T* o_rows, int first, int slot, const TilePlaces& places, int team, int part,
-                                  int lane) {
+                                  StackedRowCursor<T, HEAD_DIM / SPLIT>& o_rows, int first, int slot,
+                                  const TilePlaces& places, int team, int part, int lane) {
   using Team = GqaForwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
   constexpr int COLS = Team::kCols;
   constexpr int kPitchBytes = Team::kPitchBytes;
@@ -204,16 +206,16 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
               mma::pack2<T>(o[nt][half][2 * r], o[nt][half][2 * r + 1]);
   __syncwarp();
   // ---- O's rows (this warp's columns) out with 16-byte stores ----
-  store_stacked_rows<T, COLS>(o_rows, p.o_token_stride, p.o_head_stride, chunk, stacked, first, rows, lane);
+  store_stacked_rows(o_rows, chunk, stacked, rows, lane);
 }
 
-// Issue the copies of the Q rows of chunk [first, first + 16) of a group whose stacked Q rows start at
-// `q_rows` (this warp's first column).
+// Issue the copies of the Q rows of chunk [first, first + 16) of a group, the chunk `q_rows` stands at
+// (this warp's columns).
 template <typename T, int COLS>
-HIPATTN_DEVICE void stage_forward_chunk(const SmallSeqForwardGqaMmaParams& p, const StackedRows& stacked,
-                                        const T* q_rows, int first, unsigned char* chunk, int lane) {
+HIPATTN_DEVICE void stage_forward_chunk(const StackedRows& stacked, StackedRowCursor<const T, COLS>& q_rows,
+                                        int first, unsigned int chunk, int lane) {
   const int rows = stacked.count - first < kChunkRows ? stacked.count - first : kChunkRows;
-  stage_stacked_rows<T, COLS>(chunk, q_rows, p.q_token_stride, p.q_head_stride, stacked, first, rows, lane);
+  stage_stacked_rows(chunk, q_rows, stacked, rows, lane);
 }
 
 }  // namespace smallseq
@@ -251,12 +253,16 @@ __global__ void __launch_bounds__(WARPS * 32, kForwardBlocksPerSm<WARPS, HEAD_DI
   int walked = 0;  // chunks this team has computed: which chunk tile and exchange slot come next
   for (;;) {
     stacked.count = p.group_size * x.q.length;
-    // Where the group's stacked Q and O rows start (this warp's columns): once a group, where each
-    // chunk's stage and store spent their 64-bit stride products on it again.
-    const T* const q_rows = smallseq::group_rows(static_cast<const T*>(p.q), x, stacked, p.q_batch_stride,
-                                                 p.q_token_stride, p.q_head_stride) + column;
-    T* const o_rows = smallseq::group_rows(static_cast<T*>(p.o), x, stacked, p.o_batch_stride, p.o_token_stride,
-                                           p.o_head_stride) + column;
+    // The lane's first stacked Q and O rows of the group (this warp's columns): Q's cursor runs a chunk
+    // ahead of O's, each chunk's stage and store moving it on to the next.
+    auto q_rows = smallseq::StackedRowCursor<const T, COLS>::start(
+        smallseq::group_rows(static_cast<const T*>(p.q), x, stacked, p.q_batch_stride, p.q_token_stride,
+                             p.q_head_stride) + column,
+        p.q_token_stride, p.q_head_stride, stacked, lane);
+    auto o_rows = smallseq::StackedRowCursor<T, COLS>::start(
+        smallseq::group_rows(static_cast<T*>(p.o), x, stacked, p.o_batch_stride, p.o_token_stride,
+                             p.o_head_stride) + column,
+        p.o_token_stride, p.o_head_stride, stacked, lane);
     if (stacked.count > 0) {  // no query rows: nothing to write (the same for the whole team)
       smallseq::stage_rows<T, COLS>(places.warp_bytes(Team::kKOffset),
                                     static_cast<const T*>(p.k) + x.batch_index * p.k_batch_stride +
@@ -267,16 +273,16 @@ __global__ void __launch_bounds__(WARPS * 32, kForwardBlocksPerSm<WARPS, HEAD_DI
                                         x.k.start * p.v_token_stride + x.head_kv * p.v_head_stride + column,
                                     p.v_token_stride, x.k.length, lane);
       smallseq::stage_forward_chunk<T, COLS>(
-          p, stacked, q_rows, 0, places.warp_bytes(Team::kChunksOffset) + (walked % 2) * Team::kChunkBytes, lane);
+          stacked, q_rows, 0, places.warp_address(Team::kChunksOffset) + (walked % 2) * Team::kChunkBytes, lane);
       mma::commit_async_copies();
     }
     for (int first = 0; first < stacked.count; first += smallseq::kChunkRows, ++walked) {
       const int slot = walked % 2;
       if (first + smallseq::kChunkRows < stacked.count) {
         // The next chunk's Q rows land in the other chunk tile while this one computes.
-        smallseq::stage_forward_chunk<T, COLS>(p, stacked, q_rows, first + smallseq::kChunkRows,
-                                               places.warp_bytes(Team::kChunksOffset) + (1 - slot) * Team::kChunkBytes,
-                                               lane);
+        smallseq::stage_forward_chunk<T, COLS>(
+            stacked, q_rows, first + smallseq::kChunkRows,
+            places.warp_address(Team::kChunksOffset) + (1 - slot) * Team::kChunkBytes, lane);
         mma::commit_async_copies();
         mma::wait_async_copies_except<1>();
       } else {

@@ -126,7 +126,9 @@ HIPATTN_DEVICE T* group_rows(T* tensor, const Group& x, const StackedRows& stack
 // head_stride[n] elements. Only the lane's first row is divided; each pass then moves the byte
 // pointers by a constant (kRowsPerPass rows: kRowsPerPass / G queries and kRowsPerPass % G heads), or,
 // when the head passes the group's end, by another (one query more, G heads fewer). A division and two
-// 64-bit products per row took about 20 instructions a copy; this takes 8.
+// 64-bit products per row took about 20 instructions a copy; this takes 8. Its first row still costs
+// a division and the products each call; the forward walks with StackedRowCursor instead, which pays
+// them once a group.
 template <typename T, int COLS, int N, typename Pointer, typename Visit>
 HIPATTN_DEVICE void for_lane_stacked_rows(const StackedRows& stacked, int first, int count, int lane,
                                           Pointer* const (&group_rows)[N], const long long (&token_stride)[N],
@@ -162,22 +164,66 @@ HIPATTN_DEVICE void for_lane_stacked_rows(const StackedRows& stacked, int first,
   }
 }
 
-// Issue the copies of stacked rows [first, first + rows) of one tensor into a chunk tile (rows
-// COLS + 8 elements apart). `group_rows` is the element (query 0, head 0 of the group, first column).
-template <typename T, int COLS>
-HIPATTN_DEVICE void stage_stacked_rows(unsigned char* tile, const T* group_rows, long long token_stride,
-                                       long long head_stride, const StackedRows& stacked, int first, int rows,
-                                       int lane) {
-  using Copy = RowCopy<T, COLS>;
-  const int piece = lane % Copy::kPieces;
-  const unsigned int target = mma::shared_address(tile) + piece * 16;
-  const T* const sources[1] = {group_rows + piece * Copy::kPieceElements};
-  const long long token_strides[1] = {token_stride}, head_strides[1] = {head_stride};
-  for_lane_stacked_rows<T, COLS>(stacked, first, rows, lane, sources, token_strides, head_strides,
-                                 [&](int row, const unsigned char* const (&source)[1]) {
-                                   mma::copy_async_16(target + row * Copy::kPitchBytes, source[0]);
-                                 });
-}
+// A lane's place in one tensor's stacked rows of a group, carried from chunk to chunk. A lane moves
+// rows lane / pieces + k * kRowsPerPass of every chunk, and kChunkRows is a whole number of passes,
+// so the row after its last one in a chunk is its first one in the next: the pointer and head that a
+// full chunk's walk leaves are where the next chunk's walk starts. Dividing the lane's first row into
+// (query, head), the 64-bit pointer products and the two steps then happen once a group (start), not
+// once a chunk and tensor as in for_lane_stacked_rows (about 50 instructions before the first copy
+// at head_dim 64; a walk now starts within about 15). Element is T, or const T for a tensor only read.
+template <typename Element, int COLS>
+struct StackedRowCursor {
+  using Copy = RowCopy<Element, COLS>;
+  using Byte = typename CopyConst<Element, unsigned char>::type;
+  static constexpr int kStep = Copy::kRowsPerPass;
+  static_assert(kChunkRows % kStep == 0, "a chunk is whole passes, so a lane's rows carry on into the next");
+
+  Byte* piece;             // the lane's piece of its next stacked row
+  int head;                // that row's head in the group
+  int step_heads;          // kRowsPerPass % G
+  long long step;          // bytes from a row to the one kRowsPerPass on
+  long long wrapped_step;  // the same when the head passes the group's end (one query on, G heads back)
+
+  // At the lane's first row of the group's first chunk. `group_rows` is the element (query 0, head 0
+  // of the group, first column).
+  HIPATTN_DEVICE static StackedRowCursor start(Element* group_rows, long long token_stride, long long head_stride,
+                                               const StackedRows& stacked, int lane) {
+    constexpr long long kElement = sizeof(Element);
+    const int row = lane / Copy::kPieces;
+    const int query = stacked.query(row);
+    const int head = row - query * stacked.group;
+    const int step_queries = stacked.query(kStep);
+    const int step_heads = kStep - step_queries * stacked.group;  // < G: at most one wrap a pass
+    const long long step = (step_queries * token_stride + step_heads * head_stride) * kElement;
+    // Left in sight, ptxas rebuilt wrapped_step from the parameters in every walk (9 instructions);
+    // hidden, it keeps the two registers, and the head_dim 64 kernel still fits its 96.
+    return StackedRowCursor{
+        reinterpret_cast<Byte*>(group_rows + (lane % Copy::kPieces) * Copy::kPieceElements +
+                                (query * token_stride + head * head_stride)),
+        head, step_heads, step, mma::opaque_64(step + (token_stride - stacked.group * head_stride) * kElement)};
+  }
+
+  // Calls visit(tile_row, piece) for each of the lane's rows among the `count` <= kChunkRows rows of
+  // the chunk the cursor stands at. After a full chunk the cursor stands at the next chunk; after a
+  // partial one (the group's last) it is spent. Each pass moves the pointer by kRowsPerPass rows
+  // (kRowsPerPass / G queries and kRowsPerPass % G heads), or, when the head passes the group's end,
+  // by one query more and G heads fewer.
+  template <typename Visit>
+  HIPATTN_DEVICE void walk_chunk(const StackedRows& stacked, int count, int lane, Visit visit) {
+    const int row = lane / Copy::kPieces;
+    const int left = count - row;  // the lane's rows: those of its passes below `left` (compared with constants)
+    // Unrolled to the kChunkRows / kStep passes a chunk holds: no trip count, no remainder.
+#pragma unroll
+    for (int pass = 0; pass < kChunkRows / kStep; ++pass) {
+      if (pass * kStep >= left) return;
+      visit(row + pass * kStep, piece);
+      head += step_heads;
+      const bool wraps = head >= stacked.group;
+      head -= wraps ? stacked.group : 0;
+      piece += wraps ? wrapped_step : step;
+    }
+  }
+};
 
 // Write the first `rows` rows of a chunk tile out to stacked rows [first, first + rows).
 template <typename T, int COLS>
@@ -195,6 +241,31 @@ HIPATTN_DEVICE void store_stacked_rows(T* group_rows, long long token_stride, lo
                                    *reinterpret_cast<Piece*>(target[0]) =
                                        *reinterpret_cast<const Piece*>(source + row * Copy::kPitchBytes);
                                  });
+}
+
+// Issue the copies of the first `rows` stacked rows of the chunk a cursor of one tensor stands at into a
+// chunk tile (rows COLS + 8 elements apart, `tile` a shared-state-space address: TilePlaces::
+// warp_address, cheaper to form than a generic pointer's conversion), moving the cursor on.
+template <typename T, int COLS>
+HIPATTN_DEVICE void stage_stacked_rows(unsigned int tile, StackedRowCursor<const T, COLS>& cursor,
+                                       const StackedRows& stacked, int rows, int lane) {
+  using Copy = RowCopy<T, COLS>;
+  const unsigned int target = tile + (lane % Copy::kPieces) * 16;
+  cursor.walk_chunk(stacked, rows, lane, [&](int row, const unsigned char* source) {
+    mma::copy_async_16(target + row * Copy::kPitchBytes, source);
+  });
+}
+
+// Write the first `rows` rows of a chunk tile out to the chunk a cursor stands at, moving it on.
+template <typename T, int COLS>
+HIPATTN_DEVICE void store_stacked_rows(StackedRowCursor<T, COLS>& cursor, const unsigned char* tile,
+                                       const StackedRows& stacked, int rows, int lane) {
+  using Copy = RowCopy<T, COLS>;
+  using Piece = Vec<T, Copy::kPieceElements>;
+  const unsigned char* const source = tile + (lane % Copy::kPieces) * 16;
+  cursor.walk_chunk(stacked, rows, lane, [&](int row, unsigned char* target) {
+    *reinterpret_cast<Piece*>(target) = *reinterpret_cast<const Piece*>(source + row * Copy::kPitchBytes);
+  });
 }
 
 // Where a warp's and its team's tiles lie: byte offsets in the block's shared memory, from which
