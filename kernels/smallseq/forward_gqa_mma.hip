@@ -17,10 +17,10 @@
 // is about 485 instructions of SASS at head_dim 64 and 665 at 128 (ptxas for sm_90a), 30-40% of them
 // the copies of the stacked rows, whose bytes halve with head_dim while the softmax's instructions do
 // not. Each lane's walk over those rows carries on from chunk to chunk (StackedRowCursor), so a chunk
-// no longer pays for finding its rows (550 and 690 instructions before). Before that change head_dim
-// 128 and 256 ran at 1.05-1.18x the floor on the H200, head_dim 64 at 1.15-1.31x, the largest groups
-// the slowest (BENCHMARKS.md). Issuing the next group's copies during a group's last chunk, to hide
-// the wait at each group's start, measured no gain.
+// no longer pays for finding its rows (550 and 690 instructions before; 1.5-3% faster at head_dim 64
+// on the H200). On the H200 head_dim 128 and 256 run at 1.05-1.18x the floor, head_dim 64 at
+// 1.13-1.29x, the largest groups the slowest (BENCHMARKS.md). Issuing the next group's copies during a
+// group's last chunk, to hide the wait at each group's start, measured no gain.
 // Shared memory sets the warps per SM (20, 12, 10 at head_dim 64, 128, 256).
 //
 // SPLIT warps share a group (a team), each staging HEAD_DIM / SPLIT columns. With SPLIT = 2 each
