@@ -34,6 +34,37 @@ from .smallseq_mfma import SMALLSEQ_BACKWARD_MFMA_TILES, SMALLSEQ_FORWARD_MFMA_T
 from .targets import runs_amd_mfma, runs_nvidia_mma
 from .tiles import ELEMENT_BYTES
 
+# The families first: each row type below names its own.
+SMALLSEQ_FORWARD = smallseq_family(
+    "smallseq_forward", "smallseq/forward.hip", ("block_threads", "lane_elements"),
+    ParamsStruct("SmallSeqForwardParams", FORWARD_FIELDS),
+    lambda target: shipped_per_heads(lambda d: SMALLSEQ_FORWARD_TILES, target))
+SMALLSEQ_BACKWARD = smallseq_family(
+    "smallseq_backward", "smallseq/backward.hip", ("block_threads", "lane_elements"),
+    ParamsStruct("SmallSeqBackwardParams", BACKWARD_FIELDS),
+    lambda target: shipped_per_heads(lambda d: SMALLSEQ_BACKWARD_TILES, target))
+SMALLSEQ_FORWARD_MMA = smallseq_family(
+    "smallseq_forward_mma", "smallseq/forward_mma.hip", ("warps", "split"),
+    ParamsStruct("SmallSeqForwardMmaParams", FORWARD_FIELDS + RUN_FIELD),
+    lambda target: _shipped_mma(SMALLSEQ_FORWARD_MMA_TILES, target))
+SMALLSEQ_BACKWARD_MMA = smallseq_family(
+    "smallseq_backward_mma", "smallseq/backward_mma.hip", ("warps", "split"),
+    ParamsStruct("SmallSeqBackwardMmaParams", BACKWARD_FIELDS + RUN_FIELD),
+    lambda target: _shipped_mma(SMALLSEQ_BACKWARD_MMA_TILES, target))
+# The grouped kernels take neither the head count nor a per-head problem index: their teams walk groups.
+_GROUPED_TEMPLATE = ("dtype", "head_dim", "tile", "warps", "split")
+_GROUP_FIELDS = RUN_FIELD + (("group_size", "i32"),)
+SMALLSEQ_FORWARD_GQA_MMA = register(KernelFamily(
+    name="smallseq_forward_gqa_mma", source="smallseq/forward_gqa_mma.hip",
+    template="hipattn::smallseq_forward_gqa_mma", template_params=_GROUPED_TEMPLATE,
+    params=ParamsStruct("SmallSeqForwardGqaMmaParams", FORWARD_FIELDS + _GROUP_FIELDS),
+    shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_FORWARD_MMA_TILES, target)))
+SMALLSEQ_BACKWARD_GQA_MMA = register(KernelFamily(
+    name="smallseq_backward_gqa_mma", source="smallseq/backward_gqa_mma.hip",
+    template="hipattn::smallseq_backward_gqa_mma", template_params=_GROUPED_TEMPLATE,
+    params=ParamsStruct("SmallSeqBackwardGqaMmaParams", BACKWARD_FIELDS + _GROUP_FIELDS),
+    shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_BACKWARD_MMA_TILES, target)))
+
 
 @dataclass(frozen=True)
 class _PortableTiles(SmallSeqTiles):
@@ -60,9 +91,7 @@ class _PortableTiles(SmallSeqTiles):
 
 @dataclass(frozen=True)
 class SmallSeqForwardTiles(_PortableTiles):
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_FORWARD
+    family = SMALLSEQ_FORWARD
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES, *, group: int = 1) -> int:
         return 0  # static tiles only
@@ -72,9 +101,7 @@ class SmallSeqForwardTiles(_PortableTiles):
 class SmallSeqBackwardTiles(_PortableTiles):
     """The portable backward: a team per (sequence, KV head) walks the query heads of its group."""
 
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_BACKWARD
+    family = SMALLSEQ_BACKWARD
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES, *, group: int = 1) -> int:
         """Each team's dK/dV sums over its GQA group, fp32 [2][tile][head_dim] (backward.hip's
@@ -129,9 +156,7 @@ def _warp_pitch_bytes(head_dim: int, split: int, element_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class SmallSeqForwardMmaTiles(SmallSeqMmaTiles):
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_FORWARD_MMA
+    family = SMALLSEQ_FORWARD_MMA
 
     def team_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """smallseq::ForwardTeamTiles<...>::kBytes: per warp, a zero row and SMALLSEQ_TILE-row Q, K and
@@ -142,9 +167,7 @@ class SmallSeqForwardMmaTiles(SmallSeqMmaTiles):
 
 @dataclass(frozen=True)
 class SmallSeqBackwardMmaTiles(SmallSeqMmaTiles):
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_BACKWARD_MMA
+    family = SMALLSEQ_BACKWARD_MMA
 
     def team_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """smallseq::BackwardTeamTiles<...>::kBytes: per warp, a zero row and Q, dO, K and V tiles; then
@@ -197,9 +220,7 @@ class SmallSeqGroupedMmaTiles(SmallSeqMmaTiles):
 
 @dataclass(frozen=True)
 class SmallSeqForwardGqaMmaTiles(SmallSeqGroupedMmaTiles):
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_FORWARD_GQA_MMA
+    family = SMALLSEQ_FORWARD_GQA_MMA
 
     def groups_of(self, problems: int, group: int) -> int:
         return problems // group  # the forward's problems are (sequence, query head) pairs
@@ -217,9 +238,7 @@ class SmallSeqForwardGqaMmaTiles(SmallSeqGroupedMmaTiles):
 
 @dataclass(frozen=True)
 class SmallSeqBackwardGqaMmaTiles(SmallSeqGroupedMmaTiles):
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_BACKWARD_GQA_MMA
+    family = SMALLSEQ_BACKWARD_GQA_MMA
 
     def team_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """smallseq::GqaBackwardTeamTiles<...>::kBytes: per warp (64 columns), a zero row, K and V tiles
@@ -319,34 +338,3 @@ def _shipped_grouped(table: dict[int, SmallSeqGroupedMmaTiles], target: Target) 
     if not runs_nvidia_mma(target):
         return []
     return [table[d].spec(t, d) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS]
-
-
-SMALLSEQ_FORWARD = smallseq_family(
-    "smallseq_forward", "smallseq/forward.hip", ("block_threads", "lane_elements"),
-    ParamsStruct("SmallSeqForwardParams", FORWARD_FIELDS),
-    lambda target: shipped_per_heads(lambda d: SMALLSEQ_FORWARD_TILES, target))
-SMALLSEQ_BACKWARD = smallseq_family(
-    "smallseq_backward", "smallseq/backward.hip", ("block_threads", "lane_elements"),
-    ParamsStruct("SmallSeqBackwardParams", BACKWARD_FIELDS),
-    lambda target: shipped_per_heads(lambda d: SMALLSEQ_BACKWARD_TILES, target))
-SMALLSEQ_FORWARD_MMA = smallseq_family(
-    "smallseq_forward_mma", "smallseq/forward_mma.hip", ("warps", "split"),
-    ParamsStruct("SmallSeqForwardMmaParams", FORWARD_FIELDS + RUN_FIELD),
-    lambda target: _shipped_mma(SMALLSEQ_FORWARD_MMA_TILES, target))
-SMALLSEQ_BACKWARD_MMA = smallseq_family(
-    "smallseq_backward_mma", "smallseq/backward_mma.hip", ("warps", "split"),
-    ParamsStruct("SmallSeqBackwardMmaParams", BACKWARD_FIELDS + RUN_FIELD),
-    lambda target: _shipped_mma(SMALLSEQ_BACKWARD_MMA_TILES, target))
-# The grouped kernels take neither the head count nor a per-head problem index: their teams walk groups.
-_GROUPED_TEMPLATE = ("dtype", "head_dim", "tile", "warps", "split")
-_GROUP_FIELDS = RUN_FIELD + (("group_size", "i32"),)
-SMALLSEQ_FORWARD_GQA_MMA = register(KernelFamily(
-    name="smallseq_forward_gqa_mma", source="smallseq/forward_gqa_mma.hip",
-    template="hipattn::smallseq_forward_gqa_mma", template_params=_GROUPED_TEMPLATE,
-    params=ParamsStruct("SmallSeqForwardGqaMmaParams", FORWARD_FIELDS + _GROUP_FIELDS),
-    shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_FORWARD_MMA_TILES, target)))
-SMALLSEQ_BACKWARD_GQA_MMA = register(KernelFamily(
-    name="smallseq_backward_gqa_mma", source="smallseq/backward_gqa_mma.hip",
-    template="hipattn::smallseq_backward_gqa_mma", template_params=_GROUPED_TEMPLATE,
-    params=ParamsStruct("SmallSeqBackwardGqaMmaParams", BACKWARD_FIELDS + _GROUP_FIELDS),
-    shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_BACKWARD_MMA_TILES, target)))

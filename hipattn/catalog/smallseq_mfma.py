@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..jit.params import ParamsStruct
-from ..jit.spec import KernelFamily
 from ..jit.target import Target
 from .smallseq_common import (
     BACKWARD_FIELDS,
@@ -24,6 +23,17 @@ from .tiles import ELEMENT_BYTES
 
 # A key tile of the MFMA kernels' scores: 16 keys; a 17-token sequence has a second one of one row.
 _MFMA_KEY_TILES = -(-SMALLSEQ_TILE // 16)
+
+
+# The families first: each row type below names its own.
+SMALLSEQ_FORWARD_MFMA = smallseq_family(
+    "smallseq_forward_mfma", "smallseq/forward_mfma.hip", ("waves",),
+    ParamsStruct("SmallSeqForwardMfmaParams", FORWARD_FIELDS),
+    lambda target: _shipped(SMALLSEQ_FORWARD_MFMA_TILES, target))
+SMALLSEQ_BACKWARD_MFMA = smallseq_family(
+    "smallseq_backward_mfma", "smallseq/backward_mfma.hip", ("waves",),
+    ParamsStruct("SmallSeqBackwardMfmaParams", BACKWARD_FIELDS),
+    lambda target: _shipped(SMALLSEQ_BACKWARD_MFMA_TILES, target))
 
 
 def _exchange_bytes(waves: int, tensors: int) -> int:
@@ -67,9 +77,7 @@ class SmallSeqMfmaTiles(SmallSeqTiles):
 
 @dataclass(frozen=True)
 class SmallSeqForwardMfmaTiles(SmallSeqMfmaTiles):
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_FORWARD_MFMA
+    family = SMALLSEQ_FORWARD_MFMA
 
     def launch_blocks(self, problems: int, group: int) -> int:
         """The forward's problems are (sequence, query head) pairs; a workgroup serves a group of them."""
@@ -82,9 +90,7 @@ class SmallSeqBackwardMfmaTiles(SmallSeqMfmaTiles):
 
     exchanged_tensors = 2
 
-    @property
-    def family(self) -> KernelFamily:
-        return SMALLSEQ_BACKWARD_MFMA
+    family = SMALLSEQ_BACKWARD_MFMA
 
 
 # Waves per workgroup, per head_dim; the registers are hiprtc 5.2's for gfx90a (VGPRs and AGPRs, of
@@ -107,14 +113,3 @@ SMALLSEQ_BACKWARD_MFMA_TILES = {
 
 def _shipped(table: dict[int, SmallSeqMfmaTiles], target: Target) -> list:
     return shipped_per_heads(table.__getitem__, target) if runs_amd_mfma(target) else []
-
-
-
-SMALLSEQ_FORWARD_MFMA = smallseq_family(
-    "smallseq_forward_mfma", "smallseq/forward_mfma.hip", ("waves",),
-    ParamsStruct("SmallSeqForwardMfmaParams", FORWARD_FIELDS),
-    lambda target: _shipped(SMALLSEQ_FORWARD_MFMA_TILES, target))
-SMALLSEQ_BACKWARD_MFMA = smallseq_family(
-    "smallseq_backward_mfma", "smallseq/backward_mfma.hip", ("waves",),
-    ParamsStruct("SmallSeqBackwardMfmaParams", BACKWARD_FIELDS),
-    lambda target: _shipped(SMALLSEQ_BACKWARD_MFMA_TILES, target))
