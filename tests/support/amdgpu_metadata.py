@@ -11,25 +11,39 @@ lane), ``.group_segment_fixed_size`` (static LDS) and more (``llvm-readelf --not
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 _SHT_NOTE = 7
 _NT_AMDGPU_METADATA = 32
 
 
+def elf_sections(elf: bytes) -> Iterator[tuple[bytes, int, bytes]]:
+    """(name, type, contents) of each section of ``elf`` (an ELF64 little-endian file: a code object,
+    or a shared library such as libamdhip64)."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        raise ValueError("not an ELF64 file")
+    (section_offset,) = struct.unpack_from("<Q", elf, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", elf, 0x3A)
+
+    def section(index: int) -> tuple[int, int, int, int]:
+        header = section_offset + index * entry_size
+        name, kind = struct.unpack_from("<II", elf, header)
+        offset, size = struct.unpack_from("<QQ", elf, header + 0x18)
+        return name, kind, offset, size
+
+    _, _, names_offset, _ = section(names_index)
+    for index in range(count):
+        name, kind, offset, size = section(index)
+        yield elf[names_offset + name:elf.index(b"\0", names_offset + name)], kind, elf[offset:offset + size]
+
+
 def kernels(code_object: bytes) -> list[dict[str, Any]]:
     """The ``amdhsa.kernels`` maps of ``code_object`` (an ELF64 AMDGPU code object)."""
-    if code_object[:4] != b"\x7fELF" or code_object[4] != 2:
-        raise ValueError("not an ELF64 code object")
-    (section_offset,) = struct.unpack_from("<Q", code_object, 0x28)
-    entry_size, count = struct.unpack_from("<HH", code_object, 0x3A)
-    for index in range(count):
-        header = section_offset + index * entry_size
-        (kind,) = struct.unpack_from("<I", code_object, header + 4)
+    for _, kind, contents in elf_sections(code_object):
         if kind != _SHT_NOTE:
             continue
-        offset, size = struct.unpack_from("<QQ", code_object, header + 0x18)
-        for name, note_type, description in _notes(code_object[offset:offset + size]):
+        for name, note_type, description in _notes(contents):
             if name == b"AMDGPU" and note_type == _NT_AMDGPU_METADATA:
                 return _MessagePack(description).read()["amdhsa.kernels"]
     raise ValueError("the code object has no AMDGPU metadata note")

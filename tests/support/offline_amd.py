@@ -27,6 +27,7 @@ import pytest
 
 from hipattn.jit.sources import compile_unit
 from hipattn.jit.spec import KernelSpec
+from support import amdgpu_metadata
 
 BITCODE_DIR = Path("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
 HIPRTC_LIBRARY = Path("/usr/lib/x86_64-linux-gnu/libamdhip64.so.5")
@@ -116,23 +117,11 @@ def _write_isa_version(llvm_dis: str, llvm_as: str, template: Path, output: Path
 def hiprtc_runtime_header(library: bytes) -> bytes:
     """The preprocessed runtime header hiprtc compiles every program with: ``library``'s (an ELF64
     shared object's) ``.hipRTC_header`` section, whose last 4 bytes are the header's length."""
-    (section_offset,) = struct.unpack_from("<Q", library, 0x28)
-    entry_size, count, names_index = struct.unpack_from("<HHH", library, 0x3A)
-
-    def section(index: int) -> tuple[int, int, int]:
-        header = section_offset + index * entry_size
-        (name,) = struct.unpack_from("<I", library, header)
-        offset, size = struct.unpack_from("<QQ", library, header + 0x18)
-        return name, offset, size
-
-    _, names_offset, _ = section(names_index)
-    for index in range(count):
-        name, offset, size = section(index)
-        if library[names_offset + name:].startswith(b".hipRTC_header\0"):
-            data = library[offset:offset + size]
-            (length,) = struct.unpack_from("<I", data, size - 4)
-            if length > size - 4:
-                raise ValueError(f".hipRTC_header says {length} bytes of its {size}")
+    for name, _, data in amdgpu_metadata.elf_sections(library):
+        if name == b".hipRTC_header":
+            (length,) = struct.unpack_from("<I", data, len(data) - 4)
+            if length > len(data) - 4:
+                raise ValueError(f".hipRTC_header says {length} bytes of its {len(data)}")
             return data[:length]
     raise ValueError("the library has no .hipRTC_header section")
 
