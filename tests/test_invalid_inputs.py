@@ -304,8 +304,9 @@ def cu_seqlens_with_room_below(m, _):
     return raw_array(m.array((1 << 16,), "uint8").ptr + 256, (BATCH + 1,), "int32", 0)
 
 
-def workspace_over_cu_seqlens_q(m, call):
-    return raw_array(call["cu_seqlens_q"].ptr - 256, (_workspace_bytes(call),), "uint8", 0)
+def workspace_over(name: str, bytes_below: int = 0):
+    """A workspace of the call's size that starts ``bytes_below`` bytes under the call's array ``name``."""
+    return lambda m, call: raw_array(call[name].ptr - bytes_below, (_workspace_bytes(call),), "uint8", 0)
 
 
 def read_only_workspace(m, call):
@@ -523,11 +524,12 @@ CASES = [
     case("dq overlaps cu_seqlens_k", backward_thd, ValueError, "dq overlaps cu_seqlens_k in memory", GUARDED,
          dq=lambda m, call: m.inside(call["cu_seqlens_k"], Q_SHAPE, "fp16")),
     case("workspace overlaps cu_seqlens_q", backward_thd, ValueError, "workspace overlaps cu_seqlens_q in memory",
-         GUARDED, cu_seqlens_q=cu_seqlens_with_room_below, workspace=workspace_over_cu_seqlens_q, **FLASH_BOUNDS),
+         GUARDED, cu_seqlens_q=cu_seqlens_with_room_below, workspace=workspace_over("cu_seqlens_q", 256),
+         **FLASH_BOUNDS),
     case("workspace overlaps dq", backward_thd, ValueError, "workspace overlaps dq in memory", GUARDED,
-         workspace=lambda m, call: raw_array(call["dq"].ptr, (_workspace_bytes(call),), "uint8", 0), **FLASH_BOUNDS),
+         workspace=workspace_over("dq"), **FLASH_BOUNDS),
     case("workspace overlaps q", backward_thd, ValueError, "workspace overlaps q in memory", GUARDED,
-         workspace=lambda m, call: raw_array(call["q"].ptr, (_workspace_bytes(call),), "uint8", 0), **FLASH_BOUNDS),
+         workspace=workspace_over("q"), **FLASH_BOUNDS),
     case("read-only workspace", backward_thd, ValueError, "workspace is read-only", GUARDED,
          workspace=read_only_workspace, **FLASH_BOUNDS),
     # overlaps with strides of any sign, and outputs that overlap themselves
