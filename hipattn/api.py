@@ -1,8 +1,11 @@
 """flash-attn's functional API, so that users switch by changing the import.
 
 Argument names and order follow flash-attn 2's ``flash_attn_func`` and ``flash_attn_varlen_func``.
-Arguments hipattn does not support raise ValueError naming them: dropout, sliding windows, softcap,
-ALiBi and paged KV (``block_table``) are out of scope for now.
+Given torch tensors that require grad (with grad mode on), the calls record autograd through
+``hipattn.torch``'s custom ops, so ``import hipattn as flash_attn`` trains unchanged; every other
+input kind takes the raw-array path, which records nothing. Arguments hipattn does not support
+raise ValueError naming them: dropout, sliding windows, softcap, ALiBi and paged KV
+(``block_table``) are out of scope for now.
 """
 
 from __future__ import annotations
@@ -45,6 +48,22 @@ def _check_number(value: Any, name: str, supported: str) -> None:
         raise TypeError(f"{name} must be a host number, got {given}; hipattn supports {supported}")
 
 
+def _records_gradients(stream: Any, *arrays: Any) -> bool:
+    """Whether this call must record autograd: a torch tensor among ``arrays`` requires grad and
+    torch's grad mode is on. Decided without importing torch for inputs that are not torch's."""
+    if not any(getattr(a, "requires_grad", False) is True for a in arrays):
+        return False
+    import torch
+
+    if not torch.is_grad_enabled():
+        return False
+    if stream is not None:
+        raise ValueError(
+            "stream= cannot be combined with autograd (q, k or v requires grad): torch runs the backward on the "
+            "forward's stream, so select it with `with torch.cuda.stream(s):` around the call instead")
+    return True
+
+
 def _is_integer(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
@@ -79,10 +98,17 @@ def flash_attn_varlen_func(
         1 1 1 1 0
         1 1 1 1 1
     Returns out [total_q, nheads, headdim]; with return_attn_probs=True, (out, softmax_lse, None)
-    where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key). This call does not
-    record gradients; hipattn.backward computes them from out and softmax_lse.
+    where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key). Torch tensors
+    that require grad record autograd (see the module docstring); for other inputs
+    hipattn.backward computes the gradients from out and softmax_lse.
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    if _records_gradients(stream, q, k, v):
+        from . import torch as autograd_api
+
+        return autograd_api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   dropout_p, softmax_scale, causal, window_size, softcap,
+                                                   alibi_slopes, deterministic, return_attn_probs, block_table)
     out, lse = attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                                  causal=causal, stream=stream)
@@ -106,7 +132,12 @@ def flash_attn_func(
 ):
     """Batch attention forward, as flash-attn's: q [batch, seqlen_q, nheads, headdim], k, v
     [batch, seqlen_k, nheads_k, headdim]. Returns out (and (out, softmax_lse [batch, nheads,
-    seqlen_q], None) with return_attn_probs=True)."""
+    seqlen_q], None) with return_attn_probs=True). Records autograd as flash_attn_varlen_func does."""
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    if _records_gradients(stream, q, k, v):
+        from . import torch as autograd_api
+
+        return autograd_api.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                            alibi_slopes, deterministic, return_attn_probs)
     out, lse = attention.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, stream=stream)
     return (out, lse, None) if return_attn_probs else out

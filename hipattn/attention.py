@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from . import arrays, checks, dispatch, runtime
+from . import arrays, checks, dispatch, forward_plans, runtime
 from . import problem as problem_mod
 from .device_array import UNKNOWN_DEVICE, DeviceArray, contiguous_strides, derived_array
 from .errors import HipattnError
+from .jit.registry import recording_launches
 from .ops import flash, flash_backward, smallseq
 from .streams import on_device, resolve_stream, wait_for_producers
 from .workspace import WORKSPACE_ALIGNMENT, WorkspacePlan, backward_workspace
@@ -174,12 +175,24 @@ def forward(
     cu_seqlens [batch + 1] and host-int upper bounds max_seqlen_q/k. Batch (BSHD) otherwise:
     q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D], optional int32 seqused_q/k [B] (per-sequence lengths
     of a padded batch). Rows beyond a sequence's length are not written.
+
+    A repeat call with torch tensors of the same signature replays the launch the first one
+    validated, checking only what depends on the pointers (forward_plans).
     """
+    given = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    active = runtime.active()
+    key = forward_plans.signature(given, (max_seqlen_q, max_seqlen_k, softmax_scale, causal), stream)
+    if key is not None:
+        plan = active.forward_plans.get(key)
+        if plan is not None:
+            replayed = forward_plans.replay(plan, active.backend, given, stream)
+            if replayed is not None:
+                return replayed
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                             max_seqlen_k, causal, softmax_scale, stream)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     path = dispatch.choose_path(problem, "forward")
-    backend = runtime.active().backend
+    backend = active.backend
     with on_device(backend, problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
         _order_after_inputs(backend, launch_stream, call)
@@ -193,7 +206,13 @@ def forward(
         problem_mod.check_alignment(out_a, "out", problem.layout)
         _check_outputs_disjoint((out_span, lse_span))
         run = smallseq.forward if path == dispatch.SMALLSEQ else flash.forward
-        run(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences)
+        with recording_launches() as launches:
+            run(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences)
+    if key is not None and len(active.forward_plans) < forward_plans.MAX_PLANS:
+        plan = forward_plans.record(launches, given, (qa, ka, va, out_a, lse_a, *call.sequences.values()), out_obj,
+                                    lse_obj)
+        if plan is not None:
+            active.forward_plans[key] = plan
     return out_obj, lse_obj
 
 

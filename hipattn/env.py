@@ -9,11 +9,28 @@ accepted: a typo must not silently leave a switch in the state the user meant to
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 _ACCEPTED_FLAGS = "1/0, true/false, yes/no or on/off (any case)"
+
+
+def raw_reader(name: str) -> Callable[[], str | None]:
+    """A zero-argument reader of ``name``'s raw value (None when unset), for switches read on every
+    launch. ``os.environ.get`` encodes the key and decodes the value on each call (about a
+    microsecond); this looks the key, encoded once, up in os.environ's own mapping, which every write
+    through os.environ keeps current, so a change still applies at once."""
+    data, encode, decode = (getattr(os.environ, a, None) for a in ("_data", "encodekey", "decodevalue"))
+    if data is None or encode is None or decode is None:  # not CPython's os._Environ
+        return lambda: os.environ.get(name)
+    key = encode(name)
+
+    def read() -> str | None:
+        raw = data.get(key)
+        return None if raw is None else decode(raw)
+
+    return read
 
 
 def flag(name: str, default: bool) -> bool:

@@ -292,7 +292,7 @@ def memory_spans(inputs: Sequence[tuple[DeviceArray, str]]) -> list[Span]:
     checked against every output."""
     spans = []
     for a, input_name in inputs:
-        start, end = _extent(a)
+        start, end = extent(a)
         spans.append((a.device, start, end, input_name))
     return spans
 
@@ -316,7 +316,7 @@ def check_output(out: DeviceArray, name: str, shape: tuple[int, ...], dtype: str
         raise ValueError(f"{name} has strides {out.strides}; its last dimension must be contiguous")
     check_no_self_overlap(out, name)
     device = out.device
-    start, end = _extent(out)
+    start, end = extent(out)
     for input_device, input_start, input_end, input_name in inputs:
         if input_device == device and start < input_end and input_start < end:
             raise ValueError(f"{name} overlaps {input_name} in memory; outputs must not alias inputs")
@@ -362,7 +362,7 @@ def check_row_statistic_alignment(a: DeviceArray, name: str) -> None:
         raise ValueError(f"{name}'s data pointer 0x{a.ptr:x} is not aligned to its 4-byte fp32 elements")
 
 
-def _extent(a: DeviceArray) -> tuple[int, int]:
+def extent(a: DeviceArray) -> tuple[int, int]:
     """[lowest byte, one past the highest byte] an array can touch, for strides of any sign."""
     ptr = a.ptr
     low = high = 0
@@ -380,6 +380,6 @@ def _extent(a: DeviceArray) -> tuple[int, int]:
 def overlaps(a: DeviceArray, b: DeviceArray) -> bool:
     if a.device != b.device:
         return False
-    a0, a1 = _extent(a)
-    b0, b1 = _extent(b)
+    a0, a1 = extent(a)
+    b0, b1 = extent(b)
     return a0 < b1 and b0 < a1

@@ -28,7 +28,7 @@ from .jit.target import Target
 class Runtime:
     """A backend, the registry of kernels loaded through it, and its devices' targets."""
 
-    __slots__ = ("_backend", "_cache", "_registry", "_targets", "_lock")
+    __slots__ = ("_backend", "_cache", "_registry", "_targets", "_lock", "forward_plans")
 
     def __init__(self, backend: Backend | None = None, cache: DiskCache | None = None,
                  registry: Registry | None = None):
@@ -39,6 +39,8 @@ class Runtime:
         self._registry = registry
         self._targets: dict[int, Target] = {}
         self._lock = threading.Lock()
+        # Validated forward launches by call signature (forward_plans), over this runtime's kernels.
+        self.forward_plans: dict = {}
 
     @property
     def backend(self) -> Backend:

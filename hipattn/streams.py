@@ -163,7 +163,7 @@ def _default_stream(arrays: Sequence[DeviceArray], device: int) -> int:
     for array in arrays:
         framework = array.framework
         if framework == "torch":
-            return _torch_current_stream(device)
+            return torch_current_stream(device)
         if framework == "cupy":
             return _cupy_current_stream(device)
         if producer is None and array.stream is not None:
@@ -177,7 +177,7 @@ def _default_stream(arrays: Sequence[DeviceArray], device: int) -> int:
 _torch_raw_stream: tuple[Any, Any] = (None, None)
 
 
-def _torch_current_stream(device: int) -> int:
+def torch_current_stream(device: int) -> int:
     """``torch.cuda.current_stream(device).cuda_stream``, without building a Stream object.
 
     The public call checks lazy initialisation, normalises the device and constructs a Python

@@ -10,6 +10,10 @@ calls and traces around them. Gradients flow to q, k and v; the log-sum-exp outp
 differentiable (its gradient is ignored). Calls the kernels cannot serve raise as hipattn.forward
 does (NotImplementedError where no kernel serves the call).
 
+``enable()`` (or ``with enabled():``) makes hipattn torch's flash-attention implementation, so that
+``torch.nn.functional.scaled_dot_product_attention`` runs hipattn's kernels (hipattn.torch_sdpa);
+``disable()`` gives the ops back to torch.
+
 Importing this module needs torch; ``import hipattn`` alone never imports it.
 """
 
@@ -19,9 +23,12 @@ from typing import Optional
 
 import torch
 
-from . import attention
+from . import attention, torch_sdpa
 from .api import _reject_unsupported
 from .problem import check_bool, check_max_seqlen, resolve_softmax_scale
+from .torch_sdpa import disable, enable, enabled, is_enabled
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "enable", "disable", "enabled", "is_enabled"]
 
 Tensor = torch.Tensor
 
@@ -105,6 +112,38 @@ def _backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The custom op's forward and autograd without the op's dispatch, for eager calls on plain
+    tensors: a custom op call costs tens of microseconds of host time, which decode steps and small
+    layers feel. Anything traced (torch.compile, make_fx, a dispatch or function mode) takes the op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                deterministic):
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
+        output = attention.forward(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
+        ctx.mark_non_differentiable(output[1])
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _backward(ctx, grad_out, grad_lse)
+
+
+_TENSOR = torch.Tensor
+
+
+def _attend(q, k, v, *arguments):
+    """hipattn's forward with autograd: the eager path for plain tensors, the custom op otherwise."""
+    if (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not torch.compiler.is_compiling()
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._is_torch_function_mode_enabled()):
+        return _EagerAttention.apply(q, k, v, *arguments)
+    return _forward_op(q, k, v, *arguments)
+
+
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
     """The custom op takes a float: the default and the checks are the core API's."""
     return float(resolve_softmax_scale(softmax_scale, q.shape[-1]))
@@ -144,8 +183,8 @@ def flash_attn_varlen_func(
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
     causal, deterministic = _host_arguments(max_seqlen_q, max_seqlen_k, causal, deterministic)
-    out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale),
-                           causal, deterministic)
+    out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale),
+                       causal, deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -165,5 +204,8 @@ def flash_attn_func(
     """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd."""
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     causal, deterministic = _host_arguments(None, None, causal, deterministic)
-    out, lse = _forward_op(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal, deterministic)
+    out, lse = _attend(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal, deterministic)
     return (out, lse, None) if return_attn_probs else out
+
+
+torch_sdpa.register()

@@ -84,7 +84,8 @@ class ReferenceKernels:
         self.backward_calls = 0
         self.last_dout = None
 
-    def forward(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def forward(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                softmax_scale, causal, stream=None):
         self.forward_calls += 1
         out, lse = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
         return out.to(q.dtype), lse.float()
@@ -212,4 +213,29 @@ def test_numpy_bools_pass_as_causal_and_deterministic(kernels):
 
     q, k, v, cu_q, cu_k = _varlen([3, 2], [1, 4])
     hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, causal=np.bool_(True), deterministic=np.bool_(False))
+    assert kernels.forward_calls == 1
+
+
+def test_the_plain_api_records_autograd_for_tensors_that_require_grad(kernels):
+    """``import hipattn as flash_attn`` trains: hipattn.flash_attn_func goes through the custom ops."""
+    import hipattn
+
+    q, k, v, cu_q, cu_k = _varlen([3, 7], [4, 6])
+    out = hipattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, causal=True)
+    out.sum().backward()
+    assert kernels.forward_calls == 1 and kernels.backward_calls == 1 and q.grad is not None
+    batch = [torch.randn(2, 5, 4, 16, requires_grad=True) for _ in range(3)]
+    hipattn.flash_attn_func(*batch).sum().backward()
+    assert kernels.backward_calls == 2 and all(t.grad is not None for t in batch)
+
+
+def test_the_plain_api_records_nothing_without_grad_mode_and_refuses_a_stream_with_autograd(kernels):
+    import hipattn
+
+    q, k, v = (torch.randn(2, 5, 4, 16, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        out = hipattn.flash_attn_func(q, k, v, softmax_scale=0.25)
+    assert out.grad_fn is None and kernels.forward_calls == 1
+    with pytest.raises(ValueError, match=r"stream= cannot be combined with autograd.*torch\.cuda\.stream"):
+        hipattn.flash_attn_func(q, k, v, stream=0)
     assert kernels.forward_calls == 1

@@ -1,12 +1,16 @@
-"""Host (Python) time of one hipattn.forward / hipattn.backward call with torch tensors.
+"""Host (Python) time of one hipattn call with torch tensors, beside torch SDPA's on the same problem.
 
     python -m tools.bench_host_overhead [--calls 5000] [--out host_overhead.json]
 
-A small varlen problem (8 sequences of 9 tokens, 16 heads, head_dim 128, bf16) with caller-provided
-outputs, so nothing is allocated: what is timed is validation, device guard, stream resolution,
-dispatch, parameter packing and the launch call. The GPU queue is drained every 500 calls outside
-the timed region, so it never fills and blocks a launch. Also reports the median of each stage on
-its own (the same calls the API makes), to show where the time goes.
+A small problem (8 sequences of 9 tokens, 16 heads, head_dim 128, bf16), so the GPU time is
+negligible and what is timed is the host's: validation (or, on a repeat call, the replay of a
+validated plan: hipattn.forward_plans), device guard, stream resolution, dispatch, parameter packing
+and the launch call. Timed: hipattn.forward (varlen) with outputs given and allocating,
+hipattn.backward, hipattn.torch.flash_attn_func (batch, inference and with autograd recording), and
+torch's scaled_dot_product_attention with its flash backend on the same batch. The GPU queue is
+drained every 500 calls outside the timed region, so it never fills and blocks a launch. Also
+reports the median of each stage of the full (first-call) path on its own, to show where that
+time goes.
 """
 
 from __future__ import annotations
@@ -63,12 +67,43 @@ def main() -> None:
     def backward():
         hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **varlen)
 
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import hipattn.torch as hat
+
+    def forward_allocating():
+        hipattn.forward(q, k, v, **varlen)
+
+    qb, kb, vb = (x.view(batch, seqlen, heads, head_dim) for x in (q, k, v))
+    qg = qb.detach().clone().requires_grad_()
+
+    def torch_api():
+        hat.flash_attn_func(qb, kb, vb)
+
+    def torch_api_recording():
+        hat.flash_attn_func(qg, kb, vb)
+
+    qs, ks, vs = (x.transpose(1, 2) for x in (qb, kb, vb))
+
+    def sdpa_flash():
+        F.scaled_dot_product_attention(qs, ks, vs)
+
+    plans = runtime.active().forward_plans
+
+    def forward_full_path():
+        plans.clear()  # every call validates from scratch, as the first call of a signature does
+        forward()
+
     drain = torch.cuda.synchronize
-    forward()
-    backward()  # compile / load both kernels outside the timing
-    drain()
-    results = {"forward_us": _median_us(forward, args.calls, drain),
-               "backward_us": _median_us(backward, args.calls, drain)}
+    calls = {"forward_us": forward, "forward_full_path_us": forward_full_path, "forward_allocating_us": forward_allocating, "backward_us": backward,
+             "torch_flash_attn_func_us": torch_api, "torch_flash_attn_func_recording_us": torch_api_recording,
+             "torch_sdpa_flash_us": sdpa_flash}
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for fn in calls.values():
+            fn()  # compile / load every kernel outside the timing
+        drain()
+        results = {name: _median_us(fn, args.calls, drain) for name, fn in calls.items()}
 
     # Per stage, as forward runs them.
     qa, ka, va = (arrays.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -103,8 +138,8 @@ def main() -> None:
 
     results["device"] = torch.cuda.get_device_name()
     results["torch"] = torch.__version__
-    print(f"hipattn.forward  {results['forward_us']:7.2f} us host per call (median of {args.calls})")
-    print(f"hipattn.backward {results['backward_us']:7.2f} us host per call")
+    for name in calls:
+        print(f"{name:42s} {results[name]:7.2f} us host per call (median of {args.calls})")
     for name, us in results["stages_us"].items():
         print(f"  {name:42s} {us:7.2f} us")
     if args.out:

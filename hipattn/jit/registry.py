@@ -9,10 +9,12 @@ and load once.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,22 @@ from .spec import KernelSpec
 from .target import Target
 
 logger = logging.getLogger("hipattn")
+
+
+# Per thread: the list that launches are appended to while ``recording_launches`` is active.
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[list]:
+    """Collect ``(kernel, grid, block, shared_bytes, params)`` of every launch this thread makes in
+    the block (forward_plans records what a validated call launched this way)."""
+    previous = getattr(_recording, "launches", None)
+    launches = _recording.launches = []
+    try:
+        yield launches
+    finally:
+        _recording.launches = previous
 
 
 class LoadedKernel:
@@ -74,6 +92,9 @@ class LoadedKernel:
     ) -> None:
         """Enqueue the kernel on ``stream`` (the device must be current); ``params`` from ``self.params.new``."""
         self._launch(self.function, grid, block, shared_bytes, stream, params)
+        launches = getattr(_recording, "launches", None)
+        if launches is not None:
+            launches.append((self, grid, block, shared_bytes, params))
 
     def reserve_dynamic_shared_memory(self, nbytes: int) -> None:
         """Allow launches with up to ``nbytes`` of dynamic shared memory; a no-op once already allowed.
