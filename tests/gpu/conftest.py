@@ -8,7 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
-    pytest.skip("no GPU: the GPU tests run through the device tool on the H200", allow_module_level=True)
+    pytest.skip("torch sees no CUDA GPU on this machine (torch.cuda.is_available() is False): the GPU tests need an "
+                "NVIDIA GPU and a CUDA build of torch", allow_module_level=True)
 
 
 @pytest.fixture
