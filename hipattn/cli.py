@@ -31,7 +31,8 @@ from .jit.cache_safety import printable
 from .jit.spec import KernelSpec
 from .jit.target import Target
 
-# The exit codes: 0 everything worked, 1 something failed (named on stderr), 2 bad arguments.
+# The exit codes: 0 everything worked, 1 something failed (named on stderr), 2 bad arguments (for
+# warm, a target the local compiler cannot compile for counts as one).
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
@@ -113,6 +114,7 @@ def _warm(args: argparse.Namespace) -> int:
     # process on a target it does not know, so such targets are reported, never attempted.
     work: list[tuple[KernelSpec, Target]] = []
     failed = 0
+    unsupported: list[str] = []
     for target in targets:
         specs = [s for s in catalog.shipped_specs(target) if not args.family or s.family.name in args.family]
         try:
@@ -126,19 +128,21 @@ def _warm(args: argparse.Namespace) -> int:
             failed += len(specs) or 1
             continue
         if not compilable:
-            print(
-                f"hipattn warm: {identity} cannot compile for {target.arch}; skipped {len(specs)} kernels "
-                "(a newer compiler is needed for this target)",
-                file=sys.stderr,
-            )
-            failed += len(specs) or 1
+            reason = backend.unsupported_reason(target) or f"{identity} cannot compile for {target.arch}"
+            print(f"hipattn warm: skipped {target.arch} ({len(specs)} kernels): {reason}", file=sys.stderr)
+            unsupported.append(target.arch)
             continue
         work.extend((spec, target) for spec in specs)
 
     counts = {"compiled": 0, "cached": 0, "failed": failed}
     if work:
         jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(work)))
-        with tqdm(total=len(work), unit="kernel", desc="hipattn warm", disable=None) as progress:
+        # A bar on a terminal; elsewhere (a pipe, a CI or container log) plain lines as it goes.
+        bar = sys.stderr.isatty()
+        if not bar:
+            print(f"hipattn warm: compiling {len(work)} kernels in {jobs} processes", file=sys.stderr, flush=True)
+        progress_kind = tqdm if bar else PlainProgress
+        with progress_kind(total=len(work), unit="kernel", desc="hipattn warm") as progress:
 
             def report(spec: KernelSpec, target: Target, outcome: WarmResult | BaseException) -> None:
                 progress.update(1)
@@ -163,10 +167,44 @@ def _warm(args: argparse.Namespace) -> int:
                     report(spec, target, HipattnError("the compiler killed its process (crashed or aborted)"))
 
     archs = ", ".join(t.arch for t in targets)
+    skipped = ""
+    if unsupported:
+        skipped = f", {len(unsupported)} target{'s' if len(unsupported) > 1 else ''} skipped ({', '.join(unsupported)})"
     print(
-        f"hipattn warm ({archs}): {counts['compiled']} compiled, {counts['cached']} already cached, {counts['failed']} failed; cache {printable(cache.directory)}"
+        f"hipattn warm ({archs}): {counts['compiled']} compiled, {counts['cached']} already cached, {counts['failed']} failed{skipped}; cache {printable(cache.directory)}"
     )
-    return EXIT_FAILED if counts["failed"] else 0
+    if counts["failed"]:
+        return EXIT_FAILED
+    return EXIT_USAGE if unsupported else 0
+
+
+class PlainProgress:
+    """``warm``'s progress where no terminal shows a bar: a line when a kernel fails, and a count at
+    most every PROGRESS_SECONDS and at the end, so that a log shows the command is working."""
+
+    PROGRESS_SECONDS = 10.0
+
+    def __init__(self, total: int, unit: str, desc: str):
+        self.total, self.unit, self.desc = total, unit, desc
+        self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.done == self.total or now - self.last >= self.PROGRESS_SECONDS:
+            self.last = now
+            print(f"{self.desc}: {self.done}/{self.total} {self.unit}s done after {now - self.start:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    def write(self, text: str, file=None) -> None:
+        print(text, file=file or sys.stdout, flush=True)
 
 
 def run_compile_pool(
@@ -351,18 +389,23 @@ def _jobs(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hipattn", description="hipattn's kernel compile cache and environment."
-    )
-    parser.add_argument(
+    # --cache-dir goes before or after the command (hipattn --cache-dir D list, hipattn list --cache-dir D).
+    cache_option = argparse.ArgumentParser(add_help=False)
+    cache_option.add_argument(
         "--cache-dir",
         type=_cache_dir,
-        default=None,
+        default=argparse.SUPPRESS,
         help=f"cache directory (default: $HIPATTN_CACHE_DIR, else the XDG cache dir; now {printable(default_cache_dir())})",
+    )
+    parser = argparse.ArgumentParser(
+        prog="hipattn", description="hipattn's kernel compile cache and environment.", parents=[cache_option]
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    warm = commands.add_parser("warm", help="compile the shipped kernels into the cache")
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help_text, parents=[cache_option])
+
+    warm = command("warm", "compile the shipped kernels into the cache")
     warm.add_argument(
         "--arch",
         type=_arch,
@@ -379,16 +422,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     warm.set_defaults(run=_warm)
 
-    commands.add_parser("list", help="list cached kernels (spec, arch, size, age)").set_defaults(run=_list)
-    commands.add_parser("clear", help="delete every cached kernel").set_defaults(run=_clear)
-    commands.add_parser("info", help="show backend, devices, compilers and the cache").set_defaults(run=_info)
+    command("list", "list cached kernels (spec, arch, size, age)").set_defaults(run=_list)
+    command("clear", "delete every cached kernel").set_defaults(run=_clear)
+    command("info", "show backend, devices, compilers and the cache").set_defaults(run=_info)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Not a parser default: set_defaults would also change the shared option's default in the
+    # commands' parsers, and a command would then overwrite a --cache-dir given before it.
+    args.cache_dir = getattr(args, "cache_dir", None)
     # Importing hipattn already attached a handler when HIPATTN_LOG is set (hipattn.log); a second
     # one here would print every record twice. Otherwise show warnings (cache problems) on stderr.
     if not logging.getLogger("hipattn").handlers:
         logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:
+        # The reader went away (hipattn list | head): stop quietly, and keep Python's exit-time
+        # flush of stdout from raising the same error again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED

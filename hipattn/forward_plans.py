@@ -102,11 +102,12 @@ def signature(arrays: tuple, scalars: tuple, stream: Any) -> tuple | None:
         return None
     tensor, strided = torch.Tensor, torch.strided
     described = []
+    append = described.append
     for a in arrays:
         if a is None:
-            described.append(None)
-        elif type(a) is tensor and a.layout is strided:
-            described.append((a.dtype, a.shape, a.stride(), a.device))
+            append(None)
+        elif type(a) is tensor and a.layout is strided:  # a sparse tensor reports strides too
+            append((a.dtype, a.shape, a.stride(), a.get_device()))
         else:
             return None
     if stream is not None and (arrays[3] is None or arrays[4] is None):

@@ -40,6 +40,13 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
     return (q.shape[0], q.shape[2], q.shape[1])
 
 
+def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    """hipattn's forward kernels on the op's arguments: (out, lse)."""
+    return attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+                             causal=causal)
+
+
 @torch.library.custom_op("hipattn::forward", mutates_args=())
 def _forward_op(
     q: Tensor,
@@ -54,9 +61,7 @@ def _forward_op(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     del deterministic  # a forward is deterministic; the flag is kept for the backward (_setup_context)
-    return attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                             causal=causal)
+    return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
 
 
 @_forward_op.register_fake
@@ -121,9 +126,7 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                 deterministic):
         inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
-        output = attention.forward(
-            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
+        output = _run_forward(*inputs[:-1])
         ctx.mark_non_differentiable(output[1])
         _setup_context(ctx, inputs, output)
         return output
@@ -136,12 +139,17 @@ class _EagerAttention(torch.autograd.Function):
 _TENSOR = torch.Tensor
 
 
-def _attend(q, k, v, *arguments):
-    """hipattn's forward with autograd: the eager path for plain tensors, the custom op otherwise."""
+def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic):
+    """hipattn's forward with autograd: for plain tensors in eager mode, the autograd Function (or,
+    when nothing needs a gradient, the forward alone); the custom op for everything traced."""
     if (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not torch.compiler.is_compiling()
             and not torch._C._len_torch_dispatch_stack() and not torch._C._is_torch_function_mode_enabled()):
-        return _EagerAttention.apply(q, k, v, *arguments)
-    return _forward_op(q, k, v, *arguments)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         softmax_scale, causal, deterministic)
+        return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    return _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       deterministic)
 
 
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:

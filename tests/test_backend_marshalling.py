@@ -309,3 +309,24 @@ def test_host_function_must_be_an_int_address(either):
     address = ctypes.cast(callback, ctypes.c_void_p).value
     backend.launch_host_func(0x5000, address, 0x77)
     assert fake.called(HOST_FUNC_CALL[vendor]) == [(0x5000, address, 0x77)]
+
+
+def test_a_missing_hiprtc_library_names_rocm_path_without_raw_bytes(monkeypatch):
+    """hip-python installed but no libhiprtc: the hint says what to set, not to install the installed extra."""
+    hip_bindings = pytest.importorskip("hip", reason="hip-python is not installed")
+    from hipattn.backends.hip import HipBackend
+    from hipattn.errors import BackendUnavailableError
+
+    class NoLibrary:
+        def __getattr__(self, name):
+            def fail(*args):
+                raise RuntimeError("failed to dlopen 'b'libhiprtc.so'': b'libhiprtc.so: cannot open shared object file'")
+            return fail
+
+    monkeypatch.delenv("ROCM_PATH", raising=False)
+    backend = HipBackend(hip_module=hip_bindings.hip, hiprtc_module=NoLibrary())
+    with pytest.raises(BackendUnavailableError) as raised:
+        backend.compiler_identity()
+    message = str(raised.value)
+    assert "ROCM_PATH is not set" in message and "libhiprtc.so" in message
+    assert "b'" not in message and "pip install" not in message

@@ -82,6 +82,9 @@ def test_warm_list_clear(tmp_path, arch):
     warm = hipattn("warm", "--arch", arch, "--family", family, "--jobs", "2", cache_dir=cache_dir)
     assert warm.returncode == 0, warm.stdout + warm.stderr
     assert f"{len(specs)} compiled, 0 already cached, 0 failed" in warm.stdout
+    # No terminal here: plain progress lines on stderr instead of a bar, so a log shows it working.
+    assert f"hipattn warm: compiling {len(specs)} kernels" in warm.stderr
+    assert f"hipattn warm: {len(specs)}/{len(specs)} kernels done after" in warm.stderr
     cached = {(entry.spec, entry.arch) for entry in DiskCache(cache_dir).entries()}
     assert cached == {(spec.canonical(), arch) for spec in specs}
 
@@ -107,10 +110,39 @@ def test_warm_for_a_target_the_compiler_does_not_know_fails_cleanly(tmp_path):
         pytest.skip(f"{identity} may know gfx942")
     # hiprtc 5.2 aborts the process on gfx942: warm must report it, not crash or hang.
     result = hipattn("warm", "--arch", "gfx942", cache_dir=tmp_path / "cache")
-    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.returncode == 2, result.stdout + result.stderr
     assert "gfx942" in result.stderr
     assert "Traceback" not in result.stderr
     assert DiskCache(tmp_path / "cache").entries() == []
+
+
+@pytest.mark.parametrize("arch", ["sm_99", "sm_70"])
+def test_warm_for_an_arch_nvrtc_does_not_support_says_so_once_and_exits_2(tmp_path, arch):
+    require_compiler("sm_90")
+    result = hipattn("warm", "--arch", arch, cache_dir=tmp_path / "cache")
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) <= 3, lines
+    assert f"skipped {arch}" in result.stderr and "does not compile for" in result.stderr and "sm_90" in result.stderr
+    assert DiskCache(tmp_path / "cache").entries() == []
+
+
+def test_cache_dir_is_accepted_before_or_after_the_command(tmp_path):
+    for args in (["--cache-dir", str(tmp_path / "a"), "list"], ["list", "--cache-dir", str(tmp_path / "a")]):
+        result = hipattn(*args, cache_dir=tmp_path / "environment")
+        assert result.returncode == 0, result.stderr
+        assert f"0 entries, 0 B in {tmp_path / 'a'}" in result.stdout
+
+
+def test_a_closed_pipe_ends_the_command_without_a_traceback(tmp_path):
+    env = dict(os.environ, HIPATTN_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader is gone before anything is written, as after `| head` has read enough
+    with os.fdopen(writer, "w") as stdout:
+        result = subprocess.run([sys.executable, "-m", "hipattn", "info"], cwd=REPO, env=env, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+    assert result.returncode == cli.EXIT_FAILED
 
 
 def test_warm_rejects_an_unknown_family(tmp_path):

@@ -239,3 +239,25 @@ def test_the_plain_api_records_nothing_without_grad_mode_and_refuses_a_stream_wi
     with pytest.raises(ValueError, match=r"stream= cannot be combined with autograd.*torch\.cuda\.stream"):
         hipattn.flash_attn_func(q, k, v, stream=0)
     assert kernels.forward_calls == 1
+
+
+def test_eager_calls_skip_the_custom_ops_dispatch_and_traced_ones_take_the_op(kernels, monkeypatch):
+    """Plain tensors in eager mode go through an autograd Function (the op's dispatch costs tens of
+    microseconds); under a dispatch mode, as under any tracer, the custom op is what runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    op_calls = []
+    real_op = hat._forward_op
+    monkeypatch.setattr(hat, "_forward_op", lambda *args: op_calls.append(1) or real_op(*args))
+    q, k, v = (torch.randn(2, 5, 4, 16, requires_grad=True) for _ in range(3))
+    hat.flash_attn_func(q, k, v).sum().backward()
+    with torch.no_grad():
+        hat.flash_attn_func(q, k, v)
+    assert op_calls == [] and kernels.forward_calls == 2 and q.grad is not None
+    with PassThrough():
+        hat.flash_attn_func(q, k, v)
+    assert op_calls == [1] and kernels.forward_calls == 3

@@ -127,9 +127,16 @@ class Backend(ABC):
         """Refuse, before the compiler sees it, what it cannot compile (another vendor's target, one an
         old compiler would abort on), and make sure the compiler loads."""
 
+    def unsupported_reason(self, target: Target) -> str | None:
+        """Why this backend's compiler cannot compile for ``target``, or None when it can: the text
+        ``hipattn warm`` prints, once per target, instead of one compile error per kernel."""
+        if target.vendor != self.vendor:
+            return f"the {self.name} backend compiles for {self.vendor} targets, not {target}"
+        return None
+
     def can_compile_for(self, target: Target) -> bool:
         """False where the compiler is known not to handle ``target`` (an old hiprtc aborts on new gfx)."""
-        return target.vendor == self.vendor
+        return self.unsupported_reason(target) is None
 
     # ---- devices ------------------------------------------------------------------------------
     @abstractmethod

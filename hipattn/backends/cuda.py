@@ -101,6 +101,7 @@ class CudaBackend(Backend):
         self._initialized = False
         self._primary_contexts: dict[int, Any] = {}
         self._identity: str | None = None
+        self._supported: tuple[int, ...] | None = None
         self._argument_slot = KernelArgumentSlot()
 
         self._compiler = RuntimeCompiler(nvrtc_module, "nvrtc", code_call="CUBIN", file_name="hipattn_kernel.cu",
@@ -148,6 +149,29 @@ class CudaBackend(Backend):
             # in the cache key (a system libnvrtc without the wheel keeps major.minor).
             self._identity = f"nvrtc {major}.{minor}" + _nvrtc_wheel_suffix()
         return self._identity
+
+    def unsupported_reason(self, target: Target) -> str | None:
+        """None when this NVRTC compiles for ``target``; else why not (each NVRTC release drops old
+        targets and knows no newer ones than its own: ``nvrtcGetSupportedArchs``)."""
+        if target.vendor != NVIDIA:
+            return f"the cuda backend compiles for NVIDIA targets (sm_NN), not {target}"
+        supported = self._supported_compute_capabilities()
+        if supported and target.compute_capability not in supported:
+            listed = ", ".join(f"sm_{cc}" for cc in supported)
+            return (f"{self.compiler_identity()} does not compile for {target.arch}; it supports {listed} "
+                    "(another NVRTC release, e.g. another cuda-toolkit[nvrtc] wheel, may)")
+        return None
+
+    def _supported_compute_capabilities(self) -> tuple[int, ...]:
+        """What ``nvrtcGetSupportedArchs`` lists (empty when this NVRTC cannot be asked)."""
+        if self._supported is None:
+            self.compiler_identity()  # a missing libnvrtc is BackendUnavailableError, not this probe's
+            try:
+                archs = self._compiler.call("GetSupportedArchs")
+                self._supported = tuple(int(cc) for cc in archs)
+            except Exception:  # an NVRTC before 11.2 has no such call: every target is attempted
+                self._supported = ()
+        return self._supported
 
     def compile_options(self, target: Target) -> tuple[str, ...]:
         self._require_vendor(target)

@@ -37,6 +37,17 @@ logger = logging.getLogger("hipattn")
 
 _INSTALL_HINT = "install the AMD extra: pip install hipattn[amd] (and ROCm, or set ROCM_PATH to it)"
 
+
+def _missing_library(library: str, error: Exception) -> str:
+    """What to do when hip-python (so the AMD extra) is installed but cannot load ``library``."""
+    detail = re.sub(r"b'([^']*)'", r"\1", str(error))  # hip-python quotes the loader's bytes as b'...'
+    rocm = os.environ.get("ROCM_PATH")
+    where = (f"ROCM_PATH={rocm} has no loadable lib/{library}" if rocm
+             else f"ROCM_PATH is not set and {library} is not on the loader's path")
+    return (f"{library} could not be loaded ({detail}): {where}. hip-python is installed; it needs a ROCm "
+            "install: set ROCM_PATH to one whose lib/ holds libamdhip64.so and libhiprtc.so (the README's "
+            "'AMD setup' shows how with Debian's packages)")
+
 # The first ROCm release (major, minor) whose hiprtc compiles for each processor, and the first that no
 # longer does. hiprtc does not report an unknown processor: the process aborts inside comgr (SIGABRT,
 # seen with ROCm 5.2 on gfx940/941/942/950/1100), so hipattn refuses what the table does not list.
@@ -163,7 +174,7 @@ class HipBackend(Backend):
         try:
             self._compiler.call("Version")  # loads libhiprtc (hip-python loads lazily)
         except Exception as error:
-            raise BackendUnavailableError(f"hiprtc could not be loaded ({error}); {_INSTALL_HINT}") from None
+            raise BackendUnavailableError(_missing_library("libhiprtc.so", error)) from None
         version, rocm = None, None
         try:
             result, number = self._hip.hipRuntimeGetVersion()
@@ -210,9 +221,6 @@ class HipBackend(Backend):
             )
         return None
 
-    def can_compile_for(self, target: Target) -> bool:
-        return self.unsupported_reason(target) is None
-
     def compile_options(self, target: Target) -> tuple[str, ...]:
         if target.vendor != AMD:
             raise ValueError(f"the hip backend compiles for AMD targets (gfxNNN), not {target}")
@@ -238,7 +246,7 @@ class HipBackend(Backend):
         try:
             returned = self._hip.hipGetDeviceCount()
         except Exception as error:  # hip-python loads libamdhip64 lazily; a missing runtime shows here
-            raise BackendUnavailableError(f"the HIP runtime could not be loaded ({error}); {_INSTALL_HINT}") from None
+            raise BackendUnavailableError(_missing_library("libamdhip64.so", error)) from None
         return int(self._check("hipGetDeviceCount", returned))
 
     def device_target(self, device: int) -> Target:

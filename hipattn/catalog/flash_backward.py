@@ -1,7 +1,7 @@
 """The general attention backward: a dK/dV kernel per key block (which also adds each key tile's share
 of dQ into an fp32 accumulator on the atomic schedule) and, for ``deterministic=True``, a dQ kernel
 per query tile. mma.sync on NVIDIA sm_80+ (larger rows on sm_90's 227 KiB), a wgmma dK/dV kernel on
-sm_90a, MFMA on AMD gfx90a/gfx94x. One row type per kernel; ``tiles_for`` picks a target's pair."""
+sm_90a, MFMA on AMD gfx90a/gfx94x/gfx950. One row type per kernel; ``tiles_for`` picks a target's pair."""
 
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ class FlashDkdvWgmmaTiles(WarpgroupTiles):
 
 @dataclass(frozen=True)
 class FlashDkdvMfmaTiles(KernelTiles):
-    """The MFMA dK/dV kernel (AMD gfx90a, gfx94x): one 64-lane wave per 16 of its block_n keys, walking
+    """The MFMA dK/dV kernel (AMD gfx90a, gfx94x, gfx950): one 64-lane wave per 16 of its block_n keys, walking
     16-row query tiles."""
 
     block_n: int

@@ -1,5 +1,5 @@
 """The general attention forward (FlashAttention-2 style): mma.sync on NVIDIA sm_80+, wgmma on sm_90a,
-MFMA 16x16x16 on AMD gfx90a/gfx94x. One table per kernel, per head_dim; ``tiles_for`` picks the row
+MFMA 16x16x16 on AMD gfx90a/gfx94x/gfx950. One table per kernel, per head_dim; ``tiles_for`` picks the row
 a target runs, and the row's type names the kernel."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class FlashForwardWgmmaTiles(WarpgroupTiles):
 
 @dataclass(frozen=True)
 class FlashForwardMfmaTiles(KernelTiles):
-    """The MFMA forward's BLOCK_M and BLOCK_N (AMD gfx90a, gfx94x)."""
+    """The MFMA forward's BLOCK_M and BLOCK_N (AMD gfx90a, gfx94x, gfx950)."""
 
     block_m: int  # query rows per block; one 64-lane wave per 16 rows
     block_n: int  # keys per tile of the inner loop
@@ -130,7 +130,7 @@ FLASH_FORWARD_WGMMA_TILES: dict[int, FlashForwardWgmmaTiles] = {
     256: FlashForwardWgmmaTiles(block_n=64, warpgroups=2),
 }
 
-# AMD gfx90a/gfx94x. LDS holds one K tile and one transposed V tile (Q and O live in registers), so
+# AMD gfx90a/gfx94x/gfx950. LDS holds one K tile and one transposed V tile (Q and O live in registers), so
 # every row fits 64 KiB (17, 25.3, 33.5 and 18.1 KiB). Eight waves per block leave each wave 256
 # registers per lane; with block_n 32 the hiprtc 5.2 build of head_dim 256 spilled, with block_n 16
 # it needs 204 registers and spills none.
@@ -143,7 +143,7 @@ FLASH_FORWARD_MFMA_TILES: dict[int, FlashForwardMfmaTiles] = {
 
 
 def tiles_for(head_dim: int, target: Target | None) -> FlashForwardTiles:
-    """The row ``target`` runs at ``head_dim``: MFMA on AMD gfx90a/gfx94x, wgmma on sm_90a (but
+    """The row ``target`` runs at ``head_dim``: MFMA on AMD gfx90a/gfx94x/gfx950, wgmma on sm_90a (but
     head_dim 96), mma.sync on every other target."""
     if runs_amd_mfma(target):
         return FLASH_FORWARD_MFMA_TILES[head_dim]

@@ -318,7 +318,7 @@ def _row(head_dim: int, target: Target | None, group: int, portable: bool, mma: 
 def forward_tiles(head_dim: int, target: Target | None, *, group: int, portable: bool = False) -> SmallSeqTiles:
     """The forward's row on ``target`` for query heads grouped ``group`` to a KV head, unless
     ``portable``: on NVIDIA sm_80+ the tensor-core kernel of ungrouped or of grouped heads, on AMD
-    gfx90a/gfx94x the MFMA kernel (any group); the portable kernel everywhere else."""
+    gfx90a/gfx94x/gfx950 the MFMA kernel (any group); the portable kernel everywhere else."""
     return _row(head_dim, target, group, portable, SMALLSEQ_FORWARD_MMA_TILES, SMALLSEQ_GQA_FORWARD_MMA_TILES,
                 SMALLSEQ_FORWARD_MFMA_TILES, SMALLSEQ_FORWARD_TILES)
 

@@ -1,4 +1,4 @@
-"""The AMD matrix-core (MFMA 16x16x16, gfx90a and gfx94x) small-sequence forward and backward: a
+"""The AMD matrix-core (MFMA 16x16x16, gfx90a, gfx94x and gfx950) small-sequence forward and backward: a
 workgroup per (sequence, KV head) over its group's stacked query rows. Each row of the tables below
 names its kernel, its spec, its shared memory and how a launch covers a call's problems."""
 

@@ -14,12 +14,13 @@ from ..jit.target import AMD, NVIDIA, Target
 WGMMA_ARCH = "sm_90a"
 
 # The processors whose MFMA 16x16x16 f16 and bf16_1k instructions kernels/common/mma_amd.h uses (its
-# #error guard names the same list). gfx908 lacks the bf16_1k form; gfx950 is left out until a
-# compiler that knows it has built the kernels.
-AMD_MFMA_ARCHS = ("gfx90a", "gfx940", "gfx941", "gfx942")
+# #error guard names the same list). gfx908 lacks the bf16_1k form. gfx950 keeps both (CI compiles
+# its kernels with clang-22, tests/test_compile_offline_amd.py).
+AMD_MFMA_ARCHS = ("gfx90a", "gfx940", "gfx941", "gfx942", "gfx950")
 
 # Dynamic shared memory a block may opt in to: Hopper (sm_90, sm_90a); sm_86/sm_89's limit, which
-# every row of the sm_80+ tables fits; gfx90a's and gfx94x's LDS per workgroup.
+# every row of the sm_80+ tables fits; gfx90a's and gfx94x's LDS per workgroup (gfx950 has 160 KiB;
+# hipattn's rows are sized for 64).
 HOPPER_SHARED_BYTES = 227 * 1024
 SM86_SHARED_BYTES = 99 * 1024
 AMD_LDS_BYTES = 64 * 1024
@@ -46,7 +47,7 @@ def has_hopper_shared_memory(target: Target | None) -> bool:
 
 
 def runs_amd_mfma(target: Target | None) -> bool:
-    """Whether ``target`` runs the MFMA 16x16x16 kernels: AMD gfx90a and gfx94x, any target features."""
+    """Whether ``target`` runs the MFMA 16x16x16 kernels: AMD gfx90a, gfx94x and gfx950, any target features."""
     return target is not None and target.base_arch in AMD_MFMA_ARCHS
 
 

@@ -57,6 +57,6 @@ class Target:
 def _amd_wave_size(processor: str) -> int:
     # GCN and CDNA (three-digit names: gfx803, gfx90a, gfx942) run 64-wide wavefronts; RDNA
     # (gfx1030, gfx1100: four digits) compiles wave32 by default,
-    # which is also what hiprtc picks. The kernels read the same fact from the compiler's
-    # __AMDGCN_WAVEFRONT_SIZE, so host and device agree.
+    # which is also what hiprtc picks. The kernels derive the same fact from the compiler's processor
+    # family macros (kernels/common/platform.h), so host and device agree.
     return 64 if len(processor) == 3 else 32

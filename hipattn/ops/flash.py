@@ -1,5 +1,5 @@
 """Launch the general attention forward (FlashAttention-2 on tensor cores): wgmma on NVIDIA sm_90a
-(H100, H200), mma.sync on other NVIDIA sm_80+ parts, MFMA on AMD gfx90a/gfx94x. Every call the
+(H100, H200), mma.sync on other NVIDIA sm_80+ parts, MFMA on AMD gfx90a/gfx94x/gfx950. Every call the
 small-seq path cannot take comes here (hipattn.dispatch).
 
 The caller has validated the problem (problem.describe), made the device current and resolved the
@@ -28,7 +28,7 @@ def ineligibility(problem: Problem, direction: str) -> str | None:
         return f"head_dim {problem.head_dim} is not one of {FLASH_HEAD_DIMS}"
     target = runtime.active().target(problem.device)
     if not (runs_nvidia_mma(target) or runs_amd_mfma(target)):
-        return f"the flash {direction} needs NVIDIA sm_80+ or AMD gfx90a/gfx94x; device {problem.device} is {target.arch}"
+        return f"the flash {direction} needs NVIDIA sm_80+ or AMD gfx90a/gfx94x/gfx950; device {problem.device} is {target.arch}"
     return None
 
 

@@ -1,6 +1,6 @@
 """Launch the general attention backward: FlashAttention-2 on NVIDIA tensor cores (sm_80+; on sm_90a the
 dK/dV kernel runs on Hopper's warpgroup tensor cores at the head_dims its table has) and on AMD matrix
-cores (gfx90a/gfx94x).
+cores (gfx90a/gfx94x/gfx950).
 
 hipattn.attention.backward calls it for every call the small-seq path cannot take (hipattn.dispatch),
 with the workspace sections of workspace.backward_workspace.

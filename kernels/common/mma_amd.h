@@ -1,4 +1,4 @@
-// AMD wave-level matrix-core helpers (CDNA2 gfx90a, CDNA3 gfx940/941/942; wave64): MFMA 16x16x16
+// AMD wave-level matrix-core helpers (CDNA2 gfx90a, CDNA3 gfx940/941/942, CDNA4 gfx950; wave64): MFMA 16x16x16
 // with fp32 accumulation for 16-bit inputs.
 //
 // Fragment layouts, from AMD's matrix instruction calculator (github.com/ROCm/
@@ -20,9 +20,9 @@
 #if !defined(HIPATTN_AMD)
 #error "mma_amd.h is for AMD targets; NVIDIA kernels use mma_nvidia.h"
 #endif
-#if !(defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__))
+#if !(defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__) || defined(__gfx950__))
 // gfx908 has MFMA but not the 4-wide bf16 (_1k) instructions; RDNA has WMMA, not MFMA.
-#error "mma_amd.h needs the MFMA 16x16x16 f16 and bf16_1k instructions of gfx90a or gfx94x"
+#error "mma_amd.h needs the MFMA 16x16x16 f16 and bf16_1k instructions of gfx90a, gfx94x or gfx950"
 #endif
 
 namespace hipattn {

@@ -25,9 +25,13 @@
 namespace hipattn {
 
 // Lanes that execute in lockstep: the one place the kernels learn the warp size. The host reads the
-// same number from Target.warp_size.
-#if defined(HIPATTN_AMD)
-constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
+// same number from Target.warp_size, by the same rule: RDNA (gfx10, gfx11, gfx12) compiles wave32 by
+// default, as hiprtc does, and GCN and CDNA run wave64. The family macros are what every AMD compiler
+// defines (hiprtc 5.2 and LLVM 22 alike); LLVM 22 no longer predefines __AMDGCN_WAVEFRONT_SIZE.
+#if defined(HIPATTN_AMD) && (defined(__GFX10__) || defined(__GFX11__) || defined(__GFX12__))
+constexpr int kWarpSize = 32;
+#elif defined(HIPATTN_AMD)
+constexpr int kWarpSize = 64;
 #else
 constexpr int kWarpSize = 32;
 #endif

@@ -113,3 +113,43 @@ def test_hipattn_flash_attn_func_records_autograd_for_torch_tensors(rng):
     assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
     with torch.no_grad():
         assert not hipattn.flash_attn_func(q, k, v).requires_grad
+
+
+class _LlamaStyleAttention(torch.nn.Module):
+    """Projections to grouped heads, causal SDPA, the output projection: the attention block of a
+    Llama-style model, written the way such models call SDPA."""
+
+    def __init__(self, hidden=512, heads_q=8, heads_kv=2):
+        super().__init__()
+        self.heads_q, self.heads_kv, self.head_dim = heads_q, heads_kv, hidden // heads_q
+        self.q = torch.nn.Linear(hidden, hidden, bias=False)
+        self.kv = torch.nn.Linear(hidden, 2 * heads_kv * self.head_dim, bias=False)
+        self.o = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        batch, seqlen, _ = x.shape
+        q = self.q(x).view(batch, seqlen, self.heads_q, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(batch, seqlen, 2, self.heads_kv, self.head_dim).unbind(2)
+        y = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(batch, seqlen, -1))
+
+
+def test_a_torch_compiled_attention_block_runs_hipattn(rng, hipattn_calls):
+    layer = _LlamaStyleAttention().cuda().bfloat16()
+    x = torch.randn(2, 256, 512, generator=rng, device="cuda").bfloat16().requires_grad_()
+    # The reference: the same bf16 weights and input, computed in float64.
+    reference_layer = _LlamaStyleAttention().cuda().double()
+    reference_layer.load_state_dict({name: t.double() for name, t in layer.state_dict().items()})
+    x64 = x.detach().double().requires_grad_()
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = reference_layer(x64)
+    reference.sum().backward()
+    with hat.enabled():
+        y = torch.compile(layer)(x)
+        y.sum().backward()
+    assert hipattn_calls == ["forward", "backward"]  # the compiled graph's SDPA ops ran hipattn
+    limit = 2 * TOLERANCE["bf16"]  # three bf16 projections around the attention
+    assert relative_error(y.detach(), reference.detach()) < limit
+    assert relative_error(x.grad, x64.grad) < limit
+    for (name, p), p64 in zip(layer.named_parameters(), reference_layer.parameters(), strict=True):
+        assert relative_error(p.grad, p64.grad) < limit, name

@@ -7,7 +7,8 @@ instantiates the kernel); clang compiles it device-only to an HSA code object wi
 runtime header (the ``.hipRTC_header`` section of ``libamdhip64.so.5``: the HIP device names, no
 include path needed) and Debian's device-library bitcode (rocm-device-libs). Those libraries predate
 gfx942 and gfx950 only in their ISA-version constant, so a copy of gfx940's with the target's number
-stands in. LLVM 22 no longer defines ``__AMDGCN_WAVEFRONT_SIZE`` nor links ``hip.bc`` and
+stands in. LLVM 22 no longer defines ``__AMDGCN_WAVEFRONT_SIZE`` (hiprtc 5.2's header defines its
+``warpSize`` from it; hipattn's kernels read the processor family instead) nor links ``hip.bc`` and
 ``oclc_daz_opt_off.bc`` by default, so those are given explicitly there.
 
 A missing clang, LLVM tool, hiprtc library or bitcode is a pytest skip naming it.
@@ -36,7 +37,7 @@ HIPRTC_LIBRARY = Path("/usr/lib/x86_64-linux-gnu/libamdhip64.so.5")
 LLVM_FOR = {"gfx942": 19, "gfx950": 22}
 # The ISA-version bitcode each target's copy is made from.
 _ISA_TEMPLATE = "gfx940"
-# What LLVM 22 stopped doing on its own (hiprtc's header and hipattn's kernels still expect both).
+# What LLVM 22 stopped doing on its own, which hiprtc 5.2's runtime header still expects.
 _LLVM22_DEFINES = ("-D__AMDGCN_WAVEFRONT_SIZE=64",)
 _LLVM22_LINKS = ("hip.bc", "oclc_daz_opt_off.bc")
 

@@ -1,0 +1,66 @@
+"""Which forward calls may replay a validated launch (hipattn.forward_plans.signature), on the CPU.
+
+A replay skips every check that does not depend on the pointers, so the signature must hold every
+fact those checks read, and no call the full path would judge differently may share one.
+tests/gpu/test_forward_plans.py replays real launches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hipattn import forward_plans  # noqa: E402
+
+SCALARS = (9, 9, None, False)
+
+
+def _arrays(q=None, out=None, lse=None):
+    q = torch.empty(72, 16, 128, dtype=torch.bfloat16) if q is None else q
+    cu = torch.zeros(9, dtype=torch.int32)
+    return (q, q, q, out, lse, cu, cu, None, None)
+
+
+def test_equal_calls_share_a_signature_and_any_layout_change_makes_another():
+    base = forward_plans.signature(_arrays(), SCALARS, None)
+    assert base is not None and base == forward_plans.signature(_arrays(), SCALARS, None)
+    q = torch.empty(72, 16, 128, dtype=torch.bfloat16)
+    for changed in (q.to(torch.float16), q[:, :8], q.transpose(0, 1).contiguous().transpose(0, 1),
+                    torch.empty(72, 16, 64, dtype=torch.bfloat16)):
+        assert forward_plans.signature(_arrays(changed), SCALARS, None) != base
+    given = forward_plans.signature(_arrays(out=q, lse=torch.empty(16, 72)), SCALARS, None)
+    assert given is not None and given != base
+
+
+def test_scalars_are_told_apart_by_type_as_the_checks_do():
+    true = forward_plans.signature(_arrays(), (9, 9, None, True), None)
+    assert true != forward_plans.signature(_arrays(), (9, 9, None, 1), None)
+    assert forward_plans.signature(_arrays(), (9, 9, 0.5, False), None) != forward_plans.signature(
+        _arrays(), (9, 9, 0.25, False), None)
+
+
+@pytest.mark.parametrize("make_call", [
+    lambda: (_arrays(q=torch.nn.Parameter(torch.empty(72, 16, 128))), SCALARS, None),  # a subclass
+    lambda: (_arrays(q=np.empty((72, 16, 128))), SCALARS, None),  # not a torch tensor
+    lambda: (_arrays(), (9, 9, None, np.bool_(True)), None),  # a scalar that is not a plain Python one
+    lambda: (_arrays(), (9, 9, torch.tensor(0.5), False), None),  # a mutable scalar
+    lambda: (_arrays(), SCALARS, 12345),  # a stream, with outputs left to hipattn to allocate
+], ids=["subclass", "numpy", "numpy scalar", "tensor scalar", "stream and allocation"])
+def test_calls_a_replay_cannot_serve_have_no_signature(make_call):
+    assert forward_plans.signature(*make_call()) is None
+
+
+def test_the_debug_checks_and_the_kernel_switch_take_part(monkeypatch):
+    plain = forward_plans.signature(_arrays(), SCALARS, None)
+    monkeypatch.setenv("HIPATTN_SMALLSEQ_KERNEL", "portable")
+    assert forward_plans.signature(_arrays(), SCALARS, None) not in (None, plain)
+    monkeypatch.setenv("HIPATTN_CHECK", "1")
+    assert forward_plans.signature(_arrays(), SCALARS, None) is None
+
+
+def test_a_sparse_tensor_has_no_signature():
+    """torch reports strides for a sparse COO tensor too; its layout is what keeps it off the replay."""
+    sparse = torch.zeros(72, 16, 128).to_sparse()
+    assert forward_plans.signature(_arrays(q=sparse), SCALARS, None) is None
