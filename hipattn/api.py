@@ -2,7 +2,7 @@
 
 Argument names and order follow flash-attn 2's ``flash_attn_func`` and ``flash_attn_varlen_func``.
 Given torch tensors that require grad (with grad mode on), the calls record autograd through
-``hipattn.torch``'s custom ops, so ``import hipattn as flash_attn`` trains unchanged; every other
+``hipattn.torch``, so ``import hipattn as flash_attn`` trains unchanged; every other
 input kind takes the raw-array path, which records nothing. Arguments hipattn does not support
 raise ValueError naming them: dropout, sliding windows, softcap, ALiBi and paged KV
 (``block_table``) are out of scope for now.

@@ -16,20 +16,23 @@ full path, which decides and words the error:
 
 Only exact ``torch.Tensor`` objects (no subclass: a FakeTensor or a DTensor is not memory hipattn
 can launch on) are replayed; every other array kind, a given ``stream`` combined with an
-allocated output, and ``HIPATTN_CHECK=1`` always take the full path. The plans live on the
+allocated output, ``HIPATTN_CHECK=1`` and ``HIPATTN_LOG=debug`` always take the full path. The plans live on the
 runtime (``Runtime.forward_plans``), so installing another runtime starts with none.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import struct
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from . import checks
+from .dispatch import SMALLSEQ_SWITCH
 from .env import raw_reader
+from .log import logger
 from .ops.smallseq import KERNEL_SWITCH
 from .problem import extent
 from .streams import on_device, resolve_stream, torch_current_stream
@@ -92,14 +95,15 @@ class Plan:
 
 
 _read_check = raw_reader(checks.SWITCH)
-_read_kernel_switch = raw_reader(KERNEL_SWITCH)
+# The switches the full path reads on every call to choose a kernel: part of the signature.
+_read_switches = tuple(raw_reader(name) for name in (KERNEL_SWITCH, SMALLSEQ_SWITCH))
 
 
 def signature(arrays: tuple, scalars: tuple, stream: Any) -> tuple | None:
     """The call's plan key, or None when the call must take the full path."""
     torch = sys.modules.get("torch")
-    if torch is None or (_read_check() is not None and checks.enabled()):
-        return None
+    if torch is None or (_read_check() is not None and checks.enabled()) or logger.isEnabledFor(logging.DEBUG):
+        return None  # HIPATTN_LOG=debug logs every call's path, which only the full path decides
     tensor, strided = torch.Tensor, torch.strided
     described = []
     append = described.append
@@ -117,7 +121,7 @@ def signature(arrays: tuple, scalars: tuple, stream: Any) -> tuple | None:
         if type(value) not in _SCALAR_TYPES:
             return None  # an array or a mutable number: its value could change under an equal key
         typed_scalars.append((type(value), value))  # True == 1 == 1.0, but the checks tell them apart
-    return (*described, *typed_scalars, stream is None, _read_kernel_switch())
+    return (*described, *typed_scalars, stream is None, *(read() for read in _read_switches))
 
 
 def replay(plan: Plan, backend: Any, arrays: tuple, stream: Any) -> tuple[Any, Any] | None:
@@ -130,11 +134,6 @@ def replay(plan: Plan, backend: Any, arrays: tuple, stream: Any) -> tuple[Any, A
     for output, other, span, other_span in plan.disjoint:
         if ptrs[other] + other_span[0] < ptrs[output] + span[1] and ptrs[output] + span[0] < ptrs[other] + other_span[1]:
             return None
-    torch = sys.modules["torch"]
-    if stream is None and torch._C._cuda_getDevice() == plan.device:
-        # The arrays' device is current already (torch's current device is the driver's: one context
-        # per device, the primary one, on both sides), so no guard is needed.
-        return _launch(plan, arrays, ptrs, torch_current_stream(plan.device))
     with on_device(backend, plan.device):
         launch_stream = torch_current_stream(plan.device) if stream is None else resolve_stream(
             (), stream, device=plan.device)

@@ -6,7 +6,9 @@
 
 The forward and backward are registered as ``torch.library`` custom ops (``hipattn::forward`` and
 ``hipattn::backward``) with fake (meta) implementations, so ``torch.compile`` treats them as opaque
-calls and traces around them. Gradients flow to q, k and v; the log-sum-exp output is not
+calls and traces around them; eager calls on plain tensors skip the ops' dispatch (an autograd
+Function over the same forward and backward, or the forward alone when nothing needs a gradient).
+Gradients flow to q, k and v; the log-sum-exp output is not
 differentiable (its gradient is ignored). Calls the kernels cannot serve raise as hipattn.forward
 does (NotImplementedError where no kernel serves the call).
 

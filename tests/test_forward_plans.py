@@ -7,6 +7,8 @@ tests/gpu/test_forward_plans.py replays real launches.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -52,11 +54,19 @@ def test_calls_a_replay_cannot_serve_have_no_signature(make_call):
     assert forward_plans.signature(*make_call()) is None
 
 
-def test_the_debug_checks_and_the_kernel_switch_take_part(monkeypatch):
+@pytest.mark.parametrize("switch, value", [("HIPATTN_SMALLSEQ_KERNEL", "portable"), ("HIPATTN_SMALLSEQ", "0")])
+def test_the_switches_that_choose_a_kernel_take_part(monkeypatch, switch, value):
     plain = forward_plans.signature(_arrays(), SCALARS, None)
-    monkeypatch.setenv("HIPATTN_SMALLSEQ_KERNEL", "portable")
+    monkeypatch.setenv(switch, value)
     assert forward_plans.signature(_arrays(), SCALARS, None) not in (None, plain)
+
+
+def test_the_debug_checks_and_debug_logging_take_the_full_path(monkeypatch, caplog):
     monkeypatch.setenv("HIPATTN_CHECK", "1")
+    assert forward_plans.signature(_arrays(), SCALARS, None) is None
+    monkeypatch.delenv("HIPATTN_CHECK")
+    assert forward_plans.signature(_arrays(), SCALARS, None) is not None
+    caplog.set_level(logging.DEBUG, logger="hipattn")  # each call's path is logged by the full path only
     assert forward_plans.signature(_arrays(), SCALARS, None) is None
 
 

@@ -48,6 +48,7 @@ def _missing_library(library: str, error: Exception) -> str:
             "install: set ROCM_PATH to one whose lib/ holds libamdhip64.so and libhiprtc.so (the README's "
             "'AMD setup' shows how with Debian's packages)")
 
+
 # The first ROCm release (major, minor) whose hiprtc compiles for each processor, and the first that no
 # longer does. hiprtc does not report an unknown processor: the process aborts inside comgr (SIGABRT,
 # seen with ROCm 5.2 on gfx940/941/942/950/1100), so hipattn refuses what the table does not list.
