@@ -2,7 +2,8 @@
 clang-22 (tests/support/offline_amd.py: hiprtc's compile by hand, for the targets Debian's ROCm 5.2
 hiprtc refuses), and each code object's metadata holds: the kernel under its name expression, no
 VGPR spills or scratch (SGPR spills land in VGPR lanes, which costs no memory), and LDS (static and
-the launcher's dynamic bytes) within the target's.
+the launcher's dynamic bytes) within the target's. The MFMA kernels use gfx950's 16x16x32
+instructions there, and only there.
 
 gfx90a's are checked through hiprtc itself (tests/test_compile_shipped.py, tests/test_smallseq_mfma_tiles.py).
 Nothing here has run on AMD hardware.
@@ -31,6 +32,9 @@ LDS_BYTES = {"gfx942": AMD_LDS_BYTES, "gfx950": 160 * 1024}
 # registers, more than a lane has (it spills on gfx90a too); MFMA targets run the MFMA rows unless a
 # caller forces the portable ones.
 SCRATCH_ADMITTED = {"smallseq_backward"}
+
+# gfx950's 16x16x32 MFMA, by its mnemonic's stem (f16 and bf16 forms).
+WIDE_MFMA = "v_mfma_f32_16x16x32"
 
 # clang runs as a subprocess per spec, so threads keep both CI cores busy.
 _WORKERS = 2
@@ -79,6 +83,11 @@ def test_every_shipped_instantiation_compiles_offline(arch, tmp_path):
         lds = usage["group_segment_fixed_size"] + dynamic_shared_bytes(spec, target)
         if lds > LDS_BYTES[arch]:
             problems.append(f"{spec} needs {lds} bytes of LDS of {LDS_BYTES[arch]}: {usage}")
+        if spec.family.name.endswith("_mfma"):
+            # gfx950 contracts head_dim with its 16x16x32 MFMA (mma_amd.h mfma_two_steps); gfx942 has none.
+            wide = sum(name.startswith(WIDE_MFMA) for name in offline_amd.instructions(tools, binary))
+            if (wide > 0) != (arch == "gfx950"):
+                problems.append(f"{spec}: {wide} {WIDE_MFMA} instructions on {arch}")
     # Each kernel's registers, scratch and LDS, for a reader comparing targets (pytest --log-cli-level=INFO).
     logging.getLogger(__name__).info("%s\n%s", arch, "\n".join(findings))
     assert not problems, f"{arch}:\n" + "\n".join(problems)

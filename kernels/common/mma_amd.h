@@ -72,6 +72,55 @@ HIPATTN_DEVICE Accumulator mfma_16x16x16<half_t>(Operand a, Operand b, Accumulat
 #endif
 }
 
+#if defined(__gfx950__)
+// gfx950's 16x16x32 MFMA: a lane holds eight k of a row (A) or a column (B) where the 16x16x16 one
+// holds four, in the same lanes; the accumulator is laid out as the 16x16x16 one's.
+HIPATTN_VECTOR_TYPEDEF(short, 8, WideOperand);
+
+template <typename T>
+HIPATTN_DEVICE Accumulator mfma_16x16x32_wide(WideOperand a, WideOperand b, Accumulator c);
+
+#if !defined(HIPATTN_EMULATION)
+// The builtins take bf16 as clang's __bf16 and fp16 as _Float16 vectors.
+HIPATTN_VECTOR_TYPEDEF(__bf16, 8, WideBf16Operand);
+HIPATTN_VECTOR_TYPEDEF(_Float16, 8, WideHalfOperand);
+#endif
+
+template <>
+HIPATTN_DEVICE Accumulator mfma_16x16x32_wide<bf16_t>(WideOperand a, WideOperand b, Accumulator c) {
+#if defined(HIPATTN_EMULATION)
+  return hipattn_emulation::mfma_16x16x32(a, b, c, hipattn_emulation::bf16_bits_to_float);
+#else
+  return __builtin_amdgcn_mfma_f32_16x16x32_bf16(__builtin_bit_cast(WideBf16Operand, a),
+                                                 __builtin_bit_cast(WideBf16Operand, b), c, 0, 0, 0);
+#endif
+}
+
+template <>
+HIPATTN_DEVICE Accumulator mfma_16x16x32_wide<half_t>(WideOperand a, WideOperand b, Accumulator c) {
+#if defined(HIPATTN_EMULATION)
+  return hipattn_emulation::mfma_16x16x32(a, b, c, hipattn_emulation::half_bits_to_float);
+#else
+  return __builtin_amdgcn_mfma_f32_16x16x32_f16(__builtin_bit_cast(WideHalfOperand, a),
+                                                __builtin_bit_cast(WideHalfOperand, b), c, 0, 0, 0);
+#endif
+}
+#endif
+
+// d = a * b + c over two k-steps, (a0, b0) then (a1, b1), each a 16x16x16 step's operands. A
+// product contracts over k in any order its two operands agree on, so on gfx950 the two steps' four
+// elements, concatenated alike in both operands, are one 16x16x32 step (twice the 16x16x16 rate).
+// Elsewhere the two steps run one after the other, as a loop over them would.
+template <typename T>
+HIPATTN_DEVICE Accumulator mfma_two_steps(Operand a0, Operand a1, Operand b0, Operand b1, Accumulator c) {
+#if defined(__gfx950__)
+  return mfma_16x16x32_wide<T>(WideOperand{a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]},
+                               WideOperand{b0[0], b0[1], b0[2], b0[3], b1[0], b1[1], b1[2], b1[3]}, c);
+#else
+  return mfma_16x16x16<T>(a1, b1, mfma_16x16x16<T>(a0, b0, c));
+#endif
+}
+
 // Four consecutive 16-bit elements from an 8-byte-aligned address (LDS or global).
 template <typename T>
 HIPATTN_DEVICE Operand load_operand(const T* source) {

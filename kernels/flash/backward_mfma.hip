@@ -123,6 +123,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
   static_assert(Tiles::kThreads == BLOCK_N / 16 * 64, "__launch_bounds__ above is Tiles::kThreads");
   constexpr int kThreads = Tiles::kThreads;
   constexpr int kDSteps = HEAD_DIM / 16;  // k-steps of Sᵀ and dPᵀ; 16-column tiles of dKᵀ, dVᵀ, dQᵀ
+  static_assert(kDSteps % 2 == 0, "k-steps run in pairs (mma_amd.h mfma_two_steps)");
   constexpr int kQueries = mfma::kTile;   // rows of a query tile
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
@@ -204,13 +205,15 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
     const bool query_in = query < len_q;
     mfma::Accumulator s = mfma::zero_accumulator(), dp = mfma::zero_accumulator();
 #pragma unroll
-    for (int d = 0; d < kDSteps; ++d) {
-      const mfma::Operand q_b =
-          query_in ? mfma::load_operand(q_rows + column * p.q_token_stride + 16 * d + 4 * quarter) : mfma::zero_operand();
-      const mfma::Operand do_b = query_in ? mfma::load_operand(do_rows + column * p.dout_token_stride + 16 * d + 4 * quarter)
-                                          : mfma::zero_operand();
-      s = mfma::mfma_16x16x16<T>(k_fragment[d], q_b, s);
-      dp = mfma::mfma_16x16x16<T>(v_fragment[d], do_b, dp);
+    for (int d = 0; d < kDSteps; d += 2) {
+      const T* q_row = q_rows + column * p.q_token_stride + 4 * quarter;
+      const T* do_row = do_rows + column * p.dout_token_stride + 4 * quarter;
+      const mfma::Operand q0 = query_in ? mfma::load_operand(q_row + 16 * d) : mfma::zero_operand();
+      const mfma::Operand q1 = query_in ? mfma::load_operand(q_row + 16 * (d + 1)) : mfma::zero_operand();
+      const mfma::Operand do0 = query_in ? mfma::load_operand(do_row + 16 * d) : mfma::zero_operand();
+      const mfma::Operand do1 = query_in ? mfma::load_operand(do_row + 16 * (d + 1)) : mfma::zero_operand();
+      s = mfma::mfma_two_steps<T>(k_fragment[d], k_fragment[d + 1], q0, q1, s);
+      dp = mfma::mfma_two_steps<T>(v_fragment[d], v_fragment[d + 1], do0, do1, dp);
     }
 
     // ---- Pᵀ = exp(scale Sᵀ - LSE), dSᵀ = Pᵀ (dPᵀ - Delta): the lane's query, four keys ----
@@ -271,6 +274,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
   static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "head_dim is a multiple of 16 up to 256");
   static_assert(BLOCK_M % 16 == 0 && BLOCK_M >= 16 && BLOCK_M <= 256, "one wave per 16 query rows, at most 16");
   constexpr int kDSteps = HEAD_DIM / 16;
+  static_assert(kDSteps % 2 == 0, "k-steps run in pairs (mma_amd.h mfma_two_steps)");
   constexpr int kKeys = mfma::kTile;  // keys per step
 
   const int m_blocks = (p.max_seqlen_q + BLOCK_M - 1) / BLOCK_M;
@@ -322,13 +326,15 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
     const bool key_in = n0 + column < len_k;
     mfma::Accumulator s = mfma::zero_accumulator(), dp = mfma::zero_accumulator();
 #pragma unroll
-    for (int d = 0; d < kDSteps; ++d) {
-      const mfma::Operand k_a = key_in ? mfma::load_operand(k_rows + (n0 + column) * p.k_token_stride + 16 * d + 4 * quarter)
-                                       : mfma::zero_operand();
-      const mfma::Operand v_a = key_in ? mfma::load_operand(v_rows + (n0 + column) * p.v_token_stride + 16 * d + 4 * quarter)
-                                       : mfma::zero_operand();
-      s = mfma::mfma_16x16x16<T>(k_a, q_fragment[d], s);
-      dp = mfma::mfma_16x16x16<T>(v_a, do_fragment[d], dp);
+    for (int d = 0; d < kDSteps; d += 2) {
+      const T* k_row = k_rows + (n0 + column) * p.k_token_stride + 4 * quarter;
+      const T* v_row = v_rows + (n0 + column) * p.v_token_stride + 4 * quarter;
+      const mfma::Operand k0 = key_in ? mfma::load_operand(k_row + 16 * d) : mfma::zero_operand();
+      const mfma::Operand k1 = key_in ? mfma::load_operand(k_row + 16 * (d + 1)) : mfma::zero_operand();
+      const mfma::Operand v0 = key_in ? mfma::load_operand(v_row + 16 * d) : mfma::zero_operand();
+      const mfma::Operand v1 = key_in ? mfma::load_operand(v_row + 16 * (d + 1)) : mfma::zero_operand();
+      s = mfma::mfma_two_steps<T>(k0, k1, q_fragment[d], q_fragment[d + 1], s);
+      dp = mfma::mfma_two_steps<T>(v0, v1, do_fragment[d], do_fragment[d + 1], dp);
     }
     const mfma::Accumulator ds = flash::probabilities_and_dscores(s, dp, query, n0 + 4 * quarter, len_q, len_k,
                                                                   diagonal, p.causal, scale_log2, row);

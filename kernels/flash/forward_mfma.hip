@@ -157,6 +157,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   static_assert(Tiles::kThreads == BLOCK_M / 16 * 64, "__launch_bounds__ above is Tiles::kThreads");
   constexpr int kThreads = Tiles::kThreads;
   constexpr int kDSteps = HEAD_DIM / 16;  // k-steps of Sᵀ = K Qᵀ; 16-column tiles of Oᵀ
+  static_assert(kDSteps % 2 == 0, "k-steps run in pairs (mma_amd.h mfma_two_steps)");
   constexpr int kKeySteps = BLOCK_N / 16;  // 16-key tiles of Sᵀ; k-steps of Oᵀ = Vᵀ Pᵀ
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const k_tile = reinterpret_cast<T*>(shared_bytes);
@@ -217,12 +218,12 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
 #pragma unroll
     for (int n = 0; n < kKeySteps; ++n) s[n] = mfma::zero_accumulator();
 #pragma unroll
-    for (int d = 0; d < kDSteps; ++d)
+    for (int d = 0; d < kDSteps; d += 2)
 #pragma unroll
       for (int n = 0; n < kKeySteps; ++n) {
-        const mfma::Operand k_fragment =
-            mfma::load_operand(k_tile + (16 * n + column) * Tiles::kKPitch + 16 * d + 4 * quarter);
-        s[n] = mfma::mfma_16x16x16<T>(k_fragment, q_fragment[d], s[n]);
+        const T* k_row = k_tile + (16 * n + column) * Tiles::kKPitch + 4 * quarter;
+        s[n] = mfma::mfma_two_steps<T>(mfma::load_operand(k_row + 16 * d), mfma::load_operand(k_row + 16 * (d + 1)),
+                                       q_fragment[d], q_fragment[d + 1], s[n]);
       }
 
     v_stage.put(v_transposed, Tiles::kVPitch);

@@ -30,6 +30,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
   using G = smallseq::MfmaGeometry<HEAD_DIM, TILE, WAVES>;
   static_assert(kWarpSize == 64, "the MFMA layouts of mma_amd.h are wave64's");
   constexpr int kSteps = G::kSteps;
+  static_assert(kSteps % 2 == 0, "k-steps run in pairs (mma_amd.h mfma_two_steps)");
   constexpr int kKeyTiles = G::kKeyTiles;
   using mfma::Accumulator;
   using mfma::Operand;
@@ -109,9 +110,11 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
       sd[0][n] = sd[1][n] = mfma::zero_accumulator();
       if (n < key_tiles) {
 #pragma unroll
-        for (int k = 0; k < kSteps; ++k) {
-          sd[0][n] = mfma::mfma_16x16x16<T>(k_fragment[n][k], q_fragment[k], sd[0][n]);
-          sd[1][n] = mfma::mfma_16x16x16<T>(v_fragment[n][k], do_fragment[k], sd[1][n]);
+        for (int k = 0; k < kSteps; k += 2) {
+          sd[0][n] = mfma::mfma_two_steps<T>(k_fragment[n][k], k_fragment[n][k + 1], q_fragment[k], q_fragment[k + 1],
+                                             sd[0][n]);
+          sd[1][n] = mfma::mfma_two_steps<T>(v_fragment[n][k], v_fragment[n][k + 1], do_fragment[k],
+                                             do_fragment[k + 1], sd[1][n]);
         }
       }
     }

@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
   using G = smallseq::MfmaGeometry<HEAD_DIM, TILE, WAVES>;
   static_assert(kWarpSize == 64, "the MFMA layouts of mma_amd.h are wave64's");
   constexpr int kSteps = G::kSteps;
+  static_assert(kSteps % 2 == 0, "k-steps run in pairs (mma_amd.h mfma_two_steps)");
   constexpr int kKeyTiles = G::kKeyTiles;
   using mfma::Accumulator;
   using mfma::Operand;
@@ -94,7 +95,9 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
       s[0][n] = mfma::zero_accumulator();
       if (n < key_tiles) {
 #pragma unroll
-        for (int k = 0; k < kSteps; ++k) s[0][n] = mfma::mfma_16x16x16<T>(k_fragment[n][k], q_fragment[k], s[0][n]);
+        for (int k = 0; k < kSteps; k += 2)
+          s[0][n] = mfma::mfma_two_steps<T>(k_fragment[n][k], k_fragment[n][k + 1], q_fragment[k], q_fragment[k + 1],
+                                            s[0][n]);
       }
     }
     // The next tile's Q rows are on their way while this tile finishes.

@@ -52,6 +52,9 @@ class EmulatedArch:
 
 EMULATED_ARCHS = {
     "gfx90a": EmulatedArch("gfx90a", ("-DHIPATTN_EMULATION",), 64 * 1024, "LDS per workgroup"),
+    # gfx950 (CDNA4): the MFMA kernels take its 16x16x32 instructions; 160 KiB of LDS per workgroup.
+    "gfx950": EmulatedArch("gfx950", ("-DHIPATTN_EMULATION", "-DHIPATTN_EMULATED_GFX950"), 160 * 1024,
+                           "LDS per workgroup"),
     # sm_80's opt-in maximum of dynamic shared memory per block (A100): 163 KiB.
     "sm_80": EmulatedArch("sm_80", ("-DHIPATTN_EMULATION", "-DHIPATTN_EMULATED_NVIDIA"), 163 * 1024,
                           "shared memory per block"),

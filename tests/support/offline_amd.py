@@ -56,6 +56,7 @@ class Toolchain:
     arch: str
     clang: str
     demangler: str
+    disassembler: str
     library_dir: Path
     runtime_header: Path
 
@@ -80,8 +81,8 @@ def _tool(name: str) -> str:
 def toolchain(arch: str, work_dir: Path) -> Toolchain:
     """The toolchain for ``arch`` ("gfx942" or "gfx950"), set up under ``work_dir``, or a skip."""
     version = LLVM_FOR[arch]
-    clang, demangler, llvm_dis, llvm_as = (_tool(f"{tool}-{version}")
-                                           for tool in ("clang", "llvm-cxxfilt", "llvm-dis", "llvm-as"))
+    clang, demangler, disassembler, llvm_dis, llvm_as = (
+        _tool(f"{tool}-{version}") for tool in ("clang", "llvm-cxxfilt", "llvm-objdump", "llvm-dis", "llvm-as"))
     template = BITCODE_DIR / f"oclc_isa_version_{_ISA_TEMPLATE[3:]}.bc"
     if not template.is_file():
         pytest.skip(f"ROCm device libraries are missing ({template}; Debian's rocm-device-libs has them)")
@@ -96,7 +97,7 @@ def toolchain(arch: str, work_dir: Path) -> Toolchain:
     _write_isa_version(llvm_dis, llvm_as, template, library_dir / f"oclc_isa_version_{arch[3:]}.bc", arch)
     runtime_header = work_dir / "hiprtc_runtime.h"
     runtime_header.write_bytes(hiprtc_runtime_header(HIPRTC_LIBRARY.read_bytes()))
-    return Toolchain(arch, clang, demangler, library_dir, runtime_header)
+    return Toolchain(arch, clang, demangler, disassembler, library_dir, runtime_header)
 
 
 def isa_version(arch: str) -> int:
@@ -149,6 +150,16 @@ def compile_spec(tools: Toolchain, spec: KernelSpec) -> bytes:
         if done.returncode != 0:
             raise OfflineCompileError(f"{spec} for {tools.arch}: {' '.join(command)}\n{done.stderr[-6000:]}")
         return (root / "unit.co").read_bytes()
+
+
+def instructions(tools: Toolchain, binary: bytes) -> list[str]:
+    """The mnemonics of a code object's instructions, in order (llvm-objdump's disassembly)."""
+    with tempfile.NamedTemporaryFile(suffix=".co") as code_object:
+        code_object.write(binary)
+        code_object.flush()
+        done = subprocess.run([tools.disassembler, "-d", f"--mcpu={tools.arch}", code_object.name], check=True,
+                              capture_output=True, text=True)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.startswith("\t") and line.split()]
 
 
 def demangled(tools: Toolchain, names: list[str]) -> list[str]:

@@ -1,10 +1,15 @@
 // The AMD gfx90a of the emulated device (emulated_device.h): wave64, HIP's cross-lane shuffle, and
 // MFMA 16x16x16 with the fragment layouts of AMD's matrix instruction calculator (written from that
-// description, not from the kernels).
+// description, not from the kernels). With HIPATTN_EMULATED_GFX950 defined it is a gfx950 instead,
+// which also has the 16x16x32 MFMA.
 #pragma once
 
 #define __AMDGCN_WAVEFRONT_SIZE 64
+#if defined(HIPATTN_EMULATED_GFX950)
+#define __gfx950__ 1
+#else
 #define __gfx90a__ 1
+#endif
 
 namespace hipattn_emulation {
 
@@ -58,6 +63,35 @@ inline Accumulator mfma_16x16x16(Operand a, Operand b, Accumulator c, ToFloat to
       unsigned short a_bits, b_bits;
       std::memcpy(&a_bits, exchange.of(row + kMfmaTile * (k / 4), 0) + 2 * (k % 4), 2);
       std::memcpy(&b_bits, exchange.of(column + kMfmaTile * (k / 4), 1) + 2 * (k % 4), 2);
+      sum += to_float(a_bits) * to_float(b_bits);
+    }
+    d[e] += sum;
+  }
+  return d;
+}
+
+// D = A B + C for one 16x16x32 MFMA (gfx950's v_mfma_f32_16x16x32_f16 / bf16), fp32 accumulation: a
+// lane holds A[column][8 quarter + e] and B[8 quarter + e][column], e = 0..7, and C, D as the
+// 16x16x16 instruction's.
+template <typename Operand, typename Accumulator, typename ToFloat>
+inline Accumulator mfma_16x16x32(Operand a, Operand b, Accumulator c, ToFloat to_float) {
+  static_assert(sizeof(Operand) == 16 && sizeof(Accumulator) == 16, "eight 16-bit operands, four fp32 sums");
+  constexpr int kDepth = 2 * kMfmaTile;
+  Collective exchange(kWave, kMfma);
+  std::memcpy(exchange.mine(0), &a, sizeof a);
+  std::memcpy(exchange.mine(1), &b, sizeof b);
+  exchange.meet();
+  const int lane = lane_id();
+  const int column = lane % kMfmaTile;
+  const int quarter = lane / kMfmaTile;
+  Accumulator d = c;
+  for (int e = 0; e < 4; ++e) {
+    const int row = 4 * quarter + e;
+    float sum = 0.0f;
+    for (int k = 0; k < kDepth; ++k) {
+      unsigned short a_bits, b_bits;
+      std::memcpy(&a_bits, exchange.of(row + kMfmaTile * (k / 8), 0) + 2 * (k % 8), 2);
+      std::memcpy(&b_bits, exchange.of(column + kMfmaTile * (k / 8), 1) + 2 * (k % 8), 2);
       sum += to_float(a_bits) * to_float(b_bits);
     }
     d[e] += sum;
