@@ -1,8 +1,9 @@
 """Every kernel instantiation hipattn ships for gfx942 compiles with clang-19, and for gfx950 with
 clang-22 (tests/support/offline_amd.py: hiprtc's compile by hand, for the targets Debian's ROCm 5.2
 hiprtc refuses), and each code object's metadata holds: the kernel under its name expression, no
-VGPR spills or scratch (SGPR spills land in VGPR lanes, which costs no memory), and LDS (static and
-the launcher's dynamic bytes) within the target's. The MFMA kernels use gfx950's 16x16x32
+VGPR spills or scratch (SGPR spills land in VGPR lanes, which costs no memory), the registers per
+lane that the kernel's launch bounds leave it, and LDS (static and the launcher's dynamic bytes)
+within the target's. The MFMA kernels use gfx950's 16x16x32
 instructions there, and only there.
 
 gfx90a's are checked through hiprtc itself (tests/test_compile_shipped.py, tests/test_smallseq_mfma_tiles.py).
@@ -40,6 +41,14 @@ WIDE_MFMA = "v_mfma_f32_16x16x32"
 _WORKERS = 2
 
 
+def registers_per_lane(max_threads: int) -> int:
+    """The VGPRs and AGPRs one lane may hold when a workgroup of ``max_threads`` (its launch bounds)
+    must fit on one compute unit: CDNA's 512 registers per SIMD lane, shared by the waves that land on
+    each of its four SIMDs."""
+    waves = -(-max_threads // 64)
+    return 512 // -(-waves // 4)
+
+
 def dynamic_shared_bytes(spec: KernelSpec, target: Target) -> int:
     """The most dynamic LDS a launch of ``spec`` asks for on ``target``: its tile row's bytes (for the
     portable small-seq backward, a grouped call's, which adds the group's dK/dV sums)."""
@@ -75,11 +84,15 @@ def test_every_shipped_instantiation_compiles_offline(arch, tmp_path):
             problems.append(f"{spec}: the kernel is {declaration}")
         usage = {name: kernel[f".{name}"] for name in ("vgpr_count", "agpr_count", "sgpr_count", "vgpr_spill_count",
                                                        "sgpr_spill_count", "private_segment_fixed_size",
-                                                       "group_segment_fixed_size")}
+                                                       "group_segment_fixed_size", "max_flat_workgroup_size")}
         findings.append(f"{spec}: {usage}")
         # SGPR spills go to VGPR lanes, not memory; VGPR spills and scratch go to memory.
         if spec.family.name not in SCRATCH_ADMITTED and (usage["vgpr_spill_count"] or usage["private_segment_fixed_size"]):
             problems.append(f"{spec} uses scratch: {usage}")
+        # On gfx90a and later .vgpr_count counts the unified file: architectural VGPRs and AGPRs.
+        budget = registers_per_lane(usage["max_flat_workgroup_size"])
+        if usage["vgpr_count"] > budget:
+            problems.append(f"{spec} holds more registers per lane than its launch bounds leave ({budget}): {usage}")
         lds = usage["group_segment_fixed_size"] + dynamic_shared_bytes(spec, target)
         if lds > LDS_BYTES[arch]:
             problems.append(f"{spec} needs {lds} bytes of LDS of {LDS_BYTES[arch]}: {usage}")
