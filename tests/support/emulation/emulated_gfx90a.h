@@ -42,12 +42,15 @@ inline float shfl_xor(float value, int lane_mask, int width) {
   return result;
 }
 
-// D = A B + C for one 16x16x16 MFMA, fp32 accumulation. With column = lane % 16 and quarter =
-// lane / 16 (AMD's matrix instruction calculator, v_mfma_f32_16x16x16f16 / bf16_1k): a lane holds
-// A[column][4 quarter + e], B[4 quarter + e][column] and C, D[4 quarter + e][column], e = 0..3.
+// D = A B + C for one 16x16xK MFMA, fp32 accumulation, K = 4 x the 16-bit elements a lane holds. With
+// column = lane % 16 and quarter = lane / 16 (AMD's matrix instruction calculator): a lane holds
+// A[column][n quarter + e] and B[n quarter + e][column], e < n, and C, D[4 quarter + e][column],
+// e = 0..3. n = 4: v_mfma_f32_16x16x16f16 / bf16_1k; n = 8: gfx950's v_mfma_f32_16x16x32_f16 / bf16.
 template <typename Operand, typename Accumulator, typename ToFloat>
-inline Accumulator mfma_16x16x16(Operand a, Operand b, Accumulator c, ToFloat to_float) {
-  static_assert(sizeof(Operand) == 8 && sizeof(Accumulator) == 16, "four 16-bit operands, four fp32 sums");
+inline Accumulator mfma_16x16(Operand a, Operand b, Accumulator c, ToFloat to_float) {
+  constexpr int kPerLane = sizeof(Operand) / 2;
+  static_assert((kPerLane == 4 || kPerLane == 8) && sizeof(Accumulator) == 16,
+                "four or eight 16-bit operands, four fp32 sums");
   Collective exchange(kWave, kMfma);
   std::memcpy(exchange.mine(0), &a, sizeof a);
   std::memcpy(exchange.mine(1), &b, sizeof b);
@@ -59,10 +62,10 @@ inline Accumulator mfma_16x16x16(Operand a, Operand b, Accumulator c, ToFloat to
   for (int e = 0; e < 4; ++e) {
     const int row = 4 * quarter + e;
     float sum = 0.0f;
-    for (int k = 0; k < kMfmaTile; ++k) {
+    for (int k = 0; k < 4 * kPerLane; ++k) {
       unsigned short a_bits, b_bits;
-      std::memcpy(&a_bits, exchange.of(row + kMfmaTile * (k / 4), 0) + 2 * (k % 4), 2);
-      std::memcpy(&b_bits, exchange.of(column + kMfmaTile * (k / 4), 1) + 2 * (k % 4), 2);
+      std::memcpy(&a_bits, exchange.of(row + kMfmaTile * (k / kPerLane), 0) + 2 * (k % kPerLane), 2);
+      std::memcpy(&b_bits, exchange.of(column + kMfmaTile * (k / kPerLane), 1) + 2 * (k % kPerLane), 2);
       sum += to_float(a_bits) * to_float(b_bits);
     }
     d[e] += sum;
@@ -70,33 +73,16 @@ inline Accumulator mfma_16x16x16(Operand a, Operand b, Accumulator c, ToFloat to
   return d;
 }
 
-// D = A B + C for one 16x16x32 MFMA (gfx950's v_mfma_f32_16x16x32_f16 / bf16), fp32 accumulation: a
-// lane holds A[column][8 quarter + e] and B[8 quarter + e][column], e = 0..7, and C, D as the
-// 16x16x16 instruction's.
+template <typename Operand, typename Accumulator, typename ToFloat>
+inline Accumulator mfma_16x16x16(Operand a, Operand b, Accumulator c, ToFloat to_float) {
+  static_assert(sizeof(Operand) == 8, "four 16-bit operands");
+  return mfma_16x16(a, b, c, to_float);
+}
+
 template <typename Operand, typename Accumulator, typename ToFloat>
 inline Accumulator mfma_16x16x32(Operand a, Operand b, Accumulator c, ToFloat to_float) {
-  static_assert(sizeof(Operand) == 16 && sizeof(Accumulator) == 16, "eight 16-bit operands, four fp32 sums");
-  constexpr int kDepth = 2 * kMfmaTile;
-  Collective exchange(kWave, kMfma);
-  std::memcpy(exchange.mine(0), &a, sizeof a);
-  std::memcpy(exchange.mine(1), &b, sizeof b);
-  exchange.meet();
-  const int lane = lane_id();
-  const int column = lane % kMfmaTile;
-  const int quarter = lane / kMfmaTile;
-  Accumulator d = c;
-  for (int e = 0; e < 4; ++e) {
-    const int row = 4 * quarter + e;
-    float sum = 0.0f;
-    for (int k = 0; k < kDepth; ++k) {
-      unsigned short a_bits, b_bits;
-      std::memcpy(&a_bits, exchange.of(row + kMfmaTile * (k / 8), 0) + 2 * (k % 8), 2);
-      std::memcpy(&b_bits, exchange.of(column + kMfmaTile * (k / 8), 1) + 2 * (k % 8), 2);
-      sum += to_float(a_bits) * to_float(b_bits);
-    }
-    d[e] += sum;
-  }
-  return d;
+  static_assert(sizeof(Operand) == 16, "eight 16-bit operands");
+  return mfma_16x16(a, b, c, to_float);
 }
 
 }  // namespace hipattn_emulation
