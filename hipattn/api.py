@@ -4,8 +4,8 @@ Argument names and order follow flash-attn 2's ``flash_attn_func`` and ``flash_a
 Given torch tensors that require grad (with grad mode on), the calls record autograd through
 ``hipattn.torch``, so ``import hipattn as flash_attn`` trains unchanged; every other
 input kind takes the raw-array path, which records nothing. Arguments hipattn does not support
-raise ValueError naming them: dropout, sliding windows, softcap, ALiBi and paged KV
-(``block_table``) are out of scope for now.
+raise ValueError naming them: dropout, sliding windows, softcap and ALiBi, and paged KV
+(``block_table``) here (``hipattn.flash_attn_with_kvcache`` takes it).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _PLAIN_NUMBERS = (float, int)
 _NO_WINDOW = (-1, -1)
 
 
-def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table=None) -> None:
+def reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table=None) -> None:
     # The defaults, recognised by exact types first: this runs on every call, and the checks below
     # (abstract-base-class isinstance tests) cost microseconds.
     if (type(dropout_p) in _PLAIN_NUMBERS and type(softcap) in _PLAIN_NUMBERS and not dropout_p and not softcap
@@ -111,7 +111,7 @@ def flash_attn_varlen_func(
     that require grad record autograd (see the module docstring); for other inputs
     hipattn.backward computes the gradients from out and softmax_lse.
     """
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
     if _records_gradients(stream, q, k, v):
         from . import torch as autograd_api
 
@@ -142,7 +142,7 @@ def flash_attn_func(
     """Batch attention forward, as flash-attn's: q [batch, seqlen_q, nheads, headdim], k, v
     [batch, seqlen_k, nheads_k, headdim]. Returns out (and (out, softmax_lse [batch, nheads,
     seqlen_q], None) with return_attn_probs=True). Records autograd as flash_attn_varlen_func does."""
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if _records_gradients(stream, q, k, v):
         from . import torch as autograd_api
 

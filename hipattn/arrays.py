@@ -325,7 +325,7 @@ def _cai_device(obj: Any, ptr: int, pointer_device: Callable[[int], int] | None,
     if pointer_device is not None and ptr != 0:
         return checked_device(pointer_device(ptr), f"the device of {name}'s pointer")
     # Some CAI producers carry a device attribute: an int, or an object with .id (CuPy) / .index
-    # (torch). Anything else is left for the launch path to settle (attention._settle_devices).
+    # (torch). Anything else is left for the launch path to settle (attention.settle_devices).
     device = getattr(obj, "device", None)
     if isinstance(device, int) and not isinstance(device, bool):
         return checked_device(device, f"{name}.device")

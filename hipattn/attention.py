@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from . import arrays, checks, dispatch, forward_plans, runtime
+from . import arrays, checks, dispatch, launch_plans, runtime
 from . import problem as problem_mod
 from .device_array import UNKNOWN_DEVICE, DeviceArray, contiguous_strides, derived_array
 from .errors import HipattnError
@@ -35,7 +35,7 @@ def _pointer_device(a: DeviceArray) -> int | None:
     return device if isinstance(device, int) and device >= 0 else None
 
 
-def _settle_devices(described: tuple, device: int | None = None) -> tuple:
+def settle_devices(described: tuple, device: int | None = None) -> tuple:
     """``described`` (DeviceArrays or None) with every unknown device (a CAI producer that names
     none) settled: the runtime's answer for its pointer, else ``device``, else the device of the
     first array that knows its own. UNKNOWN_DEVICE never reaches the runtime."""
@@ -91,7 +91,7 @@ def _output(given: Any, name: str, like: DeviceArray, shape, dtype, problem, inp
         return (*arrays.empty(like, shape, dtype, stream=stream), None)
     described = arrays.as_device_array(given, name)
     if described.device == UNKNOWN_DEVICE:
-        (described,) = _settle_devices((described,), problem.device)
+        (described,) = settle_devices((described,), problem.device)
     span = problem_mod.check_output(described, name, shape, dtype, problem, input_spans)
     return given, described, span
 
@@ -136,7 +136,7 @@ def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     if (qa.device < 0 or ka.device < 0 or va.device < 0 or (cu_q is not None and cu_q.device < 0)
             or (cu_k is not None and cu_k.device < 0) or (used_q is not None and used_q.device < 0)
             or (used_k is not None and used_k.device < 0)):
-        qa, ka, va, cu_q, cu_k, used_q, used_k = _settle_devices((qa, ka, va, cu_q, cu_k, used_q, used_k))
+        qa, ka, va, cu_q, cu_k, used_q, used_k = settle_devices((qa, ka, va, cu_q, cu_k, used_q, used_k))
     sequences = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_q": used_q, "seqused_k": used_k}
     problem = problem_mod.describe(qa, ka, va, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale)
@@ -150,6 +150,12 @@ def _order_after_inputs(backend, stream: int, call: _Inputs, *more: DeviceArray)
     wait_for_producers(backend, inputs, stream)
     if checks.enabled():
         checks.check_sequences(backend, stream, call.problem, call.sequences)
+
+
+# A forward call's array slots, by the kernel fields they fill (launch_plans): q, k, v, out, lse,
+# cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k; out and lse are its outputs.
+_FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+_FORWARD_OUTPUTS = (3, 4)
 
 
 def forward(
@@ -177,17 +183,18 @@ def forward(
     of a padded batch). Rows beyond a sequence's length are not written.
 
     A repeat call with torch tensors of the same signature replays the launch the first one
-    validated, checking only what depends on the pointers (forward_plans).
+    validated, checking only what depends on the pointers (launch_plans).
     """
     given = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     active = runtime.active()
-    key = forward_plans.signature(given, (max_seqlen_q, max_seqlen_k, softmax_scale, causal), stream)
+    key = launch_plans.signature("forward", given, (max_seqlen_q, max_seqlen_k, softmax_scale, causal), stream,
+                                 _FORWARD_OUTPUTS)
     if key is not None:
-        plan = active.forward_plans.get(key)
+        plan = active.launch_plans.get(key)
         if plan is not None:
-            replayed = forward_plans.replay(plan, active.backend, given, stream)
+            replayed = launch_plans.replay(plan, active.backend, given, stream)
             if replayed is not None:
-                return replayed
+                return replayed[3], replayed[4]
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                             max_seqlen_k, causal, softmax_scale, stream)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
@@ -208,11 +215,12 @@ def forward(
         run = smallseq.forward if path == dispatch.SMALLSEQ else flash.forward
         with recording_launches() as launches:
             run(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences)
-    if key is not None and len(active.forward_plans) < forward_plans.MAX_PLANS:
-        plan = forward_plans.record(launches, given, (qa, ka, va, out_a, lse_a, *call.sequences.values()), out_obj,
-                                    lse_obj)
+    if key is not None and len(active.launch_plans) < launch_plans.MAX_PLANS:
+        made = {slot: obj for slot, obj in zip(_FORWARD_OUTPUTS, (out_obj, lse_obj), strict=True) if given[slot] is None}
+        plan = launch_plans.record(launches, given, (qa, ka, va, out_a, lse_a, *call.sequences.values()),
+                                   _FORWARD_SLOTS, made, _FORWARD_OUTPUTS)
         if plan is not None:
-            active.forward_plans[key] = plan
+            active.launch_plans[key] = plan
     return out_obj, lse_obj
 
 
@@ -258,7 +266,7 @@ def backward(
     outa = arrays.as_device_array(out, "out", stream=consumer)
     lsea = arrays.as_device_array(lse, "lse", stream=consumer)
     if UNKNOWN_DEVICE in (douta.device, outa.device, lsea.device):
-        douta, outa, lsea = _settle_devices((douta, outa, lsea), problem.device)
+        douta, outa, lsea = settle_devices((douta, outa, lsea), problem.device)
     problem_mod.check_backward_inputs(problem, qa, douta, outa, lsea)
     deterministic = problem_mod.check_bool(deterministic, "deterministic")
     path = dispatch.choose_path(problem, "backward")
@@ -281,8 +289,8 @@ def backward(
             # An allocation made here is freed on return: the frameworks' allocators are stream-
             # ordered, so its memory is not handed out again before the launch stream has passed
             # the kernels that use it.
-            sections = _workspace_sections(workspace, plan, qa, launch_stream,
-                                           (*_named_inputs(call, more_inputs), (dqa, "dq"), (dka, "dk"), (dva, "dv")))
+            sections, _ = workspace_sections(workspace, plan, qa, launch_stream,
+                                              (*_named_inputs(call, more_inputs), (dqa, "dq"), (dka, "dk"), (dva, "dv")))
             flash_backward.backward(problem, qa, ka, va, outa, douta, lsea, dqa, dka, dva, launch_stream,
                                     deterministic=deterministic, **sections, **call.sequences)
     return dq_obj, dk_obj, dv_obj
@@ -301,17 +309,17 @@ def backward_workspace_bytes(q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None
     return backward_workspace(call.problem, deterministic).total_bytes
 
 
-def _workspace_sections(workspace: Any, plan: WorkspacePlan, like: DeviceArray, stream: int,
-                        others: tuple[tuple[DeviceArray, str], ...]) -> dict[str, DeviceArray]:
+def workspace_sections(workspace: Any, plan: WorkspacePlan, like: DeviceArray, stream: int,
+                       others: tuple[tuple[DeviceArray, str], ...]) -> tuple[dict[str, DeviceArray], DeviceArray]:
     """One DeviceArray per section of ``plan``, in the caller's ``workspace`` (checked: writable,
     large enough, aligned, and disjoint from every named array in ``others``) or in a new allocation
-    (which the sections' ``owner`` keeps alive)."""
+    (which the sections' ``owner`` keeps alive); and the whole buffer's."""
     if workspace is None:
         owner, base = arrays.empty(like, (plan.total_bytes // 4,), "fp32", stream=stream)
     else:
         owner, base = workspace, arrays.as_device_array(workspace, "workspace")
         if base.device == UNKNOWN_DEVICE:
-            (base,) = _settle_devices((base,), like.device)
+            (base,) = settle_devices((base,), like.device)
         if base.readonly:
             raise ValueError("workspace is read-only (its producer exported it so); hipattn writes it: pass a writable buffer")
         if base.device != like.device:
@@ -330,4 +338,4 @@ def _workspace_sections(workspace: Any, plan: WorkspacePlan, like: DeviceArray, 
                               owner)
         for s in plan.sections
     }
-    return sections
+    return sections, base

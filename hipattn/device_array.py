@@ -29,7 +29,7 @@ ELEMENT_SIZE = {
 
 # A CAI array whose producer says nothing about its device (CAI has no device field) and for
 # which no pointer_device resolver was given. The launch path asks the runtime about its pointer or
-# lets the other arrays decide (attention._settle_devices); -1 never reaches the runtime.
+# lets the other arrays decide (attention.settle_devices); -1 never reaches the runtime.
 UNKNOWN_DEVICE = -1
 
 # The widths of the fields these values end up in: kernel pointers are u64, strides i64.

@@ -7,6 +7,12 @@ class HipattnError(RuntimeError):
     """Base class for failures inside hipattn (not for invalid arguments: those are ValueError/TypeError)."""
 
 
+class DeviceContentError(ValueError, RuntimeError):
+    """A device array's contents break what the call promised, found by HIPATTN_CHECK=1 (hipattn.checks):
+    a ValueError about an argument, and a RuntimeError, as flash-attn and torch raise for checks made
+    at run time."""
+
+
 class BackendUnavailableError(HipattnError):
     """No usable GPU runtime or compiler: the message says which package or library to install."""
 

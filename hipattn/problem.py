@@ -39,7 +39,7 @@ class Problem:
     device: int
 
 
-def _dims(a: DeviceArray, name: str, layout: str) -> tuple[int, int, int, int]:
+def dims(a: DeviceArray, name: str, layout: str) -> tuple[int, int, int, int]:
     """(batch, tokens, heads, head_dim) of a THD or BSHD tensor."""
     rank = 3 if layout == THD else 4
     if len(a.shape) != rank:
@@ -70,7 +70,9 @@ def check_alignment(a: DeviceArray, name: str, layout: str) -> None:
         )
 
 
-def _check_seqlens(a: DeviceArray | None, name: str, length: int, device: int) -> None:
+def check_index_array(a: DeviceArray | None, name: str, length: int, device: int) -> None:
+    """An optional int32 vector of ``length`` on ``device`` that kernels read (cu_seqlens, seqused,
+    a KV cache's lengths or batch indices): dtype, alignment, shape, contiguity, device."""
     if a is None:
         return
     if a.dtype != "int32":
@@ -164,11 +166,11 @@ def describe(
         check_dtype(a, name, SUPPORTED_DTYPES)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    qb, q_tokens, heads_q, head_dim = _dims(q, "q", layout)
-    kb, k_tokens, heads_kv, k_dim = _dims(k, "k", layout)
+    qb, q_tokens, heads_q, head_dim = dims(q, "q", layout)
+    kb, k_tokens, heads_kv, k_dim = dims(k, "k", layout)
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v has shape {v.shape}; it must match k's {k.shape}")
-    _dims(v, "v", layout)
+    dims(v, "v", layout)
     if k_dim != head_dim:
         raise ValueError(f"k has head_dim {k_dim} but q has {head_dim}; they must be equal")
     if head_dim < 1:
@@ -198,8 +200,8 @@ def describe(
                 f"cu_seqlens_q {cu_seqlens_q.shape} and cu_seqlens_k {cu_seqlens_k.shape} must both have shape (batch + 1,)"
             )
         batch = cu_seqlens_q.shape[0] - 1
-        _check_seqlens(cu_seqlens_q, "cu_seqlens_q", batch + 1, device)
-        _check_seqlens(cu_seqlens_k, "cu_seqlens_k", batch + 1, device)
+        check_index_array(cu_seqlens_q, "cu_seqlens_q", batch + 1, device)
+        check_index_array(cu_seqlens_k, "cu_seqlens_k", batch + 1, device)
         if max_seqlen_q is None or max_seqlen_k is None:
             raise ValueError("varlen calls need max_seqlen_q and max_seqlen_k (host ints, upper bounds of the lengths)")
         max_q = check_max_seqlen(max_seqlen_q, "max_seqlen_q")
@@ -211,10 +213,10 @@ def describe(
         max_q = q_tokens if max_seqlen_q is None else min(check_max_seqlen(max_seqlen_q, "max_seqlen_q"), q_tokens)
         max_k = k_tokens if max_seqlen_k is None else min(check_max_seqlen(max_seqlen_k, "max_seqlen_k"), k_tokens)
         total_q, total_k = q_tokens, k_tokens
-    _check_seqlens(seqused_q, "seqused_q", batch, device)
-    _check_seqlens(seqused_k, "seqused_k", batch, device)
+    check_index_array(seqused_q, "seqused_q", batch, device)
+    check_index_array(seqused_k, "seqused_k", batch, device)
     if max(total_q, total_k, batch, max_q, max_k, heads_q, heads_kv) > _INT32_MAX:
-        _check_fits_int32(total_q=total_q, total_k=total_k, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        check_fits_int32(total_q=total_q, total_k=total_k, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k,
                           heads_q=heads_q, heads_kv=heads_kv)
     return _problem(layout, q.dtype, batch, heads_q, heads_kv, head_dim, max_q, max_k, total_q, total_k,
                     causal, softmax_scale, device)
@@ -248,7 +250,7 @@ def check_backward_inputs(problem: Problem, q: DeviceArray, dout: DeviceArray, o
     check_row_statistic_alignment(lse, "lse")
 
 
-def _check_fits_int32(**counts: int) -> None:
+def check_fits_int32(**counts: int) -> None:
     for name, value in counts.items():
         if value > _INT32_MAX:
             raise ValueError(f"{name} is {value}; hipattn's kernels index with 32-bit ints (at most {_INT32_MAX})")

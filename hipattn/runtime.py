@@ -28,7 +28,7 @@ from .jit.target import Target
 class Runtime:
     """A backend, the registry of kernels loaded through it, and its devices' targets."""
 
-    __slots__ = ("_backend", "_cache", "_registry", "_targets", "_lock", "forward_plans")
+    __slots__ = ("_backend", "_cache", "_registry", "_targets", "_compute_units", "_lock", "launch_plans")
 
     def __init__(self, backend: Backend | None = None, cache: DiskCache | None = None,
                  registry: Registry | None = None):
@@ -38,9 +38,10 @@ class Runtime:
         self._cache = cache
         self._registry = registry
         self._targets: dict[int, Target] = {}
+        self._compute_units: dict[int, int] = {}
         self._lock = threading.Lock()
-        # Validated forward launches by call signature (forward_plans), over this runtime's kernels.
-        self.forward_plans: dict = {}
+        # Validated launches by call signature (launch_plans), over this runtime's kernels.
+        self.launch_plans: dict = {}
 
     @property
     def backend(self) -> Backend:
@@ -72,6 +73,13 @@ class Runtime:
             target = self.backend.device_target(device)
             self._targets[device] = target
         return target
+
+    def compute_units(self, device: int) -> int:
+        """How many blocks ``device`` runs side by side (SMs, CUs), asked of the backend once per device."""
+        units = self._compute_units.get(device)
+        if units is None:
+            units = self._compute_units[device] = max(1, int(self.backend.compute_units(device)))
+        return units
 
 
 _active = Runtime()

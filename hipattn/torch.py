@@ -12,6 +12,9 @@ Gradients flow to q, k and v; the log-sum-exp output is not
 differentiable (its gradient is ignored). Calls the kernels cannot serve raise as hipattn.forward
 does (NotImplementedError where no kernel serves the call).
 
+``flash_attn_with_kvcache`` is inference-only (nothing to differentiate): it checks that it was given
+torch tensors and runs hipattn.flash_attn_with_kvcache on torch's current stream, in eager mode.
+
 ``enable()`` (or ``with enabled():``) makes hipattn torch's flash-attention implementation, so that
 ``torch.nn.functional.scaled_dot_product_attention`` runs hipattn's kernels (hipattn.torch_sdpa);
 ``disable()`` gives the ops back to torch.
@@ -25,12 +28,13 @@ from typing import Optional
 
 import torch
 
-from . import attention, torch_sdpa
-from .api import _reject_unsupported
+from . import attention, kvcache, torch_sdpa
+from .api import reject_unsupported
 from .problem import check_bool, check_max_seqlen, resolve_softmax_scale
 from .torch_sdpa import disable, enable, enabled, is_enabled
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "enable", "disable", "enabled", "is_enabled"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "enable", "disable", "enabled",
+           "is_enabled"]
 
 Tensor = torch.Tensor
 
@@ -191,7 +195,7 @@ def flash_attn_varlen_func(
     Returns out, or (out, softmax_lse, None) with return_attn_probs=True; out.backward() runs
     hipattn's backward, bit-identical run to run with ``deterministic=True``.
     """
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
     causal, deterministic = _host_arguments(max_seqlen_q, max_seqlen_k, causal, deterministic)
     out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale),
                        causal, deterministic)
@@ -212,10 +216,34 @@ def flash_attn_func(
     return_attn_probs: bool = False,
 ):
     """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd."""
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     causal, deterministic = _host_arguments(None, None, causal, deterministic)
     out, lse = _attend(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal, deterministic)
     return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                            v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
+                            rotary_sin: Optional[Tensor] = None, cache_seqlens=None,
+                            cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
+                            block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
+                            causal: bool = False, window_size: tuple = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False):
+    """hipattn.flash_attn_with_kvcache on torch tensors, on torch's current stream (flash-attn's
+    arguments; k_cache and v_cache are appended to in place)."""
+    given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
+             "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
+             "block_table": block_table}
+    if not isinstance(cache_seqlens, int):
+        given["cache_seqlens"] = cache_seqlens
+    for name, value in given.items():
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; hipattn.flash_attn_with_kvcache "
+                            "takes other array kinds")
+    return kvcache.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
 
 
 torch_sdpa.register()

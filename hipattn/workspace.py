@@ -1,7 +1,7 @@
 """Workspace planning: one device buffer per call, carved into aligned sections on the host.
 
-``plan_workspace`` is the one helper that lays sections out; a planner (the flash backward's below;
-a future split-KV forward's) only says which sections it needs. Every size comes from host-known
+``plan_workspace`` is the one helper that lays sections out; a planner (the flash backward's and the
+KV-cache call's below) only says which sections it needs. Every size comes from host-known
 facts (the ``Problem``'s shapes and batch): nothing here reads device memory, so a plan is made
 before anything is enqueued and a whole call stays capturable into a graph. What only the device knows (the lengths in ``cu_seqlens``) is
 derived into a section on the launch stream (``varlen_records``, hipattn.varlen_prep).
@@ -123,4 +123,22 @@ def backward_workspace(problem: Problem, deterministic: bool) -> WorkspacePlan:
         sections.append(SectionRequest("dq_accum", dq_accum, "fp32"))
     if problem.layout == THD:
         sections.append(SectionRequest("varlen_records", (problem.batch, VARLEN_RECORD_WORDS), "int32"))
+    return plan_workspace(sections)
+
+
+def kvcache_workspace(problem, splits: int) -> WorkspacePlan:
+    """Sections of a KV-cache call (``problem``: a kvcache_problem.KvCacheProblem).
+
+    - ``q_rotated``: q's dtype, [B, S_q, Hq, D]: the queries with rotary applied; only with rotary.
+    - ``o_partial``: fp32 [splits, B, Hq, S_q, D] and ``lse_partial``: fp32 [splits, B, Hq, S_q]: each
+      split's O and LSE, merged by the combine kernel; only with more than one split.
+    """
+    rows = (problem.batch, problem.heads_q, problem.seqlen_q)
+    sections = []
+    if problem.rotary_dim:
+        sections.append(SectionRequest("q_rotated", (problem.batch, problem.seqlen_q, problem.heads_q,
+                                                     problem.head_dim), problem.dtype))
+    if splits > 1:
+        sections.append(SectionRequest("o_partial", (splits, *rows, problem.head_dim), "fp32"))
+        sections.append(SectionRequest("lse_partial", (splits, *rows), "fp32"))
     return plan_workspace(sections)

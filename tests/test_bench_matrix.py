@@ -29,7 +29,8 @@ def test_cell_names_are_unique_and_every_section_is_there():
     assert len(names) == len(set(names))
     counts = {s: sum(1 for c in every if c.section == s) for s in cells.SECTIONS}
     # 3 head_dims x 6 head groupings x 2 directions; 4 x 2 x 2 x 6 x 2; 2 x 2 x 2; the decode shapes
-    assert counts == {"smallseq": 36, "batch": 192, "varlen": 8, "decode": len(cells.DECODE_SHAPES)}
+    assert counts == {"smallseq": 36, "batch": 192, "varlen": 8,
+                      "decode": len(cells.DECODE_SHAPES) + len(cells.DECODE_PAGED_SHAPES)}
     assert "smallseq/d128/h16:4/fwd" in names
     assert "batch/d96/h16:4/s16384/causal/fwdbwd" in names
     assert "decode/d128/h32:8/b1/kv131072/fwd" in names
@@ -598,11 +599,11 @@ def test_a_run_without_a_gpu_ends_with_a_report_that_says_why(tmp_path):
     else:
         if torch.cuda.is_available():
             pytest.skip("this machine has a GPU: the worker would measure")
-    done = subprocess.run([*TOOL, "--no-warm", "--only", "b64/kv4096", "--out", str(tmp_path)],
+    done = subprocess.run([*TOOL, "--no-warm", "--only", "b64/kv4096/fwd", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=REPOSITORY)
     doc = run.load(tmp_path)
     assert done.returncode == 1
     assert doc["skipped"] == {"decode/d128/h32:8/b64/kv4096/fwd": "not reached: the worker stopped before it"}
     assert doc["workers"][0]["exit"] == 1 and doc["errors"]
-    assert doc["command"] == f"python -m tools.bench_matrix --no-warm --only b64/kv4096 --out {tmp_path}"
+    assert doc["command"] == f"python -m tools.bench_matrix --no-warm --only b64/kv4096/fwd --out {tmp_path}"
     assert (tmp_path / report.MARKDOWN_NAME).exists()

@@ -75,10 +75,16 @@ def _fake_hipattn(write_forward_output: bool = True) -> types.ModuleType:
                 target[rows_q if target is dq else rows_k] = grad.to(target.dtype)
         return dq, dk, dv
 
-    def flash_attn_func(q, k, v, causal=False):
-        return forward(q, k, v, causal=causal)[0]
+    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None, causal=False, out=None):
+        module.calls.append(("kvcache", block_table is not None))
+        for b in range(q.shape[0]):
+            rows = block_table[b].long() if block_table is not None else [b]
+            keys = torch.cat([k_cache[r] for r in rows])[:int(cache_seqlens[b])]
+            values = torch.cat([v_cache[r] for r in rows])[:int(cache_seqlens[b])]
+            out[b] = _attend(q[b].float(), keys.float(), values.float(), causal)[0].to(out.dtype)
+        return out
 
-    module.forward, module.backward, module.flash_attn_func = forward, backward, flash_attn_func
+    module.forward, module.backward, module.flash_attn_with_kvcache = forward, backward, flash_attn_with_kvcache
     return module
 
 
@@ -122,6 +128,7 @@ BATCH_CELLS = [
     cells.Cell("batch", "fwdbwd", 32, 4, 4, causal=False, batch=2, seqlen_q=16, seqlen_k=16),
     cells.Cell("batch", "fwdbwd", 32, 4, 1, causal=True, batch=3, seqlen_q=20, seqlen_k=20),
     cells.Cell("decode", "fwd", 32, 4, 2, batch=3, seqlen_q=1, seqlen_k=40),
+    cells.Cell("decode", "fwd", 32, 4, 2, batch=3, seqlen_q=1, seqlen_k=48, page_size=16),
 ]
 
 
@@ -133,8 +140,8 @@ def test_hipattn_matches_sdpa_flash_through_the_runners(hipattn, cell):
     check = record["checks"]["sdpa_flash"]
     assert check["ok"] and check["rel_l2"] < 1e-2, check
     assert record["best_peer"] is not None and record["vs_floor"] > 0
-    if cell.section == "decode":  # flash_attn_func, as users call it
-        assert {kind for kind, _ in hipattn.calls} == {"forward"}
+    if cell.section == "decode":  # flash_attn_with_kvcache, paged through a block table in paged cells
+        assert set(hipattn.calls) == {("kvcache", bool(cell.page_size))}
     else:  # forward/backward with the outputs passed in, after one allocating call per input set
         sets = cells.input_sets(cell)
         assert hipattn.calls[:sets * (1 if cell.direction == "fwd" else 2)] == (

@@ -4,10 +4,12 @@
 
 A small problem (8 sequences of 9 tokens, 16 heads, head_dim 128, bf16), so the GPU time is
 negligible and what is timed is the host's: validation (or, on a repeat call, the replay of a
-validated plan: hipattn.forward_plans), device guard, stream resolution, dispatch, parameter packing
+validated plan: hipattn.launch_plans), device guard, stream resolution, dispatch, parameter packing
 and the launch call. Timed: hipattn.forward (varlen) with outputs given and allocating,
-hipattn.backward, hipattn.torch.flash_attn_func (batch, inference and with autograd recording), and
-torch's scaled_dot_product_attention with its flash backend on the same batch. The GPU queue is
+hipattn.backward, hipattn.torch.flash_attn_func (batch, inference and with autograd recording),
+hipattn.flash_attn_with_kvcache (a decode step of the same 8 sequences against a 64-token paged
+cache, with one new token appended, repeat calls and every call on the full path), and torch's
+scaled_dot_product_attention with its flash backend on the same batch. The GPU queue is
 drained every 500 calls outside the timed region, so it never fills and blocks a launch. Also
 reports the median of each stage of the full (first-call) path on its own, to show where that
 time goes.
@@ -89,16 +91,32 @@ def main() -> None:
     def sdpa_flash():
         F.scaled_dot_product_attention(qs, ks, vs)
 
-    plans = runtime.active().forward_plans
+    plans = runtime.active().launch_plans
 
     def forward_full_path():
         plans.clear()  # every call validates from scratch, as the first call of a signature does
         forward()
 
+    # A decode step: one query token per sequence, pages of 16 tokens, one new token at position 40.
+    q1 = t(batch, 1, heads, head_dim)
+    k_pages, v_pages = t(batch * 4, 16, 4, head_dim), t(batch * 4, 16, 4, head_dim)
+    k_new, v_new = t(batch, 1, 4, head_dim), t(batch, 1, 4, head_dim)
+    table = torch.arange(batch * 4, dtype=torch.int32, device="cuda").view(batch, 4)
+    lengths = torch.full((batch,), 40, dtype=torch.int32, device="cuda")
+    decode_out = torch.empty_like(q1)
+
+    def kvcache():
+        hipattn.flash_attn_with_kvcache(q1, k_pages, v_pages, k_new, v_new, cache_seqlens=lengths, block_table=table,
+                                        out=decode_out)
+
+    def kvcache_full_path():
+        plans.clear()
+        kvcache()
+
     drain = torch.cuda.synchronize
     calls = {"forward_us": forward, "forward_full_path_us": forward_full_path, "forward_allocating_us": forward_allocating, "backward_us": backward,
              "torch_flash_attn_func_us": torch_api, "torch_flash_attn_func_recording_us": torch_api_recording,
-             "torch_sdpa_flash_us": sdpa_flash}
+             "kvcache_us": kvcache, "kvcache_full_path_us": kvcache_full_path, "torch_sdpa_flash_us": sdpa_flash}
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         for fn in calls.values():
             fn()  # compile / load every kernel outside the timing

@@ -7,7 +7,8 @@
 Each case runs one call with tiny batches: the small-seq forward and backward (tensor-core and
 portable kernels, MHA and GQA/MQA, THD and BSHD), the flash forward, the flash backward (THD with
 its work list, both dQ schedules, the work list prepared by the varlen_records kernel and by the
-host path), bwd_dot_do_o and bwd_convert_dq. Besides valid inputs, the sequence descriptions are adversarial: non-monotonic,
+host path), bwd_dot_do_o and bwd_convert_dq, and the KV-cache kernels (tools/sanitize_decode.py:
+append, attention and combine, with adversarial lengths, block tables and batch indices). Besides valid inputs, the sequence descriptions are adversarial: non-monotonic,
 decreasing, the last entry beyond the tensor, lengths above max_seqlen, negative entries, int32
 extremes, seqused out of range. Such input gives meaningless numbers, but the kernels must clamp
 it (kernels/common/sequence.h) and touch no memory outside their tensors.
@@ -37,6 +38,7 @@ from hipattn.catalog import flash_backward as flash_backward_catalog
 from hipattn.catalog import flash_forward as flash_forward_catalog
 from hipattn.catalog.smallseq import SMALLSEQ_BACKWARD_MMA_TILES, SMALLSEQ_TILE, SmallSeqMmaTiles
 from hipattn.jit.target import Target
+from tools import sanitize_decode
 
 # The machine compute-sanitizer runs on: an H200.
 SANITIZER_TARGET = Target.parse("sm_90a")
@@ -305,7 +307,7 @@ def build_cases(quick: bool = False) -> list[Case]:
                               head_dim=head_dim, heads_q=3, layout=layout, total_q=37))
             cases.append(Case(name=f"convert_dq {dtype} d{head_dim} {layout}", kind="convert_dq", dtype=dtype,
                               head_dim=head_dim, heads_q=3, layout=layout, total_q=37))
-    return [_with_families(case) for case in cases]
+    return [_with_families(case) for case in cases] + sanitize_decode.build_cases(quick)
 
 
 # ---- running a case on the GPU ------------------------------------------------------------------------
@@ -594,7 +596,7 @@ def run_preprocess(runner: Runner, case: Case) -> None:
 
 RUNNERS = {"smallseq": run_smallseq, "flash_forward": run_flash_forward, "flash_backward": run_flash_backward,
            "dot_do_o": run_preprocess,
-           "convert_dq": run_preprocess}
+           "convert_dq": run_preprocess, "kvcache": sanitize_decode.run}
 
 
 def main() -> int:

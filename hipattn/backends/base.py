@@ -148,6 +148,11 @@ class Backend(ABC):
     @abstractmethod
     def device_name(self, device: int) -> str: ...
 
+    def compute_units(self, device: int) -> int:
+        """Streaming multiprocessors (NVIDIA) or compute units (AMD) of ``device``: how many blocks run
+        side by side, which work-splitting heuristics size grids by. A backend that cannot tell says 1."""
+        return 1
+
     @abstractmethod
     def get_device(self) -> int:
         """The calling thread's current device."""

@@ -240,6 +240,12 @@ class CudaBackend(Backend):
         # sm_90a builds every kernel for it, and lets catalog.targets.runs_nvidia_wgmma pick the wgmma ones.
         return Target.parse(f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else ""))
 
+    def compute_units(self, device: int) -> int:
+        handle = self._device_handle(device)
+        attribute = self._driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        return int(self._check("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
+                               self._driver.cuDeviceGetAttribute(attribute, handle)))
+
     def device_name(self, device: int) -> str:
         handle = self._device_handle(device)
         raw = self._check("cuDeviceGetName", self._driver.cuDeviceGetName(256, handle))

@@ -265,6 +265,9 @@ class HipBackend(Backend):
     def device_name(self, device: int) -> str:
         return binding_text(self._device_properties(device).name)
 
+    def compute_units(self, device: int) -> int:
+        return int(self._device_properties(device).multiProcessorCount)
+
     def get_device(self) -> int:
         return int(self._check("hipGetDevice", self._hip.hipGetDevice()))
 

@@ -12,9 +12,10 @@ _OUTPUTS = {"o", "dq", "dk", "dv", "dq_accum"}
 Fields = tuple[tuple[str, str], ...]
 
 
-def strided(name: str) -> Fields:
-    """A [batch, token, head, dim] tensor: its pointer and three element strides (dim is contiguous)."""
-    kind = "ptr" if name in _OUTPUTS else "const_ptr"
+def strided(name: str, kind: str | None = None) -> Fields:
+    """A [batch, token, head, dim] tensor: its pointer and three element strides (dim is contiguous).
+    ``kind`` overrides the pointer's constness (a KV cache is read by one kernel, appended to by another)."""
+    kind = kind or ("ptr" if name in _OUTPUTS else "const_ptr")
     return ((name, kind), (f"{name}_batch_stride", "i64"), (f"{name}_token_stride", "i64"), (f"{name}_head_stride", "i64"))
 
 

@@ -37,7 +37,7 @@ _recording = threading.local()
 @contextlib.contextmanager
 def recording_launches() -> Iterator[list]:
     """Collect ``(kernel, grid, block, shared_bytes, params)`` of every launch this thread makes in
-    the block (forward_plans records what a validated call launched this way)."""
+    the block (launch_plans records what a validated call launched this way)."""
     previous = getattr(_recording, "launches", None)
     launches = _recording.launches = []
     try:

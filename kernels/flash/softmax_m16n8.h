@@ -1,10 +1,11 @@
-// The online softmax of one warp's 16-row accumulator tile in mma.sync's m16n8 C-fragment layout
-// (rows g and g + 8, columns 2t and 2t + 1 of each 8-column tile), and the final LSE of its rows: shared
-// by the NVIDIA flash forwards (forward_mma.hip: mma.sync; forward_wgmma.hip: Hopper's wgmma, whose
-// accumulators have the same per-warp layout).
+// The flash forwards' masks and final LSE for one warp's 16-row accumulator tile in mma.sync's m16n8
+// C-fragment layout (rows g and g + 8, columns 2t and 2t + 1 of each 8-column tile), around the
+// online softmax of flash/online_softmax_m16n8.h: shared by the NVIDIA flash forwards (forward_mma.hip:
+// mma.sync; forward_wgmma.hip: Hopper's wgmma, whose accumulators have the same per-warp layout).
 #pragma once
 #include "common/mma_nvidia.h"
 #include "flash/forward_block.h"
+#include "flash/online_softmax_m16n8.h"
 
 namespace hipattn {
 namespace flash {
@@ -15,70 +16,6 @@ HIPATTN_DEVICE void key_limits(const FlashForwardParams& p, const ForwardBlock& 
 #pragma unroll
   for (int r = 0; r < 2; ++r)
     key_limit[r] = p.causal ? clamp_int(row_g + 8 * r + b.diagonal + 1, 0, b.seq_k.length) : b.seq_k.length;
-}
-
-// One key tile's online softmax for a warp's 16-row tile, in base 2 (softmax_scale·log2 e folded into
-// `scale_log2`): masks (masked scores become -inf by selection: a NaN from a stale K row is discarded,
-// not multiplied), moves the running max, rescales the running sums, and returns P rounded to T as the
-// A operand of P V (the m16n8 layout of n-tiles 2kk and 2kk + 1 is the m16k16 A layout of k-step kk)
-// and the factor O's rows must be multiplied by (rescale), which the caller applies once no tensor-core
-// product into O is in flight. row_sum is this lane's share of its rows' sums.
-template <typename T, int N_TILES>
-HIPATTN_DEVICE void online_softmax(float (&s)[N_TILES][4], float (&row_max)[2], float (&row_sum)[2],
-                                   unsigned int (&p_packed)[N_TILES][2], float (&correction)[2], bool masked, int n0,
-                                   const int (&key_limit)[2], float scale_log2, int t) {
-  if (masked) {
-#pragma unroll
-    for (int n = 0; n < N_TILES; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + 8 * n + 2 * t + (e & 1);
-        s[n][e] = key < key_limit[e / 2] ? s[n][e] * scale_log2 : -infinity();
-      }
-  } else {
-#pragma unroll
-    for (int n = 0; n < N_TILES; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
-  }
-  float tile_max[2] = {row_max[0], row_max[1]};
-#pragma unroll
-  for (int n = 0; n < N_TILES; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
-  float reference[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    // A row's scores live in the 4 lanes of one quad.
-    tile_max[r] = fmaxf(tile_max[r], shfl_xor(tile_max[r], 1, 32, 0xffffffffu));
-    tile_max[r] = fmaxf(tile_max[r], shfl_xor(tile_max[r], 2, 32, 0xffffffffu));
-    // A row that has seen nothing yet keeps max -inf; subtracting 0 instead makes every p 0
-    // (exp2(-inf) = 0) rather than NaN (-inf - -inf).
-    reference[r] = tile_max[r] == -infinity() ? 0.0f : tile_max[r];
-    correction[r] = fast_exp2(row_max[r] - reference[r]);  // 0 when row_max was -inf
-    row_max[r] = tile_max[r];
-    row_sum[r] *= correction[r];
-  }
-#pragma unroll
-  for (int n = 0; n < N_TILES; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[n][e] = fast_exp2(s[n][e] - reference[e / 2]);
-      row_sum[e / 2] += s[n][e];
-    }
-    // Rounded to T at once: P lives on as half as many registers until P V.
-    p_packed[n][0] = mma::pack2<T>(s[n][0], s[n][1]);  // row g
-    p_packed[n][1] = mma::pack2<T>(s[n][2], s[n][3]);  // row g + 8
-  }
-}
-
-// O's accumulator rows times the online softmax's correction factors.
-template <int D_TILES>
-HIPATTN_DEVICE void rescale(float (&o)[D_TILES][4], const float (&correction)[2]) {
-#pragma unroll
-  for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[d][e] *= correction[e / 2];
 }
 
 // The end of a warp's 16-row tile: sums each row over its quad, writes LSE (natural log) for the

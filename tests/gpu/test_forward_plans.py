@@ -1,5 +1,5 @@
 """Repeat forward calls replay the launch the first call of their signature validated
-(hipattn.forward_plans): the same results as the full path, every pointer check still made, and
+(hipattn.launch_plans): the same results as the full path, every pointer check still made, and
 graph capture unchanged."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def fresh_plans(monkeypatch):
     """A runtime with no plans yet (over the process's registry, so nothing recompiles)."""
     fresh = runtime.Runtime(registry=runtime.active().registry)
     monkeypatch.setattr(runtime, "_active", fresh)
-    return fresh.forward_plans
+    return fresh.launch_plans
 
 
 def _varlen_call(rng, lengths, heads_q=16, heads_kv=4, head_dim=128):

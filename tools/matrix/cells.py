@@ -9,7 +9,9 @@ A cell is one workload in one direction with a stable name, e.g. ``smallseq/d128
   MHA 16:16 and GQA 16:4, causal or not, S from 512 to 16384; ``fwd`` and ``fwdbwd``.
 - ``varlen``: THD self-attention, lengths drawn from 128..4096 summing to 16384 tokens (the lengths
   of tools/bench_flash.py's varlen workload), head_dim 128, 16:16 and 16:4, causal or not.
-- ``decode``: one query token per sequence against a long KV, BSHD, forward only.
+- ``decode``: one query token per sequence against a long KV cache, forward only; hipattn through
+  flash_attn_with_kvcache, on a contiguous cache and (``pagedN`` cells) on pages of N tokens through
+  a shuffled block table holding the same values.
 
 The floor of a cell is the larger of its FLOPs over the measured bf16 GEMM rate and its bytes over
 the measured copy bandwidth, both measured at the start of the run; which one binds is recorded
@@ -48,6 +50,10 @@ DECODE_HEAD_DIM = 128
 # (batch, KV length, Hq, Hkv)
 DECODE_SHAPES = ((64, 4096, 32, 8), (8, 32768, 32, 8), (128, 1024, 32, 32), (1, 32768, 32, 8),
                  (1, 131072, 32, 8), (4, 131072, 32, 8))
+# The shapes also run paged (vLLM-style pages of DECODE_PAGE_SIZE tokens): paged should cost what
+# contiguous does.
+DECODE_PAGED_SHAPES = ((64, 4096, 32, 8), (8, 32768, 32, 8), (1, 131072, 32, 8))
+DECODE_PAGE_SIZE = 256
 
 # Backward FLOPs over forward FLOPs (the backward does 2.5 forwards' worth of matrix products).
 BACKWARD_FLOP_FACTOR = 2.5
@@ -73,6 +79,7 @@ class Cell:
     batch: int = 0  # sequences
     seqlen_q: int = 0  # BSHD: the length of every sequence (THD: 0, the lengths are drawn)
     seqlen_k: int = 0
+    page_size: int = 0  # decode: tokens per page of a paged cache (0: contiguous)
 
     @property
     def name(self) -> str:
@@ -84,7 +91,8 @@ class Cell:
             return f"batch/d{self.head_dim}/{heads}/s{self.seqlen_q}/{mask}/{self.direction}"
         if self.section == "varlen":
             return f"varlen/d{self.head_dim}/{heads}/{mask}/{self.direction}"
-        return f"decode/d{self.head_dim}/{heads}/b{self.batch}/kv{self.seqlen_k}/{self.direction}"
+        paged = f"/paged{self.page_size}" if self.page_size else ""
+        return f"decode/d{self.head_dim}/{heads}/b{self.batch}/kv{self.seqlen_k}{paged}/{self.direction}"
 
     @property
     def layout(self) -> str:
@@ -117,6 +125,9 @@ def all_cells() -> list[Cell]:
                                   batch=len(varlen_lengths())))
     for batch, kv, heads_q, heads_kv in DECODE_SHAPES:
         found.append(Cell("decode", "fwd", DECODE_HEAD_DIM, heads_q, heads_kv, batch=batch, seqlen_q=1, seqlen_k=kv))
+    for batch, kv, heads_q, heads_kv in DECODE_PAGED_SHAPES:
+        found.append(Cell("decode", "fwd", DECODE_HEAD_DIM, heads_q, heads_kv, batch=batch, seqlen_q=1, seqlen_k=kv,
+                          page_size=DECODE_PAGE_SIZE))
     return found
 
 
@@ -138,6 +149,7 @@ QUICK_CELLS = (
     "varlen/d128/h16:16/causal/fwdbwd",
     "varlen/d128/h16:4/noncausal/fwdbwd",
     "decode/d128/h32:8/b64/kv4096/fwd",
+    "decode/d128/h32:8/b64/kv4096/paged256/fwd",
     "decode/d128/h32:8/b1/kv131072/fwd",
     "decode/d128/h32:32/b128/kv1024/fwd",
 )

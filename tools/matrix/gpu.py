@@ -3,7 +3,8 @@ event timing, SM clocks, ceilings. Everything here but ``compare`` needs a GPU.
 
 hipattn runs through its public API only: hipattn.forward / hipattn.backward with outputs passed in
 (allocated by a first call, then poisoned with NaN so that an unwritten element fails the check), and
-hipattn.flash_attn_func for decode (what users call today; it allocates its output). Peers:
+hipattn.flash_attn_with_kvcache for decode, with cache_seqlens on the device as serving engines pass
+it (paged cells: the same values scattered into pages through a shuffled block table). Peers:
 torch SDPA's flash / cuDNN / efficient backends through sdpa_kernel on [B, H, S, D] views of the same
 data (enable_gqa when Hkv < Hq), on a padded [B, H, 17, D] batch for small-seq; torch's varlen_attn on
 THD data (window_size=(-1, 0) for causal, as tools/bench_flash.py calls it; enable_gqa where this
@@ -137,9 +138,14 @@ def _hipattn(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
 
     sets, count = data.sets, len(data.sets)
     if cell.section == "decode":
+        caches = [_decode_cache(cell, s, data.generator) for s in sets]
+        outs = [torch.full_like(s["q"], float("nan")) for s in sets]
+
         def run_decode(i: int) -> tuple:
-            s = sets[i % count]
-            return (hipattn.flash_attn_func(s["q"], s["k"], s["v"], causal=cell.causal),)
+            s, cache, out = sets[i % count], caches[i % count], outs[i % count]
+            hipattn.flash_attn_with_kvcache(s["q"], cache["k"], cache["v"], cache_seqlens=cache["seqlens"],
+                                            block_table=cache["block_table"], causal=cell.causal, out=out)
+            return (out,)
         return run_decode
 
     arguments = dict(data.sequence_args, causal=cell.causal)
@@ -169,6 +175,24 @@ def _hipattn(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
         return grads if cell.direction == "bwd" else (owned["out"], *grads)
 
     return run
+
+
+def _decode_cache(cell: cells.Cell, s: dict, generator: torch.Generator) -> dict:
+    """A decode cell's cache for hipattn: the set's k/v as they are (contiguous), or scattered into
+    shuffled pages of cell.page_size tokens with the block table that gathers them back."""
+    seqlens = torch.full((cell.batch,), cell.seqlen_k, dtype=torch.int32, device=s["k"].device)
+    if not cell.page_size:
+        return {"k": s["k"], "v": s["v"], "seqlens": seqlens, "block_table": None}
+    pages_per_sequence = cell.seqlen_k // cell.page_size
+    pages = cell.batch * pages_per_sequence
+    order = torch.randperm(pages, generator=generator, device=generator.device)
+    paged = {}
+    for name in ("k", "v"):
+        tiles = s[name].reshape(pages, cell.page_size, cell.heads_kv, cell.head_dim)
+        paged[name] = torch.empty_like(tiles)
+        paged[name][order] = tiles
+    table = order.to(torch.int32).reshape(cell.batch, pages_per_sequence)
+    return {"k": paged["k"], "v": paged["v"], "seqlens": seqlens, "block_table": table}
 
 
 def _autograd(direction: str, views: list[dict], attend: Callable, to_hipattn: Callable) -> Callable[[int], tuple]:

@@ -17,7 +17,7 @@ SECTION_TITLES = {
     "smallseq": "Small-seq (THD, query and key lengths drawn from 1..17, 16384 sequences)",
     "batch": "General batch (BSHD, 16384 tokens: B = 16384 / S)",
     "varlen": "Varlen (THD, 16384 tokens in sequences of 128..4096, head_dim 128)",
-    "decode": "Decode (one query token per sequence, flash_attn_func, head_dim 128)",
+    "decode": "Decode (one query token per sequence, flash_attn_with_kvcache, head_dim 128; paged: pages of 256)",
 }
 SECTION_PEERS = {
     "smallseq": "torch's varlen_attn on the same THD data (the numeric check's reference); SDPA cuDNN and "

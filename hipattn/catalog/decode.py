@@ -1,0 +1,177 @@
+"""Attention against a KV cache (``flash_attn_with_kvcache``): append with rotary, the split-KV
+attention kernel, and the combine of its splits.
+
+Decoding reads K and V once and is bound by that read. On NVIDIA sm_80+ the attention runs on the
+tensor cores (kernels/decode/forward_mma.hip: cp.async staging, mma.sync), one table row per
+head_dim; elsewhere (AMD) the portable kernel (kernels/decode/forward.hip: 16-byte loads per lane, dot
+products on the vector units), one row per query-rows bound. Append and combine are portable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..jit.params import ParamsStruct
+from ..jit.spec import KernelFamily, KernelSpec
+from ..jit.target import Target
+from .common import DTYPES, FLASH_ROW_PAD
+from .fields import Fields, row_statistic, strided
+from .index import register
+from .targets import has_hopper_shared_memory, runs_nvidia_mma
+from .tiles import ELEMENT_BYTES, KernelTiles
+
+# Every head_dim a multiple of 8 up to 256 could run; these ship. 32 and 80 are flash-attn's
+# kvcache test dims that the flash path lacks; 192 is DeepSeek's qk head_dim.
+DECODE_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+
+# A block of the attention and combine kernels (decode::Layout::kThreads, decode_combine's bounds).
+DECODE_BLOCK_THREADS = 128
+# decode_combine: one block per query row, merging at most this many splits (one per thread).
+MAX_SPLITS = DECODE_BLOCK_THREADS
+# decode_append: one thread per pair of elements of a row.
+APPEND_PAIRS_PER_BLOCK = DECODE_BLOCK_THREADS
+
+# Where the cache's rows live (kernels/decode/cache.h), shared by the kernels that read and write it.
+_CACHE_FIELDS: Fields = (
+    ("cache_seqlens", "const_ptr"),
+    ("cache_batch_idx", "const_ptr"),
+    ("block_table", "const_ptr"),
+    ("block_table_batch_stride", "i64"),
+    ("cache_seqlen", "i32"),  # the one length of every sequence when cache_seqlens is a host int
+    ("page_size", "i32"),
+    ("pages_per_sequence", "i32"),
+    ("cache_entries", "i32"),  # batch entries of a contiguous cache, or pages of a paged one
+    ("cache_capacity", "i32"),  # tokens a sequence's cache holds
+    ("batch", "i32"),
+    ("heads_q", "i32"),
+    ("heads_kv", "i32"),
+    ("seqlen_q", "i32"),
+    ("seqlen_new", "i32"),
+)
+
+DECODE_FORWARD_PARAMS = ParamsStruct(
+    "DecodeForwardParams",
+    strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr")
+    + (("o_partial", "ptr"), ("lse_partial", "ptr"), ("cache_leftpad", "const_ptr")) + _CACHE_FIELDS
+    + (("splits", "i32"), ("softmax_scale", "f32"), ("causal", "i32")),
+)
+DECODE_COMBINE_PARAMS = ParamsStruct(
+    "DecodeCombineParams",
+    strided("o") + row_statistic("lse", "ptr")
+    + (("o_partial", "const_ptr"), ("lse_partial", "const_ptr"), ("batch", "i32"), ("heads_q", "i32"),
+       ("seqlen_q", "i32"), ("head_dim", "i32"), ("splits", "i32")),
+)
+DECODE_APPEND_PARAMS = ParamsStruct(
+    "DecodeAppendParams",
+    strided("k_new") + strided("v_new") + strided("k", "ptr") + strided("v", "ptr") + strided("q")
+    + strided("q_rotated", "ptr") + _CACHE_FIELDS
+    + (("rotary_cos", "const_ptr"), ("rotary_sin", "const_ptr"), ("rotary_stride", "i64"), ("rotary_dim", "i32"),
+       ("rotary_positions", "i32"), ("rotary_interleaved", "i32"), ("rotate_q", "i32"),
+       ("q_positions_advance", "i32"), ("head_dim", "i32")),
+)
+
+
+@dataclass(frozen=True)
+class DecodeTiles(KernelTiles):
+    """A row of the portable attention kernel: query rows per block and keys per team per step. More
+    rows serve a bigger query-head group per read of K/V; fewer keys per step keep 8-row blocks'
+    registers within what two blocks per compute unit leave."""
+
+    rows: int
+    unroll: int
+
+    family = property(lambda self: DECODE_FORWARD)
+    threads = DECODE_BLOCK_THREADS
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        return 0  # its merge buffers are static shared arrays
+
+
+# Blocks of up to 4 rows (a group of 4, or 1-4 query tokens of MHA), else 8 (groups of 5-8 and
+# longer query runs; a grid's z covers rows past 8).
+DECODE_TILES = (DecodeTiles(rows=4, unroll=4), DecodeTiles(rows=8, unroll=2))
+
+# Keys every run of the portable kernel starts on a multiple of (its largest unroll): a page size
+# must be a multiple of it, so that no run crosses a page.
+PAGE_SIZE_MULTIPLE = max(t.unroll for t in DECODE_TILES)
+
+
+@dataclass(frozen=True)
+class DecodeMmaTiles(KernelTiles):
+    """A row of the tensor-core attention kernel (NVIDIA sm_80+): 16 query rows per block, four warps
+    of 16 keys each per tile of ``block_n``, and ``stages`` K/V slots in flight."""
+
+    block_n: int
+    stages: int
+
+    family = property(lambda self: DECODE_FORWARD_MMA)
+    threads = DECODE_BLOCK_THREADS
+    rows = 16
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """decode::MmaLayout<...>::kBytes: the Q tile and STAGES K and V slots, rows of head_dim + 8
+        elements; or the four warps' merge states (fp32 rows of head_dim + 4, a max and a sum), if larger."""
+        pitch = head_dim + FLASH_ROW_PAD
+        staging = (self.rows + 2 * self.stages * self.block_n) * pitch * element_bytes
+        merge = 4 * self.rows * (head_dim + 4 + 2) * 4
+        return max(staging, merge)
+
+
+# Hopper (227 KiB per block): every row leaves room for two blocks per SM (at most 113 KiB each),
+# with as many stages as that allows. Other sm_80+ parts: every row within sm_86/sm_89's 99 KiB.
+DECODE_MMA_TILES_HOPPER: dict[int, DecodeMmaTiles] = {
+    32: DecodeMmaTiles(block_n=64, stages=4), 64: DecodeMmaTiles(block_n=64, stages=3),
+    80: DecodeMmaTiles(block_n=64, stages=3), 96: DecodeMmaTiles(block_n=64, stages=3),
+    128: DecodeMmaTiles(block_n=64, stages=3), 192: DecodeMmaTiles(block_n=64, stages=2),
+    256: DecodeMmaTiles(block_n=64, stages=1),
+}
+DECODE_MMA_TILES: dict[int, DecodeMmaTiles] = {
+    32: DecodeMmaTiles(block_n=64, stages=3), 64: DecodeMmaTiles(block_n=64, stages=2),
+    80: DecodeMmaTiles(block_n=64, stages=2), 96: DecodeMmaTiles(block_n=64, stages=2),
+    128: DecodeMmaTiles(block_n=64, stages=2), 192: DecodeMmaTiles(block_n=64, stages=1),
+    256: DecodeMmaTiles(block_n=64, stages=1),
+}
+
+AttentionTiles = DecodeTiles | DecodeMmaTiles
+
+
+def tiles_for(target: Target | None, head_dim: int, rows: int) -> AttentionTiles:
+    """The attention row ``target`` runs for ``rows`` query rows per KV head (query tokens x group):
+    the tensor-core kernel on NVIDIA sm_80+, else the portable one."""
+    if runs_nvidia_mma(target):
+        table = DECODE_MMA_TILES_HOPPER if has_hopper_shared_memory(target) else DECODE_MMA_TILES
+        return table[head_dim]
+    for tiles in DECODE_TILES:
+        if rows <= tiles.rows:
+            return tiles
+    return DECODE_TILES[-1]
+
+
+def _mma_specs(target: Target) -> list[KernelSpec]:
+    table = DECODE_MMA_TILES_HOPPER if has_hopper_shared_memory(target) else DECODE_MMA_TILES
+    return [table[d].spec(dtype, d) for dtype in DTYPES for d in DECODE_HEAD_DIMS]
+
+
+# Each target ships the attention kernel it runs (tiles_for).
+DECODE_FORWARD = register(KernelFamily(
+    name="decode_forward", source="decode/forward.hip", template="hipattn::decode_forward",
+    template_params=("dtype", "head_dim", "rows", "unroll"), params=DECODE_FORWARD_PARAMS,
+    shipped=lambda target: [] if runs_nvidia_mma(target) else [
+        t.spec(dtype, d) for dtype in DTYPES for d in DECODE_HEAD_DIMS for t in DECODE_TILES]))
+DECODE_FORWARD_MMA = register(KernelFamily(
+    name="decode_forward_mma", source="decode/forward_mma.hip", template="hipattn::decode_forward_mma",
+    template_params=("dtype", "head_dim", "block_n", "stages"), params=DECODE_FORWARD_PARAMS,
+    shipped=lambda target: _mma_specs(target) if runs_nvidia_mma(target) else []))
+DECODE_COMBINE = register(KernelFamily(
+    name="decode_combine", source="decode/combine.hip", template="hipattn::decode_combine",
+    template_params=("dtype", "max_splits"), params=DECODE_COMBINE_PARAMS,
+    shipped=lambda target: [combine_spec(dtype) for dtype in DTYPES]))
+
+
+def combine_spec(dtype: str) -> KernelSpec:
+    return DECODE_COMBINE.spec(dtype=dtype, max_splits=MAX_SPLITS)
+
+
+DECODE_APPEND = register(KernelFamily(
+    name="decode_append", source="decode/append.hip", template="hipattn::decode_append",
+    template_params=("dtype",), params=DECODE_APPEND_PARAMS,
+    shipped=lambda target: [DECODE_APPEND.spec(dtype=dtype) for dtype in DTYPES]))

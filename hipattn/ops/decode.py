@@ -1,0 +1,149 @@
+"""Launch a KV-cache call's kernels: the append (new K/V into the cache, rotary on K and Q), the
+split-KV attention, and the combine of its splits (hipattn.catalog.decode).
+
+The caller has validated the call (kvcache_problem.describe), made the device current, resolved the
+stream and laid out the workspace; everything here is enqueued on that stream, nothing synchronizes,
+and every grid is sized from host-known facts, so a call can be captured into a graph and replayed
+with new cache_seqlens and block tables.
+"""
+
+from __future__ import annotations
+
+from .. import runtime
+from ..catalog import decode
+from ..catalog.targets import check_grid
+from ..device_array import DeviceArray
+from ..catalog.decode import MAX_SPLITS
+from ..kvcache_problem import KvCacheCall, KvCacheProblem
+
+# The split heuristic aims for this many blocks per SM (or CU): a few waves of the 2-3 blocks each
+# holds at once, so that the last wave's imbalance costs little.
+BLOCKS_PER_COMPUTE_UNIT = 8
+# ... and gives no split fewer keys than this: below it, the partials' writes and the combine cost
+# more than the parallelism gains.
+MIN_KEYS_PER_SPLIT = 1024
+# grid.y and grid.z are 16-bit on NVIDIA.
+MAX_GRID_YZ = 65535
+
+
+def row_chunks(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
+    """Blocks per (sequence, KV head, split) along the query rows: grid.z."""
+    return -(-problem.rows_per_kv_head // tiles.rows)
+
+
+def choose_splits(problem: KvCacheProblem, tiles: decode.AttentionTiles, compute_units: int) -> int:
+    """Splits of the KV length: ``num_splits`` when the caller chose, else enough blocks to fill the
+    device (from host facts: batch, heads, query rows and the cache's capacity)."""
+    if problem.num_splits:
+        return problem.num_splits
+    blocks = problem.batch * problem.heads_kv * row_chunks(problem, tiles)
+    wanted = BLOCKS_PER_COMPUTE_UNIT * compute_units
+    if blocks == 0 or blocks >= wanted:
+        return 1
+    by_length = -(-problem.capacity // MIN_KEYS_PER_SPLIT)
+    return max(1, min(MAX_SPLITS, -(-wanted // blocks), by_length))
+
+
+def _tensor(fields: dict, name: str, a: DeviceArray | None) -> None:
+    """A [batch, token, head, dim] array's pointer and strides (zeros when absent)."""
+    fields[name] = a.ptr if a is not None else 0
+    strides = a.strides if a is not None else (0, 0, 0, 1)
+    fields[f"{name}_batch_stride"], fields[f"{name}_token_stride"], fields[f"{name}_head_stride"] = strides[:3]
+
+
+def _cache_fields(call: KvCacheCall) -> dict:
+    p = call.problem
+    table = call.block_table
+    return {
+        "cache_seqlens": call.cache_seqlens.ptr if call.cache_seqlens is not None else 0,
+        "cache_batch_idx": call.cache_batch_idx.ptr if call.cache_batch_idx is not None else 0,
+        "block_table": table.ptr if table is not None else 0,
+        "block_table_batch_stride": table.strides[0] if table is not None else 0,
+        "cache_seqlen": p.cache_seqlen or 0,
+        "page_size": p.page_size,
+        "pages_per_sequence": p.pages_per_sequence,
+        "cache_entries": p.cache_entries,
+        "cache_capacity": p.capacity,
+        "batch": p.batch,
+        "heads_q": p.heads_q,
+        "heads_kv": p.heads_kv,
+        "seqlen_q": p.seqlen_q,
+        "seqlen_new": p.seqlen_new,
+    }
+
+
+def append(call: KvCacheCall, q_rotated: DeviceArray | None, stream: int) -> None:
+    """Enqueue the append of k/v at cache_seqlens (rotated k when rotary is on) and, with rotary, the
+    rotated queries into ``q_rotated``. Nothing to do without new tokens."""
+    p = call.problem
+    pairs = p.head_dim // 2
+    kv_pairs = p.batch * p.seqlen_new * p.heads_kv * pairs
+    q_pairs = p.batch * p.seqlen_q * p.heads_q * pairs if q_rotated is not None else 0
+    blocks = -(-(kv_pairs + q_pairs) // decode.APPEND_PAIRS_PER_BLOCK)
+    if blocks == 0:
+        return
+    active = runtime.active()
+    check_grid(active.target(p.device), blocks, decode.DECODE_BLOCK_THREADS, "pairs of appended and rotated elements")
+    kernel = active.kernel(decode.DECODE_APPEND.spec(dtype=p.dtype), p.device)
+    fields = _cache_fields(call)
+    for name, a in (("k_new", call.k), ("v_new", call.v), ("k", call.k_cache), ("v", call.v_cache), ("q", call.q),
+                    ("q_rotated", q_rotated)):
+        _tensor(fields, name, a)
+    cos = call.rotary_cos
+    fields.update(rotary_cos=cos.ptr if cos is not None else 0,
+                  rotary_sin=call.rotary_sin.ptr if cos is not None else 0,
+                  rotary_stride=cos.strides[0] if cos is not None else 0, rotary_dim=p.rotary_dim,
+                  rotary_positions=p.rotary_positions, rotary_interleaved=int(p.rotary_interleaved),
+                  rotate_q=int(q_rotated is not None), q_positions_advance=int(p.causal), head_dim=p.head_dim)
+    kernel.launch((blocks, 1, 1), (decode.DECODE_BLOCK_THREADS, 1, 1), 0, stream, kernel.params.from_dict(fields))
+
+
+def attention_tiles(problem: KvCacheProblem) -> decode.AttentionTiles:
+    """The attention kernel's row for the call's device (catalog.decode.tiles_for)."""
+    target = runtime.active().target(problem.device)
+    return decode.tiles_for(target, problem.head_dim, problem.rows_per_kv_head)
+
+
+def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray | None, splits: int,
+           o_partial: DeviceArray | None, lse_partial: DeviceArray | None, stream: int,
+           tiles: decode.AttentionTiles) -> None:
+    """Enqueue the attention of ``q`` (the call's queries, rotated or not) against the cache with
+    ``tiles`` (attention_tiles, or another row: tools/bench_decode.py sweeps them), and with more than
+    one split the combine; ``out`` and ``lse`` (optional) get the result."""
+    p = call.problem
+    active = runtime.active()
+    target = active.target(p.device)
+    chunks = row_chunks(p, tiles)
+    blocks = p.batch * p.heads_kv
+    if blocks == 0 or chunks == 0:
+        return
+    if chunks > MAX_GRID_YZ:
+        raise ValueError(f"the call has {p.rows_per_kv_head} query rows per KV head (seqlen_q x query heads per "
+                         f"KV head); at most {MAX_GRID_YZ * tiles.rows} fit one launch")
+    check_grid(target, blocks, decode.DECODE_BLOCK_THREADS, "sequences x KV heads")
+    kernel = active.kernel(tiles.spec(p.dtype, p.head_dim), p.device)
+    shared = tiles.shared_bytes(p.head_dim)
+    if shared:
+        kernel.reserve_dynamic_shared_memory(shared)
+    fields = _cache_fields(call)
+    for name, a in (("q", q), ("k", call.k_cache), ("v", call.v_cache), ("o", out)):
+        _tensor(fields, name, a)
+    lse_batch, lse_head = lse.strides[:2] if lse is not None else (0, 0)  # [B, Hq, S_q], tokens contiguous
+    fields.update(lse=lse.ptr if lse is not None else 0, lse_batch_stride=lse_batch, lse_head_stride=lse_head,
+                  o_partial=o_partial.ptr if o_partial is not None else 0,
+                  lse_partial=lse_partial.ptr if lse_partial is not None else 0,
+                  cache_leftpad=call.cache_leftpad.ptr if call.cache_leftpad is not None else 0,
+                  splits=splits, softmax_scale=p.softmax_scale, causal=int(p.causal))
+    kernel.launch((blocks, splits, chunks), (decode.DECODE_BLOCK_THREADS, 1, 1), shared, stream,
+                  kernel.params.from_dict(fields))
+    if splits == 1:
+        return
+    combine_blocks = p.batch * p.heads_q * p.seqlen_q  # one per query row
+    check_grid(target, combine_blocks, decode.DECODE_BLOCK_THREADS, "query rows")
+    combine = active.kernel(decode.combine_spec(p.dtype), p.device)
+    merged = {"lse": fields["lse"], "lse_batch_stride": lse_batch, "lse_head_stride": lse_head,
+              "o_partial": o_partial.ptr, "lse_partial": lse_partial.ptr, "batch": p.batch, "heads_q": p.heads_q,
+              "seqlen_q": p.seqlen_q, "head_dim": p.head_dim, "splits": splits}
+    _tensor(merged, "o", out)
+    combine.launch((combine_blocks, 1, 1), (decode.DECODE_BLOCK_THREADS, 1, 1), 0, stream,
+                   combine.params.from_dict(merged))

@@ -1,0 +1,240 @@
+// Attention against a KV cache on NVIDIA tensor cores (sm_80+): decode/forward.hip's work (one block
+// per sequence, KV head and split; a KV head's query-head group packed into the rows) with the dot
+// products on mma.sync, so that reading K and V once is all the kernel costs.
+//
+// A block holds 16 query rows (one m16 tile) and four warps. K and V tiles of BLOCK_N keys are staged
+// in shared memory with cp.async through a ring of STAGES slots, one commit group per tile, one barrier
+// per tile; the copies of the next STAGES - 1 tiles are in flight while a tile is computed. Each warp
+// takes a quarter of every tile (BLOCK_N / 4 keys): S = Q Kᵀ for the 16 rows and its keys, the online
+// softmax (flash/online_softmax_m16n8.h), O += P V with P reused in registers as the A operand. Every
+// warp keeps its own softmax state over its keys; decode/merge.h merges the four at the end, through
+// the staging memory, and writes O and the LSE, or the split's partials.
+//
+// Rows are copied one token at a time (decode/cache.h's slots), so paged and contiguous caches, and
+// any page size, take the same path. Q rows past the block's and V rows past the split's keys are
+// zero-filled (a zero weight times stale shared memory could be NaN); scores past the keys, before
+// cache_leftpad and above the causal diagonal are masked by selection.
+#pragma once
+#include "common/mma_nvidia.h"
+#include "decode/cache.h"
+#include "decode/merge.h"
+#include "flash/online_softmax_m16n8.h"
+
+namespace hipattn {
+namespace decode {
+
+// The block's shared memory in elements of T: the Q tile, then STAGES slots of a K tile and a V tile,
+// rows padded by 8 elements against ldmatrix bank conflicts. After the last tile the same memory holds
+// the four warps' merge states. The host's row (hipattn/catalog/decode.py, DecodeMmaTiles.shared_bytes)
+// computes kBytes with the same formula.
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES>
+struct MmaLayout {
+  static constexpr int kRows = 16;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kWarpKeys = BLOCK_N / kWarps;
+  static constexpr int kPitch = HEAD_DIM + 8;
+  static constexpr int kChunks = HEAD_DIM / 8;  // 16-byte pieces of a row
+  static constexpr int kSlotElements = BLOCK_N * kPitch;
+  static constexpr int kKOffset = kRows * kPitch;
+  static constexpr int kVOffset = kKOffset + STAGES * kSlotElements;
+  static constexpr int kStagingBytes = (kVOffset + STAGES * kSlotElements) * static_cast<int>(sizeof(T));
+  static constexpr int kMergePitch = HEAD_DIM + 4;  // floats
+  static constexpr int kMergeBytes = kWarps * kRows * (kMergePitch + 2) * 4;
+  static constexpr int kBytes = kStagingBytes > kMergeBytes ? kStagingBytes : kMergeBytes;
+
+  static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
+  static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "head_dim is a multiple of 16 up to 256");
+  static_assert(kWarpKeys == 16, "each warp's keys are one k-step of P V (BLOCK_N = 64)");
+  static_assert(STAGES >= 1 && STAGES <= 4, "one to four K/V slots");
+  static_assert(kBytes <= 227 * 1024, "the tiles must fit 227 KiB of shared memory");
+};
+
+}  // namespace decode
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES>
+__global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardParams p) {
+  using L = decode::MmaLayout<T, HEAD_DIM, BLOCK_N, STAGES>;
+  constexpr int kThreads = L::kThreads;
+  constexpr int kPitch = L::kPitch;
+  constexpr int kDTiles = HEAD_DIM / 8;
+  constexpr int kBytesPerElement = static_cast<int>(sizeof(T));
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* const shared = reinterpret_cast<T*>(shared_bytes);
+  T* const q_tile = shared;
+  T* const k_slots = shared + L::kKOffset;
+  T* const v_slots = shared + L::kVOffset;
+
+  // grid: x (sequence, KV head), y split, z chunk of 16 query rows.
+  const int b = blockIdx.x / p.heads_kv;
+  const int kv_head = blockIdx.x % p.heads_kv;
+  const int split = blockIdx.y;
+  const int group = p.heads_q / p.heads_kv;
+  const int row0 = blockIdx.z * L::kRows;
+  const int rows = p.seqlen_q * group - row0 < L::kRows ? p.seqlen_q * group - row0 : L::kRows;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4;  // accumulator rows g and g + 8
+  const int t = lane % 4;
+
+  const decode::CacheAddress address = decode::cache_address(p, b, kv_head);
+  const decode::KeyRange range = decode::key_range(p, b);
+  // This split's keys: an equal share of the visible ones, in whole tiles.
+  int share = (range.total - range.start + p.splits - 1) / p.splits;
+  share = (share + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+  const long long first = range.start + static_cast<long long>(split) * share;
+  const int key_begin = first < range.total ? static_cast<int>(first) : range.total;
+  const int key_end = key_begin + share < range.total ? key_begin + share : range.total;
+  const int n_tiles = (key_end - key_begin + BLOCK_N - 1) / BLOCK_N;
+
+  // Tile i's K and V rows (V rows past key_end zeroed); always commits, so the group count is uniform.
+  const T* const k_cache = static_cast<const T*>(p.k) + address.k;
+  const T* const v_cache = static_cast<const T*>(p.v) + address.v;
+  auto load_tile = [&](int i) {
+    if (i < n_tiles) {
+      const int n0 = key_begin + i * BLOCK_N;
+      T* const k_slot = k_slots + (i % STAGES) * L::kSlotElements;
+      T* const v_slot = v_slots + (i % STAGES) * L::kSlotElements;
+      // A tile that starts on a multiple of BLOCK_N lies in one page when the page size is a multiple
+      // of BLOCK_N (paged calls start at key 0): one block-table read per tile, not one per row.
+      const bool one_page = address.pages == nullptr || (p.page_size % BLOCK_N == 0 && n0 % BLOCK_N == 0);
+      const decode::TokenSlot tile_slot = decode::token_slot(p, address, n0);
+      for (int c = threadIdx.x; c < BLOCK_N * L::kChunks; c += kThreads) {
+        const int row = c / L::kChunks;
+        const int chunk = c % L::kChunks;
+        const int j = n0 + row;
+        if (j < key_end) {
+          const decode::TokenSlot slot =
+              one_page ? decode::TokenSlot{tile_slot.page, tile_slot.token + row} : decode::token_slot(p, address, j);
+          mma::copy_async_16(k_slot + row * kPitch + chunk * 8,
+                             k_cache + decode::slot_offset(slot, p.k_batch_stride, p.k_token_stride) + chunk * 8);
+          mma::copy_async_16(v_slot + row * kPitch + chunk * 8,
+                             v_cache + decode::slot_offset(slot, p.v_batch_stride, p.v_token_stride) + chunk * 8);
+        } else {
+          *reinterpret_cast<Vec<T, 8>*>(v_slot + row * kPitch + chunk * 8) = Vec<T, 8>{};
+        }
+      }
+    }
+    mma::commit_async_copies();
+  };
+
+  // ---- prologue: Q (rows past the block's zeroed) with tile 0, then tiles up to the ring's depth ----
+  for (int c = threadIdx.x; c < L::kRows * L::kChunks; c += kThreads) {
+    const int r = c / L::kChunks;
+    const int chunk = c % L::kChunks;
+    T* const destination = q_tile + r * kPitch + chunk * 8;
+    if (r < rows) {
+      const int token = (row0 + r) / group;
+      const int head = kv_head * group + (row0 + r) % group;
+      mma::copy_async_16(destination, static_cast<const T*>(p.q) + b * p.q_batch_stride + token * p.q_token_stride +
+                                          head * p.q_head_stride + chunk * 8);
+    } else {
+      *reinterpret_cast<Vec<T, 8>*>(destination) = Vec<T, 8>{};
+    }
+  }
+  // Tiles 0 .. STAGES - 2 (tile 0 with one slot): group 0 holds Q and tile 0.
+#pragma unroll
+  for (int s = 0; s < (STAGES > 1 ? STAGES - 1 : 1); ++s) load_tile(s);
+
+  // Per accumulator row (g, g + 8): its query token's visible keys end here.
+  int key_limit[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    key_limit[r] = row < rows ? decode::visible_keys(p, range, (row0 + row) / group) : 0;
+  }
+  const float scale_log2 = p.softmax_scale * kLog2e;
+  float o[kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float row_max[2] = {-infinity(), -infinity()};
+  float row_sum[2] = {0.0f, 0.0f};
+  unsigned int q_fragments[HEAD_DIM / 16][4];
+
+  for (int i = 0; i < n_tiles; ++i) {
+    mma::wait_async_copies_except<(STAGES > 1 ? STAGES - 2 : 0)>();  // tile i (and Q) landed, this thread's part
+    __syncthreads();  // ... every thread's; tile i - 1's slot is free
+    if (STAGES > 1) {
+      load_tile(i + STAGES - 1);
+    }
+    if (i == 0) {
+#pragma unroll
+      for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
+        mma::ldmatrix_x4(q_fragments[ks], q_tile + (lane % 16) * kPitch + 8 * (lane / 16) + 16 * ks);
+    }
+    const T* const k_tile = k_slots + (i % STAGES) * L::kSlotElements;
+    const T* const v_tile = v_slots + (i % STAGES) * L::kSlotElements;
+    const unsigned int k_lane = mma::opaque(mma::shared_address(
+        k_tile + (L::kWarpKeys * warp + 8 * (lane / 16) + lane % 8) * kPitch + 8 * ((lane / 8) % 2)));
+    const unsigned int v_lane = mma::opaque(mma::shared_address(
+        v_tile + (L::kWarpKeys * warp + lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + 8 * (lane / 16)));
+
+    // ---- S = Q Kᵀ over the warp's 16 keys: two 8-key accumulator tiles ----
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+      unsigned int kb[4];
+      mma::ldmatrix_x4(kb, k_lane + 16 * ks * kBytesPerElement);
+      mma::mma_16816<T>(s[0], q_fragments[ks], kb[0], kb[1]);
+      mma::mma_16816<T>(s[1], q_fragments[ks], kb[2], kb[3]);
+    }
+    // The mask, by selection, with the scale applied here (the softmax below then multiplies by 1).
+    const int n0 = key_begin + i * BLOCK_N + L::kWarpKeys * warp;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + 8 * n + 2 * t + (e & 1);
+        const bool visible = key >= range.start && key < key_end && key < key_limit[e / 2];
+        s[n][e] = visible ? s[n][e] * scale_log2 : -infinity();
+      }
+    unsigned int p_packed[2][2];
+    float correction[2];
+    flash::online_softmax<T, 2>(s, row_max, row_sum, p_packed, correction, false, 0, key_limit, 1.0f, t);
+    flash::rescale(o, correction);
+
+    // ---- O += P V: P's two n-tiles are the A operand of one k-step ----
+    const unsigned int pa[4] = {p_packed[0][0], p_packed[0][1], p_packed[1][0], p_packed[1][1]};
+#pragma unroll
+    for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+      unsigned int vb[4];
+      mma::ldmatrix_x4_trans(vb, v_lane + 16 * dp * kBytesPerElement);
+      mma::mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
+      mma::mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+    }
+    if (STAGES == 1) {
+      __syncthreads();  // every warp is done with the one slot
+      load_tile(i + 1);
+    }
+  }
+  // No copy in flight (the groups past the last tile are empty), and every warp done with the tiles.
+  mma::wait_async_copies();
+  __syncthreads();
+
+  // ---- the warps' states into the staging memory, then merged per row ----
+  float* const merge_max = reinterpret_cast<float*>(shared_bytes);
+  float* const merge_sum = merge_max + L::kWarps * L::kRows;
+  float* const merge_o = merge_sum + L::kWarps * L::kRows;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += shfl_xor(sum, 1, 32, 0xffffffffu);
+    sum += shfl_xor(sum, 2, 32, 0xffffffffu);
+    const int row = g + 8 * r;
+    if (t == 0) {
+      merge_max[warp * L::kRows + row] = row_max[r];
+      merge_sum[warp * L::kRows + row] = sum;
+    }
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) {
+      float* const at = merge_o + (warp * L::kRows + row) * L::kMergePitch + 8 * d + 2 * t;
+      at[0] = o[d][2 * r];
+      at[1] = o[d][2 * r + 1];
+    }
+  }
+  __syncthreads();
+  decode::merge_and_store<T, HEAD_DIM, L::kRows>(p, {merge_max, merge_sum, merge_o, L::kMergePitch}, L::kWarps, rows,
+                                                 row0, group, b, kv_head, split, kThreads);
+}
+
+}  // namespace hipattn

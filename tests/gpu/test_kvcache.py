@@ -1,0 +1,200 @@
+"""flash_attn_with_kvcache on the GPU against the float64 model of the call
+(tests/support/kvcache_reference.py): contiguous and paged caches (shuffled block tables, the last
+page partly full), append with rotary (interleaved and not), cache_seqlens of 0 and at capacity,
+GQA and MQA, query lengths 1, 2 and 16, split-KV at long context, and a captured decode step
+replayed with new cache_seqlens and block tables. Fresh random inputs, outputs poisoned first, every
+element and the whole cache after the append compared."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from support.kvcache_reference import KvCacheCase, expected
+from support.reference import TOLERANCE, relative_error
+
+import hipattn
+import hipattn.torch as hat
+from hipattn import runtime
+
+from . import conftest as gpu
+
+
+def _round16(dtype):
+    t = gpu.TORCH_DTYPE[dtype]
+    return lambda x: torch.from_numpy(x).to(t).double().numpy()
+
+
+def _numpy(t):
+    return None if t is None else t.detach().double().cpu().numpy()
+
+
+class Call:
+    """One call's tensors on the GPU and the same values as a KvCacheCase."""
+
+    def __init__(self, rng, dtype, *, batch, seqlen_q, heads_q, heads_kv, head_dim, capacity, seqlen_new=0,
+                 rotary_dim=0, interleaved=True, page_size=None, causal=False, lengths=None):
+        t = gpu.TORCH_DTYPE[dtype]
+        self.dtype = dtype
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=rng, device="cuda").to(t)
+
+        self.q = randn(batch, seqlen_q, heads_q, head_dim)
+        self.block_table = None
+        if page_size is None:
+            cache_shape = (batch, capacity, heads_kv, head_dim)
+        else:
+            pages = -(-capacity // page_size)
+            cache_shape = (batch * pages + 5, page_size, heads_kv, head_dim)
+            order = torch.randperm(cache_shape[0], generator=torch.Generator().manual_seed(gpu.fresh_seed()))
+            self.block_table = order[:batch * pages].reshape(batch, pages).to(torch.int32).cuda()
+            capacity = pages * page_size
+        self.capacity = capacity
+        self.k_cache, self.v_cache = randn(*cache_shape), randn(*cache_shape)
+        self.k = self.v = self.cos = self.sin = None
+        if seqlen_new:
+            self.k, self.v = randn(batch, seqlen_new, heads_kv, head_dim), randn(batch, seqlen_new, heads_kv, head_dim)
+        if rotary_dim:
+            angle = torch.rand(capacity, rotary_dim // 2, generator=rng, device="cuda") * 2 * np.pi
+            self.cos, self.sin = angle.cos().to(t), angle.sin().to(t)
+        if lengths is None:
+            lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=rng, device="cuda").tolist()
+        self.cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        self.interleaved, self.causal = interleaved, causal
+
+    def case(self) -> KvCacheCase:
+        return KvCacheCase(q=_numpy(self.q), k_cache=_numpy(self.k_cache), v_cache=_numpy(self.v_cache),
+                           cache_seqlens=self.cache_seqlens.cpu().numpy(), k=_numpy(self.k), v=_numpy(self.v),
+                           cos=_numpy(self.cos), sin=_numpy(self.sin), interleaved=self.interleaved,
+                           block_table=None if self.block_table is None else self.block_table.cpu().numpy(),
+                           causal=self.causal)
+
+    def run(self, function=hipattn.flash_attn_with_kvcache, **options):
+        return function(self.q, self.k_cache, self.v_cache, self.k, self.v, rotary_cos=self.cos, rotary_sin=self.sin,
+                        cache_seqlens=self.cache_seqlens, block_table=self.block_table, causal=self.causal,
+                        rotary_interleaved=self.interleaved, return_softmax_lse=True, **options)
+
+
+def check(call: Call, out, lse, want, what: str) -> None:
+    want_out, want_lse, want_k, want_v = want
+    got_out, got_lse = _numpy(out), _numpy(lse)
+    assert not np.isnan(got_out).any() and not np.isnan(got_lse).any(), f"{what}: an output element was never written"
+    assert relative_error(got_out, want_out) < TOLERANCE[call.dtype], what
+    finite = np.isfinite(want_lse)
+    assert (np.isinf(got_lse) == ~finite).all(), f"{what}: LSE +inf exactly on rows that see no key"
+    assert np.abs(got_lse[finite] - want_lse[finite]).max(initial=0.0) < 2e-3, what
+    assert np.array_equal(_numpy(call.v_cache), want_v), f"{what}: values appended bit for bit, nothing else changed"
+    k_cache = _numpy(call.k_cache)
+    assert np.abs(k_cache - want_k).max() <= 2 * np.abs(want_k).max() * 2.0 ** -8, f"{what}: keys appended (rotated)"
+
+
+def run_and_check(call: Call, what: str, **options) -> None:
+    want = expected(call.case(), call.q.shape[-1] ** -0.5, _round16(call.dtype))
+    out = gpu.poisoned(call.q.shape, call.q.dtype)
+    lse = gpu.poisoned((call.q.shape[0], call.q.shape[2], call.q.shape[1]), torch.float32)
+    call.run(out=out, lse=lse, **options)
+    torch.cuda.synchronize()
+    check(call, out, lse, want, what)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("heads_q,heads_kv,seqlen_q", [(32, 8, 1), (8, 1, 2), (16, 4, 16)])
+def test_decode_matches_float64(rng, dtype, page_size, heads_q, heads_kv, seqlen_q):
+    """GQA and MQA, 1, 2 and 16 query tokens (causal, bottom-right), two new tokens appended; lengths 0
+    (every row sees only the new keys), at capacity after the append, and partial (the last page partly
+    full); the host's split count."""
+    capacity = 1000
+    call = Call(rng, dtype, batch=4, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=128,
+                capacity=capacity, seqlen_new=2, page_size=page_size, causal=seqlen_q > 1, lengths=[0, 0, 0, 0])
+    full = call.capacity - 2
+    call.cache_seqlens.copy_(torch.tensor([0, full, 517, 3], dtype=torch.int32))
+    run_and_check(call, f"{dtype} page {page_size} {heads_q}/{heads_kv} q{seqlen_q}")
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 32), (80, 48), (256, 128)])
+def test_append_with_rotary_matches_float64(rng, interleaved, head_dim, rotary_dim):
+    """New keys rotated at their cache positions, queries at cache_seqlens + their index (causal), on all
+    or part of head_dim, GPT-J (interleaved) and GPT-NeoX pairs, into a paged cache."""
+    call = Call(rng, "bf16", batch=3, seqlen_q=3, heads_q=8, heads_kv=2, head_dim=head_dim, capacity=600,
+                seqlen_new=3, rotary_dim=rotary_dim, interleaved=interleaved, page_size=16, causal=True)
+    run_and_check(call, f"rotary {rotary_dim}/{head_dim} interleaved={interleaved}")
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 7, 128])
+def test_long_context_split_kv_matches_float64(rng, num_splits):
+    """Batch 1 at 32k keys: the host's split count, none, and up to 128 splits merged by their LSEs."""
+    call = Call(rng, "bf16", batch=1, seqlen_q=1, heads_q=32, heads_kv=8, head_dim=128, capacity=32768,
+                lengths=[32768 - 5])
+    run_and_check(call, f"32k num_splits={num_splits}", num_splits=num_splits)
+
+
+def test_the_torch_function_matches_and_refuses_other_arrays(rng):
+    call = Call(rng, "bf16", batch=2, seqlen_q=1, heads_q=8, heads_kv=2, head_dim=128, capacity=300, seqlen_new=1)
+    want = expected(call.case(), 128 ** -0.5, _round16("bf16"))
+    out, lse = call.run(hat.flash_attn_with_kvcache)
+    torch.cuda.synchronize()
+    check(call, out, lse, want, "hipattn.torch")
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        hat.flash_attn_with_kvcache(np.zeros((1, 1, 8, 128)), call.k_cache, call.v_cache, cache_seqlens=3)
+
+
+def test_a_captured_decode_step_replays_with_new_lengths_and_block_tables(rng):
+    """Capture one paged decode step (append with rotary, split-KV attention, combine) in a CUDA graph,
+    then replay it with new cache_seqlens, a reshuffled block table and new inputs written into the
+    same buffers, as serving engines run it."""
+    call = Call(rng, "bf16", batch=4, seqlen_q=1, heads_q=32, heads_kv=8, head_dim=128, capacity=4096, seqlen_new=1,
+                rotary_dim=128, page_size=256)
+    out = torch.empty_like(call.q)
+    lse = torch.empty(4, 32, 1, dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call.run(out=out, lse=lse, num_splits=4)  # compile and load outside the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call.run(out=out, lse=lse, num_splits=4)
+    host = torch.Generator().manual_seed(gpu.fresh_seed())
+    for replay in range(3):
+        call.cache_seqlens.copy_(torch.randint(0, call.capacity, (4,), generator=host, dtype=torch.int32))
+        pages = call.block_table.numel()
+        order = torch.randperm(call.k_cache.shape[0], generator=host)[:pages].reshape(call.block_table.shape)
+        call.block_table.copy_(order.to(torch.int32))
+        for buffer in (call.q, call.k, call.v, call.k_cache, call.v_cache):
+            buffer.normal_(generator=rng)
+        torch.cuda.synchronize()
+        want = expected(call.case(), 128 ** -0.5, _round16("bf16"))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(call, out, lse, want, f"graph replay {replay}")
+
+
+def test_repeat_calls_replay_the_validated_launches(rng, monkeypatch):
+    """The first call of a signature records its launches (append, attention, combine, with a
+    workspace); repeats with new values in the same buffers, and with outputs left to hipattn, replay
+    them and match the model as the full path does."""
+    fresh = runtime.Runtime(registry=runtime.active().registry)
+    monkeypatch.setattr(runtime, "_active", fresh)
+    call = Call(rng, "bf16", batch=3, seqlen_q=2, heads_q=16, heads_kv=4, head_dim=128, capacity=2048,
+                seqlen_new=2, rotary_dim=64, page_size=256, causal=True)
+    run_and_check(call, "first call", num_splits=3)
+    assert len(fresh.launch_plans) == 1
+    for repeat in range(2):
+        for buffer in (call.q, call.k, call.v):
+            buffer.normal_(generator=rng)
+        call.cache_seqlens.copy_(torch.randint(0, call.capacity - 2, (3,), generator=rng, device="cuda"))
+        run_and_check(call, f"replay {repeat}", num_splits=3)
+    assert len(fresh.launch_plans) == 1, "the repeats replayed the first call's plan"
+    # Outputs left to hipattn: a plan of its own, then its replay, which allocates new ones. The same
+    # append twice writes the same rows, so both calls have the same answer.
+    want = expected(call.case(), 128 ** -0.5, _round16("bf16"))
+    first_out, first_lse = call.run(num_splits=3)
+    out, lse = call.run(num_splits=3)
+    torch.cuda.synchronize()
+    assert len(fresh.launch_plans) == 2 and out.data_ptr() != first_out.data_ptr()
+    check(call, first_out, first_lse, want, "allocated outputs")
+    check(call, out, lse, want, "allocated outputs, replayed")

@@ -1,0 +1,104 @@
+"""A float64 model of flash_attn_with_kvcache, for the emulated-device and GPU tests: the append (with
+rotary on the new keys) into a contiguous or paged cache, rotary on the queries, and attention over
+each sequence's visible keys, in flash-attn's conventions (bottom-right causal, keys from
+cache_leftpad, a row that sees no key gets O = 0 and LSE = +inf).
+
+Arrays are NumPy float64 in the call's layouts; ``round16`` rounds float64 to the call's 16-bit
+dtype and back, as the kernels store rotated rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def rotate(x, cos, sin, positions, interleaved):
+    """x [T, H, D] with rotary at ``positions`` [T] (cos/sin [P, R/2]): GPT-J pairs (2i, 2i+1) when
+    interleaved, GPT-NeoX halves (i, i + R/2) otherwise; columns past R unchanged."""
+    half = cos.shape[1]
+    c = cos[positions][:, None, :]
+    s = sin[positions][:, None, :]
+    out = x.copy()
+    if interleaved:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = a * c - b * s
+        out[..., 1:2 * half:2] = a * s + b * c
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = a * c - b * s
+        out[..., half:2 * half] = a * s + b * c
+    return out
+
+
+@dataclass
+class KvCacheCase:
+    """One call's inputs (float64 values exactly representable in the dtype), as the test built them."""
+
+    q: np.ndarray  # [B, Sq, Hq, D]
+    k_cache: np.ndarray  # [entries, S, Hkv, D] (paged: [pages, page_size, Hkv, D])
+    v_cache: np.ndarray
+    cache_seqlens: np.ndarray  # [B] int
+    k: np.ndarray | None = None  # [B, S_new, Hkv, D]
+    v: np.ndarray | None = None
+    cos: np.ndarray | None = None  # [P, R/2]
+    sin: np.ndarray | None = None
+    interleaved: bool = True
+    batch_idx: np.ndarray | None = None
+    leftpad: np.ndarray | None = None
+    block_table: np.ndarray | None = None  # [B, pages per sequence]
+    causal: bool = False
+
+    def sequence_rows(self, b):
+        """(cache array index, token index) arrays of sequence b's cache positions 0 .. capacity-1."""
+        if self.block_table is not None:
+            page_size = self.k_cache.shape[1]
+            positions = np.arange(self.block_table.shape[1] * page_size)
+            return self.block_table[b][positions // page_size], positions % page_size
+        entry = self.batch_idx[b] if self.batch_idx is not None else b
+        positions = np.arange(self.k_cache.shape[1])
+        return np.full(positions.shape, entry), positions
+
+
+def expected(case: KvCacheCase, scale: float, round16):
+    """(out [B, Sq, Hq, D], lse [B, Hq, Sq], k_cache, v_cache) after the call, in float64."""
+    k_cache, v_cache = case.k_cache.copy(), case.v_cache.copy()
+    batch, seqlen_q, heads_q, _ = case.q.shape
+    heads_kv = k_cache.shape[2]
+    group = heads_q // heads_kv
+    seqlen_new = 0 if case.k is None else case.k.shape[1]
+    out = np.zeros(case.q.shape)
+    lse = np.full((batch, heads_q, seqlen_q), np.inf)
+    for b in range(batch):
+        length = int(case.cache_seqlens[b])
+        entries, tokens = case.sequence_rows(b)
+        q = case.q[b]
+        if seqlen_new:
+            new_positions = length + np.arange(seqlen_new)
+            k_new = case.k[b]
+            if case.cos is not None:
+                k_new = round16(rotate(k_new, case.cos, case.sin, new_positions, case.interleaved))
+            k_cache[entries[new_positions], tokens[new_positions]] = k_new
+            v_cache[entries[new_positions], tokens[new_positions]] = case.v[b]
+        if case.cos is not None:
+            q_positions = length + (np.arange(seqlen_q) if case.causal else np.zeros(seqlen_q, int))
+            q = round16(rotate(q, case.cos, case.sin, q_positions, case.interleaved))
+        total = length + seqlen_new
+        start = int(case.leftpad[b]) if case.leftpad is not None else 0
+        keys = k_cache[entries[:total], tokens[:total]]  # [total, Hkv, D]
+        values = v_cache[entries[:total], tokens[:total]]
+        visible = np.zeros((seqlen_q, total), bool)
+        visible[:, start:] = True
+        if case.causal:
+            visible &= np.arange(total)[None, :] <= np.arange(seqlen_q)[:, None] + (total - seqlen_q)
+        for h in range(heads_q):
+            s = scale * q[:, h] @ keys[:, h // group].T
+            for i in range(seqlen_q):
+                if not visible[i].any():
+                    continue
+                row = np.where(visible[i], s[i], -np.inf)
+                m = row.max()
+                p = np.exp(row - m)
+                out[b, i, h] = p @ values[:, h // group] / p.sum()
+                lse[b, h, i] = m + np.log(p.sum())
+    return out, lse, k_cache, v_cache

@@ -1,0 +1,143 @@
+"""flash_attn_with_kvcache's kernels (append with rotary, split-KV attention, combine) on an emulated
+gfx90a (wave64) and sm_80 (warp32), through the low-level entry with raw arrays, caller outputs and
+workspace, against a float64 model of the call (tests/support/kvcache_reference.py). Outputs are
+poisoned with NaN first and every element, and the whole cache after the append, is compared."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support.emulation import EmulatedDevice, aligned_bytes, array_16bit, from_16bit, needs_compiler, to_16bit
+from support.kvcache_reference import KvCacheCase, expected
+from support.raw_calls import NAN_BITS
+from support.reference import TOLERANCE, relative_error
+
+import hipattn
+
+pytestmark = needs_compiler
+
+
+@pytest.fixture(params=["gfx90a", "sm_80"])
+def device(request, emulation_dirs, monkeypatch):
+    return EmulatedDevice(*emulation_dirs, monkeypatch, arch=request.param)
+
+
+def _round16(dtype):
+    return lambda x: from_16bit(to_16bit(x, dtype), dtype)
+
+
+def _values(rng, shape, dtype):
+    """Random values rounded to ``dtype``: (bits for the kernel, the same values as float64)."""
+    bits = to_16bit(rng.standard_normal(shape), dtype)
+    return bits, from_16bit(bits, dtype)
+
+
+def _run(device, case_bits: dict, case: KvCacheCase, dtype, num_splits, *, cache_seqlens_as_int=False):
+    """Call hipattn.flash_attn_with_kvcache on the emulated device; returns (out, lse, k_cache, v_cache)
+    as float64. ``case_bits`` holds the 16-bit arrays, which the call appends to in place."""
+    batch, seqlen_q, heads_q, head_dim = case.q.shape
+    out = np.full(case.q.shape, NAN_BITS[dtype], dtype=np.uint16)
+    lse = np.full((batch, heads_q, seqlen_q), np.nan, dtype=np.float32)
+    ints = {name: getattr(case, name) for name in ("batch_idx", "leftpad", "block_table")}
+    ints = {name: None if value is None else np.ascontiguousarray(value, dtype=np.int32) for name, value in ints.items()}
+    seqlens = np.ascontiguousarray(case.cache_seqlens, dtype=np.int32)
+    arguments = dict(
+        k=array_16bit(case_bits["k"], dtype) if case.k is not None else None,
+        v=array_16bit(case_bits["v"], dtype) if case.v is not None else None,
+        rotary_cos=array_16bit(case_bits["cos"], dtype) if case.cos is not None else None,
+        rotary_sin=array_16bit(case_bits["sin"], dtype) if case.cos is not None else None,
+        cache_seqlens=int(seqlens[0]) if cache_seqlens_as_int else device.array(seqlens),
+        cache_batch_idx=device.array(ints["batch_idx"]) if ints["batch_idx"] is not None else None,
+        cache_leftpad=device.array(ints["leftpad"]) if ints["leftpad"] is not None else None,
+        block_table=device.array(ints["block_table"]) if ints["block_table"] is not None else None,
+        causal=case.causal, num_splits=num_splits)
+    q, k_cache, v_cache = (array_16bit(case_bits[name], dtype) for name in ("q", "k_cache", "v_cache"))
+    workspace_bytes = hipattn.kvcache_workspace_bytes(q, k_cache, v_cache, **arguments)
+    workspace = aligned_bytes(workspace_bytes)
+    hipattn.flash_attn_with_kvcache(q, k_cache, v_cache, **arguments, rotary_interleaved=case.interleaved,
+                                    return_softmax_lse=True, out=array_16bit(out, dtype), lse=device.array(lse),
+                                    workspace=device.array(workspace) if workspace_bytes else None)
+    return (from_16bit(out, dtype), lse.astype(np.float64), from_16bit(case_bits["k_cache"], dtype),
+            from_16bit(case_bits["v_cache"], dtype))
+
+
+def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64, capacity=80, seqlen_new=0,
+          rotary_dim=0, interleaved=True, page_size=None, batch_idx=False, leftpad=False, causal=False, lengths=None):
+    bits, case = {}, {}
+    bits["q"], case["q"] = _values(rng, (batch, seqlen_q, heads_q, head_dim), dtype)
+    if page_size is None:
+        entries = batch + 2 if batch_idx else batch
+        cache_shape = (entries, capacity, heads_kv, head_dim)
+    else:
+        pages_per_sequence = -(-capacity // page_size)
+        cache_shape = (batch * pages_per_sequence + 3, page_size, heads_kv, head_dim)
+        capacity = pages_per_sequence * page_size
+        # Shuffled pages, with spare ones no sequence uses.
+        case["block_table"] = rng.permutation(cache_shape[0])[:batch * pages_per_sequence].reshape(batch, -1)
+    bits["k_cache"], case["k_cache"] = _values(rng, cache_shape, dtype)
+    bits["v_cache"], case["v_cache"] = _values(rng, cache_shape, dtype)
+    if seqlen_new:
+        bits["k"], case["k"] = _values(rng, (batch, seqlen_new, heads_kv, head_dim), dtype)
+        bits["v"], case["v"] = _values(rng, (batch, seqlen_new, heads_kv, head_dim), dtype)
+    if rotary_dim:
+        angle = rng.uniform(0, 2 * np.pi, (capacity, rotary_dim // 2))
+        bits["cos"], case["cos"] = to_16bit(np.cos(angle), dtype), from_16bit(to_16bit(np.cos(angle), dtype), dtype)
+        bits["sin"], case["sin"] = to_16bit(np.sin(angle), dtype), from_16bit(to_16bit(np.sin(angle), dtype), dtype)
+    if lengths is None:
+        lengths = rng.integers(0, capacity - seqlen_new + 1, batch)
+    case["cache_seqlens"] = np.asarray(lengths)
+    if batch_idx:
+        case["batch_idx"] = rng.permutation(cache_shape[0])[:batch]
+    if leftpad:
+        case["leftpad"] = np.array([rng.integers(0, n + 1) for n in case["cache_seqlens"]])
+    return bits, KvCacheCase(**case, interleaved=interleaved, causal=causal)
+
+
+def _check(device, bits, case, dtype, num_splits, **options):
+    scale = case.q.shape[-1] ** -0.5
+    want_out, want_lse, want_k, want_v = expected(case, scale, _round16(dtype))
+    out, lse, k_cache, v_cache = _run(device, bits, case, dtype, num_splits, **options)
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output element was never written"
+    assert relative_error(out, want_out) < TOLERANCE[dtype]
+    finite = np.isfinite(want_lse)
+    assert (np.isinf(lse) == ~finite).all(), "rows that see no key have LSE = +inf, all others a finite one"
+    assert np.abs(lse[finite] - want_lse[finite]).max(initial=0.0) < 1e-3
+    assert np.array_equal(v_cache, want_v), "values are appended bit for bit, and nothing else changes"
+    # Rotated keys are rounded once from fp32; the model rounds from float64: at most one unit apart.
+    assert np.abs(k_cache - want_k).max() <= 2 * np.abs(want_k).max() * 2.0 ** -8
+    # The tensor-core kernel on NVIDIA, the portable one on AMD; the combine only for split calls.
+    attention = {"gfx90a": "decode_forward", "sm_80": "decode_forward_mma"}[device.backend.target.arch]
+    assert attention in device.kernels
+    if num_splits:
+        assert ("decode_combine" in device.kernels) == (num_splits > 1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("heads_q,heads_kv,seqlen_q", [(4, 2, 1), (8, 1, 1), (2, 2, 3)])
+def test_attention_over_a_contiguous_cache_matches_float64(device, heads_q, heads_kv, seqlen_q, num_splits):
+    """GQA, MQA (a group of 8: the 8-row kernel) and MHA with 3 query tokens, causal (bottom-right);
+    lengths 0 (no key: O = 0, LSE = +inf), partial and at capacity; one, three and the host's splits."""
+    rng = np.random.default_rng()
+    bits, case = _case(rng, "bf16", heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q, causal=seqlen_q > 1,
+                       lengths=[0, 37, 80])
+    _check(device, bits, case, "bf16", num_splits)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_append_with_rotary_into_a_paged_cache_matches_float64(device, interleaved):
+    """Two new tokens appended through a shuffled block table (pages of 16, the last one partly
+    full), keys and queries rotated on 32 of 80 dims (a team of 16 lanes with 10 holding data), causal."""
+    rng = np.random.default_rng()
+    bits, case = _case(rng, "fp16", head_dim=80, capacity=70, seqlen_q=2, seqlen_new=2, rotary_dim=32,
+                       interleaved=interleaved, page_size=16, causal=True, lengths=[0, 33, 68])
+    _check(device, bits, case, "fp16", 2)
+
+
+def test_batch_index_leftpad_and_an_int_cache_seqlens(device):
+    """cache_batch_idx picks entries of a bigger cache, cache_leftpad hides each sequence's first keys;
+    then one host int for every sequence's length, with new tokens and no rotary."""
+    rng = np.random.default_rng()
+    bits, case = _case(rng, "bf16", batch_idx=True, leftpad=True, seqlen_new=1)
+    _check(device, bits, case, "bf16", 0)
+    bits, case = _case(rng, "bf16", seqlen_new=3, lengths=[20, 20, 20])
+    _check(device, bits, case, "bf16", 2, cache_seqlens_as_int=True)

@@ -1,0 +1,114 @@
+"""flash_attn_with_kvcache's arguments on the host: each invalid call fails with a TypeError or
+ValueError that names the argument, before anything is enqueued; a valid one launches the
+tensor-core kernel over (sequences x KV heads, splits, query-row chunks).
+
+Inputs are raw arrays at fake device addresses, each in its own range, on a fake sm_90 backend that
+records launches (tests/support/fake_backend.py); no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.fake_backend import FakeBackend
+
+import hipattn
+from hipattn import runtime
+from hipattn.arrays import raw_array
+from hipattn.device_array import contiguous_strides
+from hipattn.jit.cache import DiskCache
+from hipattn.jit.registry import Registry
+
+
+@pytest.fixture
+def backend(tmp_path, monkeypatch):
+    fake = FakeBackend(device_arch="sm_90a")
+    monkeypatch.setattr(runtime, "_active", runtime.Runtime(fake, registry=Registry(fake, DiskCache(tmp_path))))
+    return fake
+
+
+class Addresses:
+    """A fresh 1 MiB-aligned fake device range per array, so that no two overlap unless a test says so."""
+
+    def __init__(self):
+        self.next = 0x10_0000_0000
+
+    def array(self, shape, dtype="bf16", strides=None, at=None):
+        ptr = at if at is not None else self.next
+        self.next += 1 << 30
+        return raw_array(ptr, shape, dtype, 0, strides or contiguous_strides(shape))
+
+
+def _call(**changes):
+    """A valid call (batch 2, one query token, 8 query heads over 2 KV heads, head_dim 128, a
+    512-token cache, device cache_seqlens), with ``changes`` applied to its arguments."""
+    memory = Addresses()
+    arguments = dict(q=memory.array((2, 1, 8, 128)), k_cache=memory.array((2, 512, 2, 128)),
+                     v_cache=memory.array((2, 512, 2, 128)), cache_seqlens=memory.array((2,), "int32"),
+                     out=memory.array((2, 1, 8, 128)))
+    for name, value in changes.items():
+        arguments[name] = value(memory, arguments) if callable(value) else value
+    return arguments
+
+
+INVALID = {
+    "q dtype": (dict(q=lambda m, a: m.array((2, 1, 8, 128), "fp32")), TypeError, "q has dtype fp32"),
+    "head_dim": (dict(q=lambda m, a: m.array((2, 1, 8, 48))), ValueError, "head_dim 48 is not one of"),
+    "cache dtype": (dict(k_cache=lambda m, a: m.array((2, 512, 2, 128), "fp16")), TypeError, "k_cache has dtype fp16"),
+    "v_cache shape": (dict(v_cache=lambda m, a: m.array((2, 256, 2, 128))), ValueError, "v_cache has shape"),
+    "head groups": (dict(k_cache=lambda m, a: m.array((2, 512, 3, 128)), v_cache=lambda m, a: m.array((2, 512, 3, 128))),
+                    ValueError, "multiple of the cache's"),
+    "too few cache entries": (dict(k_cache=lambda m, a: m.array((1, 512, 2, 128)),
+                                   v_cache=lambda m, a: m.array((1, 512, 2, 128))), ValueError, "pass cache_batch_idx"),
+    "block_table dtype": (dict(block_table=lambda m, a: m.array((2, 2), "int64")), TypeError, "block_table has dtype int64"),
+    "block_table shape": (dict(block_table=lambda m, a: m.array((3, 2), "int32")), ValueError, "block_table has shape"),
+    "page size": (dict(k_cache=lambda m, a: m.array((8, 6, 2, 128)), v_cache=lambda m, a: m.array((8, 6, 2, 128)),
+                       block_table=lambda m, a: m.array((2, 2), "int32")), ValueError, "page size of 6 tokens is not supported"),
+    "batch index with pages": (dict(block_table=lambda m, a: m.array((2, 1), "int32"),
+                                    cache_batch_idx=lambda m, a: m.array((2,), "int32")), ValueError,
+                               "cache_batch_idx with paged KV"),
+    "k without v": (dict(k=lambda m, a: m.array((2, 1, 2, 128))), ValueError, "both k and v"),
+    "k shape": (dict(k=lambda m, a: m.array((2, 1, 4, 128)), v=lambda m, a: m.array((2, 1, 4, 128))), ValueError,
+                "k has shape"),
+    "cache_seqlens past the cache": (dict(cache_seqlens=512, k=lambda m, a: m.array((2, 1, 2, 128)),
+                                          v=lambda m, a: m.array((2, 1, 2, 128))), ValueError,
+                                     "cache_seqlens=512 plus 1 new tokens does not fit"),
+    "cache_seqlens kind": (dict(cache_seqlens=3.0), TypeError, "cache_seqlens must be an int"),
+    "cache_seqlens dtype": (dict(cache_seqlens=lambda m, a: m.array((2,), "int64")), TypeError,
+                            "cache_seqlens has dtype int64"),
+    "rotary without new tokens": (dict(rotary_cos=lambda m, a: m.array((512, 32)),
+                                       rotary_sin=lambda m, a: m.array((512, 32))), ValueError, "needs the new k and v"),
+    "rotary_dim": (dict(k=lambda m, a: m.array((2, 1, 2, 128)), v=lambda m, a: m.array((2, 1, 2, 128)),
+                        rotary_cos=lambda m, a: m.array((512, 72)), rotary_sin=lambda m, a: m.array((512, 72))),
+                   ValueError, "rotary_dim 144 must be in"),
+    "rotary positions": (dict(k=lambda m, a: m.array((2, 1, 2, 128)), v=lambda m, a: m.array((2, 1, 2, 128)),
+                              rotary_cos=lambda m, a: m.array((100, 32)), rotary_sin=lambda m, a: m.array((100, 32))),
+                         ValueError, "rotary_cos has 100 positions"),
+    "num_splits range": (dict(num_splits=129), ValueError, "num_splits is 129"),
+    "num_splits kind": (dict(num_splits=True), TypeError, "num_splits must be an int"),
+    "window": (dict(window_size=(4, 0)), ValueError, "does not support: window_size"),
+    "softcap": (dict(softcap=30.0), ValueError, "does not support: softcap"),
+    "alibi": (dict(alibi_slopes=lambda m, a: m.array((8,), "fp32")), ValueError, "ALiBi"),
+    "lse without asking": (dict(lse=lambda m, a: m.array((2, 8, 1), "fp32")), ValueError, "return_softmax_lse is False"),
+    "new keys inside the cache": (dict(k=lambda m, a: m.array((2, 1, 2, 128), at=a["k_cache"].ptr),
+                                       v=lambda m, a: m.array((2, 1, 2, 128))), ValueError, "k_cache overlaps k"),
+    "out inside the cache": (dict(out=lambda m, a: m.array((2, 1, 8, 128), at=a["v_cache"].ptr + 4096)), ValueError,
+                             "out overlaps v_cache"),
+}
+
+
+@pytest.mark.parametrize("case", INVALID, ids=list(INVALID))
+def test_an_invalid_call_names_its_argument_and_enqueues_nothing(backend, case):
+    changes, error, message = INVALID[case]
+    with pytest.raises(error, match=message):
+        hipattn.flash_attn_with_kvcache(**_call(**changes))
+    assert backend.launches == []
+
+
+def test_a_valid_call_launches_the_tensor_core_kernel_per_kv_head_and_split(backend):
+    arguments = _call(num_splits=3)
+    hipattn.flash_attn_with_kvcache(**arguments, workspace=raw_array(0x20_0000_0000, (1 << 20,), "uint8", 0))
+    (_, grid, block, shared, _, params), (_, combine_grid, *_) = backend.launches
+    assert grid == (2 * 2, 3, 1), "x: sequences x KV heads, y: splits, z: one chunk of 16 query rows"
+    assert block == (128, 1, 1) and shared > 0
+    assert params.splits == 3 and params.heads_q == 8 and params.cache_capacity == 512
+    assert combine_grid == (2 * 8 * 1, 1, 1), "one combine block per query row"

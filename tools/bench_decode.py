@@ -1,0 +1,147 @@
+"""Decode on the GPU: hipattn.flash_attn_with_kvcache's kernels, tiles and split heuristic swept against
+torch SDPA's cuDNN and flash backends, on the decode shapes of the benchmark matrix.
+
+    python -m tools.bench_decode --out bench_decode.json                     # the shipped configuration
+    python -m tools.bench_decode --kernel mma:2,mma:3 --blocks-per-unit 4,8 --min-keys 256,512
+    python -m tools.bench_decode --kernel portable:4x4+8x2,portable:4x2+8x1  # the portable kernel on NVIDIA
+
+A configuration is one attention row, ``shipped`` (catalog.decode.tiles_for), ``mma:STAGES`` (the
+tensor-core kernel with 64-key tiles) or ``portable:ROWSxUNROLL+...`` (the portable kernel's table,
+smallest rows first), with one ``BLOCKS_PER_COMPUTE_UNIT`` and one ``MIN_KEYS_PER_SPLIT``
+(ops.decode); every combination of the given lists is timed on every shape, contiguous and paged
+(pages of 256). Times are the
+median device time per call over BACK_TO_BACK_CALLS back-to-back calls (benchlib.median_ms), eager
+(``hipattn_ms``: the host's time per call shows where it exceeds the device's) and replayed from a
+CUDA graph (``graph_ms``: the device's time alone); each configuration's output
+is checked against cuDNN's. The matrix (tools/bench_matrix.py) is the record; this is the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+from tools.benchlib import median_ms, write_report
+from tools.matrix.cells import DECODE_HEAD_DIM, DECODE_PAGE_SIZE, DECODE_SHAPES
+
+COPY_BYTES = 2 * 1024**3
+# Calls per timed sample: a call's host time overlaps the previous call's kernels, as in a decode loop.
+BACK_TO_BACK_CALLS = 5
+
+
+def _attention_rows(text: str):
+    """``shipped``, ``mma:STAGES`` or ``portable:RxU+RxU``: a function of (head_dim, rows) to the row to run."""
+    from hipattn.catalog import decode
+
+    kind, _, detail = text.partition(":")
+    if kind == "shipped":
+        return None
+    if kind == "mma":
+        tiles = decode.DecodeMmaTiles(block_n=64, stages=int(detail))
+        return lambda head_dim, rows: tiles
+    if kind == "portable":
+        table = sorted((decode.DecodeTiles(rows=int(r), unroll=int(u))
+                        for r, u in (item.lower().split("x") for item in detail.split("+"))), key=lambda t: t.rows)
+        return lambda head_dim, rows: next((t for t in table if rows <= t.rows), table[-1])
+    raise ValueError(f"unknown kernel {text!r}: shipped, mma:STAGES or portable:RxU+RxU")
+
+
+def _copy_bandwidth(torch) -> float:
+    source = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    ms = median_ms(lambda: target.copy_(source), repeat=10)
+    return 2 * COPY_BYTES / (ms / 1e3)
+
+
+def _inputs(torch, batch, kv, heads_q, heads_kv, generator):
+    t = torch.bfloat16
+    q = torch.randn(batch, 1, heads_q, DECODE_HEAD_DIM, generator=generator, device="cuda").to(t)
+    k = torch.randn(batch, kv, heads_kv, DECODE_HEAD_DIM, generator=generator, device="cuda").to(t)
+    v = torch.randn(batch, kv, heads_kv, DECODE_HEAD_DIM, generator=generator, device="cuda").to(t)
+    pages_per_sequence = kv // DECODE_PAGE_SIZE
+    order = torch.randperm(batch * pages_per_sequence, generator=generator, device="cuda")
+    paged = {}
+    for name, x in (("k", k), ("v", v)):
+        tiles = x.reshape(batch * pages_per_sequence, DECODE_PAGE_SIZE, heads_kv, DECODE_HEAD_DIM)
+        paged[name] = torch.empty_like(tiles)
+        paged[name][order] = tiles
+    table = order.to(torch.int32).reshape(batch, pages_per_sequence)
+    seqlens = torch.full((batch,), kv, dtype=torch.int32, device="cuda")
+    return q, k, v, paged, table, seqlens
+
+
+def _graph_ms(torch, call) -> float:
+    """The call's device time alone: captured once into a CUDA graph and timed by its replays."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    return median_ms(graph.replay, calls=BACK_TO_BACK_CALLS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default="shipped", help="comma-separated attention rows (see above)")
+    parser.add_argument("--blocks-per-unit", default=None, help="comma-separated BLOCKS_PER_COMPUTE_UNIT values")
+    parser.add_argument("--min-keys", default=None, help="comma-separated MIN_KEYS_PER_SPLIT values")
+    parser.add_argument("--out", default="bench_decode.json")
+    args = parser.parse_args()
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import hipattn
+    from hipattn import runtime
+    from hipattn.ops import decode as ops
+
+    kernels = args.kernel.split(",")
+    shipped_tiles = ops.attention_tiles
+    per_unit = [int(x) for x in args.blocks_per_unit.split(",")] if args.blocks_per_unit else [
+        ops.BLOCKS_PER_COMPUTE_UNIT]
+    min_keys = [int(x) for x in args.min_keys.split(",")] if args.min_keys else [ops.MIN_KEYS_PER_SPLIT]
+    bandwidth = _copy_bandwidth(torch)
+    generator = torch.Generator(device="cuda").manual_seed(2026)
+    results = []
+    for batch, kv, heads_q, heads_kv in DECODE_SHAPES:
+        q, k, v, paged, table, seqlens = _inputs(torch, batch, kv, heads_q, heads_kv, generator)
+        floor_ms = (q.nbytes * 2 + k.nbytes + v.nbytes) / bandwidth * 1e3
+        views = [x.transpose(1, 2) for x in (q, k, v)]
+        peers = {}
+        for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+            with sdpa_kernel(backend):
+                def peer():
+                    return torch.nn.functional.scaled_dot_product_attention(*views, enable_gqa=heads_q != heads_kv)
+                reference = peer().transpose(1, 2)
+                peers[name] = median_ms(peer, calls=BACK_TO_BACK_CALLS)
+        shape = {"batch": batch, "kv": kv, "heads_q": heads_q, "heads_kv": heads_kv, "floor_ms": floor_ms, **peers}
+        for kernel, units, keys in itertools.product(kernels, per_unit, min_keys):
+            rows = _attention_rows(kernel)
+            ops.attention_tiles = shipped_tiles if rows is None else (
+                lambda problem, rows=rows: rows(problem.head_dim, problem.rows_per_kv_head))
+            ops.BLOCKS_PER_COMPUTE_UNIT, ops.MIN_KEYS_PER_SPLIT = units, keys
+            runtime.active().launch_plans.clear()  # a plan replays the configuration it recorded
+            config = {"kernel": kernel, "blocks_per_unit": units, "min_keys": keys}
+            for layout, (kc, vc, bt) in (("contiguous", (k, v, None)), ("paged", (paged["k"], paged["v"], table))):
+                out = torch.full_like(q, float("nan"))
+
+                def call():
+                    return hipattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=bt, out=out)
+                call()
+                error = float((out.float() - reference.float()).norm() / reference.float().norm())
+                ms = median_ms(call, calls=BACK_TO_BACK_CALLS)
+                row = {**shape, **config, "layout": layout, "hipattn_ms": ms, "rel_l2_vs_cudnn": error,
+                       "vs_floor": ms / floor_ms, "vs_cudnn": ms / peers["sdpa_cudnn"],
+                       "graph_ms": _graph_ms(torch, call)}
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        del q, k, v, paged
+        torch.cuda.empty_cache()
+    write_report(args.out, "tools.bench_decode", copy_bytes_per_s=bandwidth, results=results)
+
+
+if __name__ == "__main__":
+    main()
