@@ -121,7 +121,7 @@ def flash_attn_with_kvcache(
         if out is not None and lse is not None and problem_mod.overlaps(out_a, lse_a):
             raise ValueError("lse overlaps out in memory; outputs must not alias each other")
         tiles = decode.attention_tiles(p)
-        splits = decode.choose_splits(p, tiles, active.compute_units(p.device))
+        splits = decode.choose_splits(p, tiles, decode.device_slots(p, tiles))
         plan = kvcache_workspace(p, splits)
         sections, base = {}, None
         if plan.sections:
@@ -152,7 +152,8 @@ def kvcache_workspace_bytes(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
                                     cache_batch_idx, cache_leftpad, block_table, None, causal, True,
                                     num_splits, False, None)
     p = call.problem
-    splits = decode.choose_splits(p, decode.attention_tiles(p), runtime.active().compute_units(p.device))
+    tiles = decode.attention_tiles(p)
+    splits = decode.choose_splits(p, tiles, decode.device_slots(p, tiles))
     return kvcache_workspace(p, splits).total_bytes
 
 

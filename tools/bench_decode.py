@@ -2,14 +2,14 @@
 torch SDPA's cuDNN and flash backends, on the decode shapes of the benchmark matrix.
 
     python -m tools.bench_decode --out bench_decode.json                     # the shipped configuration
-    python -m tools.bench_decode --kernel mma:2,mma:3 --blocks-per-unit 4,8 --min-keys 256,512
+    python -m tools.bench_decode --kernel mma:2,mma:3 --num-splits 0,1,16 --min-keys 512,1024
     python -m tools.bench_decode --kernel portable:4x4+8x2,portable:4x2+8x1  # the portable kernel on NVIDIA
 
 A configuration is one attention row, ``shipped`` (catalog.decode.tiles_for), ``mma:STAGES`` (the
 tensor-core kernel with 64-key tiles) or ``portable:ROWSxUNROLL+...`` (the portable kernel's table,
-smallest rows first), with one ``BLOCKS_PER_COMPUTE_UNIT`` and one ``MIN_KEYS_PER_SPLIT``
-(ops.decode); every combination of the given lists is timed on every shape, contiguous and paged
-(pages of 256). Times are the
+smallest rows first), with one ``num_splits`` (0: ops.decode.choose_splits) and one
+``MIN_KEYS_PER_SPLIT`` (ops.decode); every combination of the given lists is timed on every shape,
+contiguous and paged (pages of 256). Times are the
 median device time per call over BACK_TO_BACK_CALLS back-to-back calls (benchlib.median_ms), eager
 (``hipattn_ms``: the host's time per call shows where it exceeds the device's) and replayed from a
 CUDA graph (``graph_ms``: the device's time alone); each configuration's output
@@ -86,7 +86,7 @@ def _graph_ms(torch, call) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", default="shipped", help="comma-separated attention rows (see above)")
-    parser.add_argument("--blocks-per-unit", default=None, help="comma-separated BLOCKS_PER_COMPUTE_UNIT values")
+    parser.add_argument("--num-splits", default="0", help="comma-separated num_splits values (0: the heuristic)")
     parser.add_argument("--min-keys", default=None, help="comma-separated MIN_KEYS_PER_SPLIT values")
     parser.add_argument("--out", default="bench_decode.json")
     args = parser.parse_args()
@@ -100,8 +100,7 @@ def main() -> None:
 
     kernels = args.kernel.split(",")
     shipped_tiles = ops.attention_tiles
-    per_unit = [int(x) for x in args.blocks_per_unit.split(",")] if args.blocks_per_unit else [
-        ops.BLOCKS_PER_COMPUTE_UNIT]
+    split_counts = [int(x) for x in args.num_splits.split(",")]
     min_keys = [int(x) for x in args.min_keys.split(",")] if args.min_keys else [ops.MIN_KEYS_PER_SPLIT]
     bandwidth = _copy_bandwidth(torch)
     generator = torch.Generator(device="cuda").manual_seed(2026)
@@ -118,18 +117,19 @@ def main() -> None:
                 reference = peer().transpose(1, 2)
                 peers[name] = median_ms(peer, calls=BACK_TO_BACK_CALLS)
         shape = {"batch": batch, "kv": kv, "heads_q": heads_q, "heads_kv": heads_kv, "floor_ms": floor_ms, **peers}
-        for kernel, units, keys in itertools.product(kernels, per_unit, min_keys):
+        for kernel, splits, keys in itertools.product(kernels, split_counts, min_keys):
             rows = _attention_rows(kernel)
             ops.attention_tiles = shipped_tiles if rows is None else (
                 lambda problem, rows=rows: rows(problem.head_dim, problem.rows_per_kv_head))
-            ops.BLOCKS_PER_COMPUTE_UNIT, ops.MIN_KEYS_PER_SPLIT = units, keys
+            ops.MIN_KEYS_PER_SPLIT = keys
             runtime.active().launch_plans.clear()  # a plan replays the configuration it recorded
-            config = {"kernel": kernel, "blocks_per_unit": units, "min_keys": keys}
+            config = {"kernel": kernel, "num_splits": splits, "min_keys": keys}
             for layout, (kc, vc, bt) in (("contiguous", (k, v, None)), ("paged", (paged["k"], paged["v"], table))):
                 out = torch.full_like(q, float("nan"))
 
                 def call():
-                    return hipattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=bt, out=out)
+                    return hipattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=bt,
+                                                           num_splits=splits, out=out)
                 call()
                 error = float((out.float() - reference.float()).norm() / reference.float().norm())
                 ms = median_ms(call, calls=BACK_TO_BACK_CALLS)

@@ -16,7 +16,7 @@ from ..jit.target import Target
 from .common import DTYPES, FLASH_ROW_PAD
 from .fields import Fields, row_statistic, strided
 from .index import register
-from .targets import has_hopper_shared_memory, runs_nvidia_mma
+from .targets import HOPPER_SHARED_BYTES, SM86_SHARED_BYTES, has_hopper_shared_memory, runs_nvidia_mma
 from .tiles import ELEMENT_BYTES, KernelTiles
 
 # Every head_dim a multiple of 8 up to 256 could run; these ship. 32 and 80 are flash-attn's
@@ -85,6 +85,11 @@ class DecodeTiles(KernelTiles):
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         return 0  # its merge buffers are static shared arrays
 
+    def blocks_per_unit(self, target: Target | None, head_dim: int) -> int:
+        """Blocks a compute unit holds at once, for the split heuristic: registers bound it (about 240
+        VGPRs a lane on CDNA: two 2-wave blocks per CU's SIMD pairs)."""
+        return 2
+
 
 # Blocks of up to 4 rows (a group of 4, or 1-4 query tokens of MHA), else 8 (groups of 5-8 and
 # longer query runs; a grid's z covers rows past 8).
@@ -115,6 +120,15 @@ class DecodeMmaTiles(KernelTiles):
         merge = 4 * self.rows * (head_dim + 4 + 2) * 4
         return max(staging, merge)
 
+    def blocks_per_unit(self, target: Target | None, head_dim: int) -> int:
+        """Blocks an SM holds at once, for the split heuristic: its shared memory over a block's (the
+        per-block opt-in limit standing in for the SM's), at most MAX_RESIDENT_MMA_BLOCKS (registers)."""
+        limit = HOPPER_SHARED_BYTES if has_hopper_shared_memory(target) else SM86_SHARED_BYTES
+        return max(1, min(MAX_RESIDENT_MMA_BLOCKS, limit // self.shared_bytes(head_dim)))
+
+
+# 128 threads of about 128 registers each: four blocks fill an SM's 64K registers.
+MAX_RESIDENT_MMA_BLOCKS = 4
 
 # Hopper (227 KiB per block): every row leaves room for two blocks per SM (at most 113 KiB each),
 # with as many stages as that allows. Other sm_80+ parts: every row within sm_86/sm_89's 99 KiB.

@@ -16,12 +16,13 @@ from ..device_array import DeviceArray
 from ..catalog.decode import MAX_SPLITS
 from ..kvcache_problem import KvCacheCall, KvCacheProblem
 
-# The split heuristic aims for this many blocks per SM (or CU): a few waves of the 2-3 blocks each
-# holds at once, so that the last wave's imbalance costs little.
-BLOCKS_PER_COMPUTE_UNIT = 8
-# ... and gives no split fewer keys than this: below it, the partials' writes and the combine cost
-# more than the parallelism gains.
+# The split heuristic (choose_splits) gives no split fewer keys than this: below it, a block's pipeline
+# start and the partials' writes and combine cost more than the parallelism gains ...
 MIN_KEYS_PER_SPLIT = 1024
+# ... takes no splits when the blocks without them fill this share of the device's slots ...
+FILLED = 0.8
+# ... and otherwise the fewest splits whose last wave is this full, relative to the best count's.
+WAVE_EFFICIENCY = 0.85
 # grid.y and grid.z are 16-bit on NVIDIA.
 MAX_GRID_YZ = 65535
 
@@ -31,17 +32,24 @@ def row_chunks(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
     return -(-problem.rows_per_kv_head // tiles.rows)
 
 
-def choose_splits(problem: KvCacheProblem, tiles: decode.AttentionTiles, compute_units: int) -> int:
-    """Splits of the KV length: ``num_splits`` when the caller chose, else enough blocks to fill the
-    device (from host facts: batch, heads, query rows and the cache's capacity)."""
+def choose_splits(problem: KvCacheProblem, tiles: decode.AttentionTiles, slots: int) -> int:
+    """Splits of the KV length: ``num_splits`` when the caller chose, else from host facts (batch,
+    KV heads, query rows, the cache's capacity) and the device's ``slots`` (blocks it runs at once:
+    compute units x blocks per unit). Every split of a sequence does equal work, so the grid runs in
+    waves of ``slots`` blocks: the count is the fewest splits whose last wave is nearly as full as
+    the best count's (FlashAttention-2's rule), each split keeping MIN_KEYS_PER_SPLIT keys."""
     if problem.num_splits:
         return problem.num_splits
     blocks = problem.batch * problem.heads_kv * row_chunks(problem, tiles)
-    wanted = BLOCKS_PER_COMPUTE_UNIT * compute_units
-    if blocks == 0 or blocks >= wanted:
+    if blocks == 0 or blocks >= FILLED * slots:
         return 1
-    by_length = -(-problem.capacity // MIN_KEYS_PER_SPLIT)
-    return max(1, min(MAX_SPLITS, -(-wanted // blocks), by_length))
+    most = max(1, min(MAX_SPLITS, problem.capacity // MIN_KEYS_PER_SPLIT))
+    efficiency = []
+    for splits in range(1, most + 1):
+        waves = blocks * splits / slots
+        efficiency.append(waves / -(-waves // 1))
+    best = max(efficiency)
+    return next(s for s, e in enumerate(efficiency, start=1) if e >= WAVE_EFFICIENCY * best)
 
 
 def _tensor(fields: dict, name: str, a: DeviceArray | None) -> None:
@@ -102,6 +110,12 @@ def attention_tiles(problem: KvCacheProblem) -> decode.AttentionTiles:
     """The attention kernel's row for the call's device (catalog.decode.tiles_for)."""
     target = runtime.active().target(problem.device)
     return decode.tiles_for(target, problem.head_dim, problem.rows_per_kv_head)
+
+
+def device_slots(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
+    """Blocks of ``tiles`` the call's device runs at once."""
+    active = runtime.active()
+    return active.compute_units(problem.device) * tiles.blocks_per_unit(active.target(problem.device), problem.head_dim)
 
 
 def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray | None, splits: int,
