@@ -53,8 +53,8 @@ def dynamic_shared_bytes(spec: KernelSpec, target: Target) -> int:
     """The most dynamic LDS a launch of ``spec`` asks for on ``target``: its tile row's bytes (for the
     portable small-seq backward, a grouped call's, which adds the group's dK/dV sums)."""
     name = spec.family.name
-    if name in ("bwd_convert_dq", "bwd_dot_do_o", "varlen_records", "decode_forward", "decode_combine",
-                "decode_append"):
+    if name in ("bwd_convert_dq", "bwd_dot_do_o", "varlen_records", "decode_forward", "decode_forward_mfma",
+                "decode_combine", "decode_append"):
         return 0  # static tiles only; the launchers pass 0
     head_dim = spec.arg("head_dim")
     if name == "flash_forward_mfma":

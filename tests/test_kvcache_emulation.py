@@ -1,5 +1,7 @@
 """flash_attn_with_kvcache's kernels (append with rotary, split-KV attention, combine) on an emulated
-gfx90a (wave64) and sm_80 (warp32), through the low-level entry with raw arrays, caller outputs and
+gfx90a (wave64: the MFMA attention kernel at head_dims that are multiples of 32, the portable one at
+80), an emulated gfx950 (the MFMA kernel with its 16x16x32 instructions) and an emulated sm_80
+(warp32: the tensor-core kernel), through the low-level entry with raw arrays, caller outputs and
 workspace, against a float64 model of the call (tests/support/kvcache_reference.py). Outputs are
 poisoned with NaN first and every element, and the whole cache after the append, is compared."""
 
@@ -105,8 +107,11 @@ def _check(device, bits, case, dtype, num_splits, **options):
     assert np.array_equal(v_cache, want_v), "values are appended bit for bit, and nothing else changes"
     # Rotated keys are rounded once from fp32; the model rounds from float64: at most one unit apart.
     assert np.abs(k_cache - want_k).max() <= 2 * np.abs(want_k).max() * 2.0 ** -8
-    # The tensor-core kernel on NVIDIA, the portable one on AMD; the combine only for split calls.
-    attention = {"gfx90a": "decode_forward", "sm_80": "decode_forward_mma"}[device.backend.target.arch]
+    # The tensor-core kernel on NVIDIA, the matrix-core one on AMD (the portable one at head_dim 80);
+    # the combine only for split calls.
+    arch = device.backend.target.arch
+    attention = "decode_forward_mma" if arch == "sm_80" else (
+        "decode_forward_mfma" if case.q.shape[-1] % 32 == 0 else "decode_forward")
     assert attention in device.kernels
     if num_splits:
         assert ("decode_combine" in device.kernels) == (num_splits > 1)
@@ -123,14 +128,28 @@ def test_attention_over_a_contiguous_cache_matches_float64(device, heads_q, head
     _check(device, bits, case, "bf16", num_splits)
 
 
+@pytest.mark.parametrize("head_dim", [80, 96])
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_append_with_rotary_into_a_paged_cache_matches_float64(device, interleaved):
+def test_append_with_rotary_into_a_paged_cache_matches_float64(device, interleaved, head_dim):
     """Two new tokens appended through a shuffled block table (pages of 16, the last one partly
-    full), keys and queries rotated on 32 of 80 dims (a team of 16 lanes with 10 holding data), causal."""
+    full), keys and queries rotated on 32 dims, causal; head_dim 80 (on AMD the portable kernel, a
+    team of 16 lanes with 10 holding data) and 96 (three 32-column pieces per row on MFMA)."""
     rng = np.random.default_rng()
-    bits, case = _case(rng, "fp16", head_dim=80, capacity=70, seqlen_q=2, seqlen_new=2, rotary_dim=32,
+    bits, case = _case(rng, "fp16", head_dim=head_dim, capacity=70, seqlen_q=2, seqlen_new=2, rotary_dim=32,
                        interleaved=interleaved, page_size=16, causal=True, lengths=[0, 33, 68])
     _check(device, bits, case, "fp16", 2)
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv,seqlen_q", [("bf16", 128, 8, 2, 1), ("fp16", 256, 4, 1, 3)])
+def test_the_mfma_kernel_on_an_emulated_gfx950_matches_float64(emulation_dirs, monkeypatch, dtype, head_dim, heads_q,
+                                                                heads_kv, seqlen_q):
+    """gfx950 contracts head_dim with its 16x16x32 MFMA (mma_amd.h's mfma_two_steps); two waves at
+    head_dim 256; GQA and MQA, causal with 3 query tokens, three splits."""
+    device = EmulatedDevice(*emulation_dirs, monkeypatch, arch="gfx950")
+    rng = np.random.default_rng()
+    bits, case = _case(rng, dtype, head_dim=head_dim, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
+                       causal=seqlen_q > 1, seqlen_new=1, lengths=[0, 40, 79])
+    _check(device, bits, case, dtype, 3)
 
 
 def test_batch_index_leftpad_and_an_int_cache_seqlens(device):

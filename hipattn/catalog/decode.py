@@ -3,8 +3,10 @@ attention kernel, and the combine of its splits.
 
 Decoding reads K and V once and is bound by that read. On NVIDIA sm_80+ the attention runs on the
 tensor cores (kernels/decode/forward_mma.hip: cp.async staging, mma.sync), one table row per
-head_dim; elsewhere (AMD) the portable kernel (kernels/decode/forward.hip: 16-byte loads per lane, dot
-products on the vector units), one row per query-rows bound. Append and combine are portable."""
+head_dim; on AMD gfx90a/gfx94x/gfx950 on the matrix cores (kernels/decode/forward_mfma.hip: operands
+straight from global memory, MFMA 16x16x16) at head_dims that are multiples of 32; elsewhere the
+portable kernel (kernels/decode/forward.hip: 16-byte loads per lane, dot products on the vector
+units), one row per query-rows bound. Append and combine are portable."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from ..jit.target import Target
 from .common import DTYPES, FLASH_ROW_PAD
 from .fields import Fields, row_statistic, strided
 from .index import register
-from .targets import HOPPER_SHARED_BYTES, SM86_SHARED_BYTES, has_hopper_shared_memory, runs_nvidia_mma
+from .targets import HOPPER_SHARED_BYTES, SM86_SHARED_BYTES, has_hopper_shared_memory, runs_amd_mfma, runs_nvidia_mma
 from .tiles import ELEMENT_BYTES, KernelTiles
 
 # Every head_dim a multiple of 8 up to 256 could run; these ship. 32 and 80 are flash-attn's
@@ -145,36 +147,81 @@ DECODE_MMA_TILES: dict[int, DecodeMmaTiles] = {
     256: DecodeMmaTiles(block_n=64, stages=1),
 }
 
-AttentionTiles = DecodeTiles | DecodeMmaTiles
+@dataclass(frozen=True)
+class DecodeMfmaTiles(KernelTiles):
+    """A row of the matrix-core attention kernel (AMD gfx90a/gfx94x/gfx950): 16 query rows per block,
+    ``waves`` waves that each walk their own runs of 16 keys."""
+
+    waves: int
+
+    family = property(lambda self: DECODE_FORWARD_MFMA)
+    rows = 16
+
+    @property
+    def threads(self) -> int:
+        return 64 * self.waves
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        return 0  # its merge buffers are static LDS
+
+    def blocks_per_unit(self, target: Target | None, head_dim: int) -> int:
+        """Blocks a CU holds at once, for the split heuristic: its merge buffers' LDS (static, at most
+        34 KiB) leave room for one or two; registers for more."""
+        return 2 if head_dim <= 64 else 1
+
+
+# Four waves up to head_dim 128; two above, whose merge buffers of four would pass 64 KiB of LDS.
+DECODE_MFMA_TILES: dict[int, DecodeMfmaTiles] = {
+    d: DecodeMfmaTiles(waves=4 if d <= 128 else 2) for d in (32, 64, 96, 128, 192, 256)}
+
+AttentionTiles = DecodeTiles | DecodeMmaTiles | DecodeMfmaTiles
 
 
 def tiles_for(target: Target | None, head_dim: int, rows: int) -> AttentionTiles:
     """The attention row ``target`` runs for ``rows`` query rows per KV head (query tokens x group):
-    the tensor-core kernel on NVIDIA sm_80+, else the portable one."""
+    the tensor-core kernel on NVIDIA sm_80+, the matrix-core one on AMD's MFMA targets where its table
+    has head_dim, else the portable one."""
     if runs_nvidia_mma(target):
         table = DECODE_MMA_TILES_HOPPER if has_hopper_shared_memory(target) else DECODE_MMA_TILES
         return table[head_dim]
+    if runs_amd_mfma(target) and head_dim in DECODE_MFMA_TILES:
+        return DECODE_MFMA_TILES[head_dim]
     for tiles in DECODE_TILES:
         if rows <= tiles.rows:
             return tiles
     return DECODE_TILES[-1]
 
 
-def _mma_specs(target: Target) -> list[KernelSpec]:
-    table = DECODE_MMA_TILES_HOPPER if has_hopper_shared_memory(target) else DECODE_MMA_TILES
-    return [table[d].spec(dtype, d) for dtype in DTYPES for d in DECODE_HEAD_DIMS]
+def _shipped(family_name: str, target: Target) -> list[KernelSpec]:
+    """The attention instantiations of ``family_name`` that ``target`` runs (tiles_for), every dtype,
+    head_dim and query-rows bound."""
+    return [t.spec(dtype, d) for dtype in DTYPES for t, d in _row_dims(target) if t.family.name == family_name]
 
 
-# Each target ships the attention kernel it runs (tiles_for).
+def _row_dims(target: Target) -> list:
+    """(row, head_dim) of every attention row ``target`` runs, once each, in a stable order."""
+    found = []
+    for d in DECODE_HEAD_DIMS:
+        for bound in (t.rows for t in DECODE_TILES):
+            pair = (tiles_for(target, d, bound), d)
+            if pair not in found:
+                found.append(pair)
+    return found
+
+
+# Each target ships the attention kernels it runs (tiles_for).
 DECODE_FORWARD = register(KernelFamily(
     name="decode_forward", source="decode/forward.hip", template="hipattn::decode_forward",
     template_params=("dtype", "head_dim", "rows", "unroll"), params=DECODE_FORWARD_PARAMS,
-    shipped=lambda target: [] if runs_nvidia_mma(target) else [
-        t.spec(dtype, d) for dtype in DTYPES for d in DECODE_HEAD_DIMS for t in DECODE_TILES]))
+    shipped=lambda target: _shipped("decode_forward", target)))
 DECODE_FORWARD_MMA = register(KernelFamily(
     name="decode_forward_mma", source="decode/forward_mma.hip", template="hipattn::decode_forward_mma",
     template_params=("dtype", "head_dim", "block_n", "stages"), params=DECODE_FORWARD_PARAMS,
-    shipped=lambda target: _mma_specs(target) if runs_nvidia_mma(target) else []))
+    shipped=lambda target: _shipped("decode_forward_mma", target)))
+DECODE_FORWARD_MFMA = register(KernelFamily(
+    name="decode_forward_mfma", source="decode/forward_mfma.hip", template="hipattn::decode_forward_mfma",
+    template_params=("dtype", "head_dim", "waves"), params=DECODE_FORWARD_PARAMS,
+    shipped=lambda target: _shipped("decode_forward_mfma", target)))
 DECODE_COMBINE = register(KernelFamily(
     name="decode_combine", source="decode/combine.hip", template="hipattn::decode_combine",
     template_params=("dtype", "max_splits"), params=DECODE_COMBINE_PARAMS,

@@ -134,7 +134,7 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
     if chunks > MAX_GRID_YZ:
         raise ValueError(f"the call has {p.rows_per_kv_head} query rows per KV head (seqlen_q x query heads per "
                          f"KV head); at most {MAX_GRID_YZ * tiles.rows} fit one launch")
-    check_grid(target, blocks, decode.DECODE_BLOCK_THREADS, "sequences x KV heads")
+    check_grid(target, blocks, tiles.threads, "sequences x KV heads")
     kernel = active.kernel(tiles.spec(p.dtype, p.head_dim), p.device)
     shared = tiles.shared_bytes(p.head_dim)
     if shared:
@@ -148,8 +148,7 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
                   lse_partial=lse_partial.ptr if lse_partial is not None else 0,
                   cache_leftpad=call.cache_leftpad.ptr if call.cache_leftpad is not None else 0,
                   splits=splits, softmax_scale=p.softmax_scale, causal=int(p.causal))
-    kernel.launch((blocks, splits, chunks), (decode.DECODE_BLOCK_THREADS, 1, 1), shared, stream,
-                  kernel.params.from_dict(fields))
+    kernel.launch((blocks, splits, chunks), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
     if splits == 1:
         return
     combine_blocks = p.batch * p.heads_q * p.seqlen_q  # one per query row

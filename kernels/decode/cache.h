@@ -1,5 +1,6 @@
 // Where a KV cache's rows live and which of them a query sees, for the kernels that read the cache
-// (decode/forward.hip, decode/forward_mma.hip) and the one that writes it (decode/append.hip). Every index read from device memory is clamped to what the host described
+// (decode/forward.hip, decode/forward_mma.hip, decode/forward_mfma.hip) and the one that writes it
+// (decode/append.hip). Every index read from device memory is clamped to what the host described
 // (cache batch entries or pages, the block table's width, the capacity), so a bad cache_seqlens,
 // block table or batch index gives wrong numbers but never an access out of bounds.
 #pragma once

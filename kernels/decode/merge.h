@@ -1,6 +1,7 @@
 // The end of a decode block: the partial softmax states that parts of the block (teams of lanes in
-// decode/forward.hip, warps in decode/forward_mma.hip) kept over their own keys, merged per query row
-// and written as the output (one split) or as the split's partial for decode/combine.hip.
+// decode/forward.hip, warps in decode/forward_mma.hip, waves in decode/forward_mfma.hip) kept over
+// their own keys, merged per query row and written as the output (one split) or as the split's
+// partial for decode/combine.hip.
 #pragma once
 #include "common/types.h"
 
