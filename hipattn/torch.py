@@ -13,7 +13,8 @@ differentiable (its gradient is ignored). Calls the kernels cannot serve raise a
 does (NotImplementedError where no kernel serves the call).
 
 ``flash_attn_with_kvcache`` is inference-only (nothing to differentiate): it checks that it was given
-torch tensors and runs hipattn.flash_attn_with_kvcache on torch's current stream, in eager mode.
+torch tensors and runs hipattn.flash_attn_with_kvcache on torch's current stream; traced calls go
+through the ``hipattn::kvcache`` custom op, which declares that it appends to the caches in place.
 
 ``enable()`` (or ``with enabled():``) makes hipattn torch's flash-attention implementation, so that
 ``torch.nn.functional.scaled_dot_product_attention`` runs hipattn's kernels (hipattn.torch_sdpa);
@@ -222,6 +223,37 @@ def flash_attn_func(
     return (out, lse, None) if return_attn_probs else out
 
 
+@torch.library.custom_op("hipattn::kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    cache_seqlens: Optional[Tensor],
+    cache_seqlen: Optional[int],
+    cache_batch_idx: Optional[Tensor],
+    cache_leftpad: Optional[Tensor],
+    block_table: Optional[Tensor],
+    softmax_scale: Optional[float],
+    causal: bool,
+    rotary_interleaved: bool,
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:
+    return kvcache.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if cache_seqlens is not None else cache_seqlen,
+        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, (-1, -1), 0.0, rotary_interleaved, None,
+        num_splits, True)
+
+
+@_kvcache_op.register_fake
+def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx,
+                  cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved, num_splits):
+    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
                             v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
                             rotary_sin: Optional[Tensor] = None, cache_seqlens=None,
@@ -231,7 +263,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
                             num_splits: int = 0, return_softmax_lse: bool = False):
     """hipattn.flash_attn_with_kvcache on torch tensors, on torch's current stream (flash-attn's
-    arguments; k_cache and v_cache are appended to in place)."""
+    arguments; k_cache and v_cache are appended to in place). Traced calls (torch.compile) go through
+    the ``hipattn::kvcache`` custom op, which declares that it mutates the caches."""
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
              "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
              "block_table": block_table}
@@ -241,9 +274,19 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         if value is not None and not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; hipattn.flash_attn_with_kvcache "
                             "takes other array kinds")
-    return kvcache.flash_attn_with_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-        softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+    if (type(q) is _TENSOR and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled()):
+        return kvcache.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            return_softmax_lse)
+    reject_unsupported(0.0, window_size, softcap, alibi_slopes)
+    host_length = cache_seqlens if isinstance(cache_seqlens, int) else None
+    out, lse = _kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                           None if host_length is not None else cache_seqlens, host_length, cache_batch_idx,
+                           cache_leftpad, block_table, softmax_scale, check_bool(causal, "causal"),
+                           check_bool(rotary_interleaved, "rotary_interleaved"), num_splits)
+    return (out, lse) if check_bool(return_softmax_lse, "return_softmax_lse") else out
 
 
 torch_sdpa.register()

@@ -261,3 +261,24 @@ def test_eager_calls_skip_the_custom_ops_dispatch_and_traced_ones_take_the_op(ke
     with PassThrough():
         hat.flash_attn_func(q, k, v)
     assert op_calls == [1] and kernels.forward_calls == 3
+
+
+def test_flash_attn_with_kvcache_traces_as_a_custom_op_that_appends_to_the_caches():
+    """Traced, the KV-cache call is the hipattn::kvcache op, whose fake kernel gives out [B, S_q, Hq, D]
+    and the LSE [B, Hq, S_q], and whose schema declares that it writes k_cache and v_cache (so that
+    torch.compile orders it against every other use of the caches)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k_cache, v_cache, k, v, lengths):
+        return hat.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, return_softmax_lse=True)
+
+    arguments = (torch.randn(2, 3, 8, 64, dtype=torch.bfloat16), torch.randn(2, 32, 2, 64, dtype=torch.bfloat16),
+                 torch.randn(2, 32, 2, 64, dtype=torch.bfloat16), torch.randn(2, 1, 2, 64, dtype=torch.bfloat16),
+                 torch.randn(2, 1, 2, 64, dtype=torch.bfloat16), torch.tensor([3, 5], dtype=torch.int32))
+    traced = make_fx(step, tracing_mode="fake")(*arguments)
+    assert "hipattn.kvcache" in traced.code
+    schema = torch.ops.hipattn.kvcache.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == {"k_cache", "v_cache"}
+    outputs = [node for node in traced.graph.nodes if node.op == "output"][0].args[0]
+    assert [tuple(node.meta["val"].shape) for node in outputs] == [(2, 3, 8, 64), (2, 8, 3)]

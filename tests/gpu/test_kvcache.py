@@ -198,3 +198,22 @@ def test_repeat_calls_replay_the_validated_launches(rng, monkeypatch):
     assert len(fresh.launch_plans) == 2 and out.data_ptr() != first_out.data_ptr()
     check(call, first_out, first_lse, want, "allocated outputs")
     check(call, out, lse, want, "allocated outputs, replayed")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_decode_step_appends_to_the_caches_and_matches_float64(rng, backend):
+    """torch.compile traces hipattn.torch.flash_attn_with_kvcache as the hipattn::kvcache op: the
+    compiled step appends (rotated) to the paged caches in place and matches the model."""
+    call = Call(rng, "bf16", batch=2, seqlen_q=1, heads_q=8, heads_kv=2, head_dim=128, capacity=256, seqlen_new=1,
+                rotary_dim=64, page_size=16)
+    want = expected(call.case(), 128 ** -0.5, _round16("bf16"))
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def step(q, k_cache, v_cache, k, v, cos, sin, lengths, table):
+        return hat.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=lengths, block_table=table, return_softmax_lse=True)
+
+    out, lse = step(call.q, call.k_cache, call.v_cache, call.k, call.v, call.cos, call.sin, call.cache_seqlens,
+                    call.block_table)
+    torch.cuda.synchronize()
+    check(call, out, lse, want, f"compiled ({backend})")
