@@ -15,6 +15,7 @@ from support.raw_calls import NAN_BITS
 from support.reference import TOLERANCE, relative_error
 
 import hipattn
+from hipattn.catalog import decode as catalog_decode
 
 pytestmark = needs_compiler
 
@@ -95,7 +96,7 @@ def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64
     return bits, KvCacheCase(**case, interleaved=interleaved, causal=causal)
 
 
-def _check(device, bits, case, dtype, num_splits, **options):
+def _check(device, bits, case, dtype, num_splits, portable=False, **options):
     scale = case.q.shape[-1] ** -0.5
     want_out, want_lse, want_k, want_v = expected(case, scale, _round16(dtype))
     out, lse, k_cache, v_cache = _run(device, bits, case, dtype, num_splits, **options)
@@ -111,7 +112,7 @@ def _check(device, bits, case, dtype, num_splits, **options):
     # the combine only for split calls.
     arch = device.backend.target.arch
     attention = "decode_forward_mma" if arch == "sm_80" else (
-        "decode_forward_mfma" if case.q.shape[-1] % 32 == 0 else "decode_forward")
+        "decode_forward_mfma" if case.q.shape[-1] % 32 == 0 and not portable else "decode_forward")
     assert attention in device.kernels
     if num_splits:
         assert ("decode_combine" in device.kernels) == (num_splits > 1)
@@ -160,3 +161,17 @@ def test_batch_index_leftpad_and_an_int_cache_seqlens(device):
     _check(device, bits, case, "bf16", 0)
     bits, case = _case(rng, "bf16", seqlen_new=3, lengths=[20, 20, 20])
     _check(device, bits, case, "bf16", 2, cache_seqlens_as_int=True)
+
+
+@pytest.mark.parametrize("heads_q,heads_kv,seqlen_q,head_dim", [(4, 2, 1, 64), (8, 1, 1, 128), (2, 2, 3, 256)])
+def test_the_portable_kernel_matches_float64_at_wave64(emulation_dirs, monkeypatch, heads_q, heads_kv, seqlen_q,
+                                                       head_dim):
+    """The kernel of AMD targets without MFMA (and of head_dim 80 on MFMA ones), forced on the emulated
+    gfx90a: its 4-row blocks (a group of 4) and 8-row ones (a group of 8; 3 tokens of MHA, causal), with
+    teams of 8, 16 and 32 lanes, three splits and new tokens appended."""
+    monkeypatch.setattr(catalog_decode, "DECODE_MFMA_TILES", {})
+    device = EmulatedDevice(*emulation_dirs, monkeypatch, arch="gfx90a")
+    rng = np.random.default_rng()
+    bits, case = _case(rng, "bf16", heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q, head_dim=head_dim,
+                       causal=seqlen_q > 1, seqlen_new=1, lengths=[0, 37, 79])
+    _check(device, bits, case, "bf16", 3, portable=True)

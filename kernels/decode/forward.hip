@@ -26,8 +26,8 @@
 namespace hipattn {
 namespace decode {
 
-// How one block is laid out. The host's row (hipattn/catalog/decode.py) reads kThreads and
-// kKeysPerStep from the same numbers.
+// How one block is laid out. The host launches kThreads threads (hipattn/catalog/decode.py,
+// DECODE_BLOCK_THREADS).
 template <int HEAD_DIM, int ROWS, int UNROLL>
 struct Layout {
   static constexpr int kThreads = 128;
@@ -70,15 +70,15 @@ __global__ void __launch_bounds__(128) decode_forward(const DecodeForwardParams 
   const unsigned int mask = group_mask(L::kLanes);
 
   const decode::CacheAddress address = decode::cache_address(p, b, kv_head);
-  const decode::KeyRange c = decode::key_range(p, b);
+  const decode::KeyRange range = decode::key_range(p, b);
   // This split's keys: an equal share of the visible ones, in runs of UNROLL keys that start at
   // multiples of UNROLL (keys before cache_leftpad are masked), so that a run never crosses a page.
-  const int aligned_start = c.start - c.start % UNROLL;
-  int share = (c.total - aligned_start + p.splits - 1) / p.splits;
+  const int aligned_start = range.start - range.start % UNROLL;
+  int share = (range.total - aligned_start + p.splits - 1) / p.splits;
   share = (share + UNROLL - 1) / UNROLL * UNROLL;
   const long long first = aligned_start + static_cast<long long>(split) * share;
-  const int key_begin = first < c.total ? static_cast<int>(first) : c.total;
-  const int key_end = key_begin + share < c.total ? key_begin + share : c.total;
+  const int key_begin = first < range.total ? static_cast<int>(first) : range.total;
+  const int key_end = key_begin + share < range.total ? key_begin + share : range.total;
 
   // Q rows in registers, scaled into the base-2 domain; rows past the block's are zeros.
   const float scale_log2 = p.softmax_scale * kLog2e;
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(128) decode_forward(const DecodeForwardParams 
   for (int r = 0; r < ROWS; ++r) {
     const int token = (row0 + r) / group;
     const int head = kv_head * group + (row0 + r) % group;
-    limit[r] = r < rows ? decode::visible_keys(p, c, token) : 0;
+    limit[r] = r < rows ? decode::visible_keys(p, range, token) : 0;
 #pragma unroll
     for (int e = 0; e < E; ++e) q[r][e] = 0.0f;
     if (r < rows && holds) {
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(128) decode_forward(const DecodeForwardParams 
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int j = j0 + u;
-        if (j < c.start || j >= key_end || j >= limit[r]) score[r][u] = -infinity();
+        if (j < range.start || j >= key_end || j >= limit[r]) score[r][u] = -infinity();
         step_max = score[r][u] > step_max ? score[r][u] : step_max;
       }
       const float new_max = step_max > row_max[r] ? step_max : row_max[r];
