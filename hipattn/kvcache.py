@@ -20,7 +20,6 @@ from .ops import decode
 from .streams import on_device, resolve_stream, wait_for_producers
 from .workspace import kvcache_workspace
 
-
 # A call's array slots, in the order launch_plans indexes them (q, k_cache, v_cache, k, v, rotary_cos,
 # rotary_sin, cache_seqlens as an array, cache_batch_idx, cache_leftpad, block_table, out, lse), by
 # the kernel fields they fill; out and lse are its outputs.

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from . import arrays
-from .attention import settle_devices
 from . import problem as problem_mod
+from .attention import settle_devices
 from .catalog.decode import DECODE_HEAD_DIMS, MAX_SPLITS, PAGE_SIZE_MULTIPLE
 from .device_array import UNKNOWN_DEVICE, DeviceArray
 from .problem import BSHD, SUPPORTED_DTYPES, check_bool, check_index_array
+
 
 @dataclass(frozen=True)
 class KvCacheProblem:

@@ -18,7 +18,13 @@ from ..jit.target import Target
 from .common import DTYPES, FLASH_ROW_PAD
 from .fields import Fields, row_statistic, strided
 from .index import register
-from .targets import HOPPER_SHARED_BYTES, SM86_SHARED_BYTES, has_hopper_shared_memory, runs_amd_mfma, runs_nvidia_mma
+from .targets import (
+    HOPPER_SHARED_BYTES,
+    SM86_SHARED_BYTES,
+    has_hopper_shared_memory,
+    runs_amd_mfma,
+    runs_nvidia_mma,
+)
 from .tiles import ELEMENT_BYTES, KernelTiles
 
 # Every head_dim a multiple of 8 up to 256 could run; these ship. 32 and 80 are flash-attn's

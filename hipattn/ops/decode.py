@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from .. import runtime
 from ..catalog import decode
+from ..catalog.decode import MAX_SPLITS
 from ..catalog.targets import check_grid
 from ..device_array import DeviceArray
-from ..catalog.decode import MAX_SPLITS
 from ..kvcache_problem import KvCacheCall, KvCacheProblem
 
 # The split heuristic (choose_splits) gives no split fewer keys than this: below it, a block's pipeline
