@@ -19,12 +19,17 @@ _PLAIN_NUMBERS = (float, int)
 _NO_WINDOW = (-1, -1)
 
 
-def reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table=None) -> None:
-    # The defaults, recognised by exact types first: this runs on every call, and the checks below
-    # (abstract-base-class isinstance tests) cost microseconds.
-    if (type(dropout_p) in _PLAIN_NUMBERS and type(softcap) in _PLAIN_NUMBERS and not dropout_p and not softcap
+def all_defaults(dropout_p, window_size, softcap, alibi_slopes, block_table=None) -> bool:
+    """Whether the feature arguments are all their defaults, told by exact types: this runs on every
+    call, where the checks of reject_unsupported (abstract-base-class isinstance tests) cost
+    microseconds. False is no verdict: reject_unsupported decides."""
+    return (type(dropout_p) in _PLAIN_NUMBERS and type(softcap) in _PLAIN_NUMBERS and not dropout_p and not softcap
             and alibi_slopes is None and block_table is None and type(window_size) is tuple
-            and window_size == _NO_WINDOW and type(window_size[0]) is int and type(window_size[1]) is int):
+            and window_size == _NO_WINDOW and type(window_size[0]) is int and type(window_size[1]) is int)
+
+
+def reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table=None) -> None:
+    if all_defaults(dropout_p, window_size, softcap, alibi_slopes, block_table):
         return
     _check_number(dropout_p, "dropout_p", "0.0")
     _check_number(softcap, "softcap", "0.0")

@@ -84,7 +84,7 @@ def _named_inputs(call: _Inputs, more: tuple = ()) -> list:
     return named
 
 
-def _output(given: Any, name: str, like: DeviceArray, shape, dtype, problem, input_spans, stream):
+def output(given: Any, name: str, like: DeviceArray, shape, dtype, problem, input_spans, stream):
     """(object to return, DeviceArray, memory span or None) for an output: the caller's buffer
     checked, or a new one (which cannot alias anything: no span to check)."""
     if given is None:
@@ -96,7 +96,7 @@ def _output(given: Any, name: str, like: DeviceArray, shape, dtype, problem, inp
     return given, described, span
 
 
-def _check_outputs_disjoint(spans) -> None:
+def check_outputs_disjoint(spans) -> None:
     """Caller-given outputs, by their memory spans (None: allocated here), must not share memory
     either: the kernels write every one of them."""
     for i, span in enumerate(spans):
@@ -204,14 +204,14 @@ def forward(
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
         _order_after_inputs(backend, launch_stream, call)
         spans = _input_spans(call, (), out, lse)
-        out_obj, out_a, out_span = _output(out, "out", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
-        lse_obj, lse_a, lse_span = _output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, spans,
+        out_obj, out_a, out_span = output(out, "out", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
+        lse_obj, lse_a, lse_span = output(lse, "lse", qa, problem_mod.lse_shape(problem), "fp32", problem, spans,
                                            launch_stream)
         if lse_a.strides and lse_a.strides[-1] != 1:
             raise ValueError(f"lse has strides {lse_a.strides}; its last dimension must be contiguous")
         problem_mod.check_row_statistic_alignment(lse_a, "lse")
         problem_mod.check_alignment(out_a, "out", problem.layout)
-        _check_outputs_disjoint((out_span, lse_span))
+        check_outputs_disjoint((out_span, lse_span))
         run = smallseq.forward if path == dispatch.SMALLSEQ else flash.forward
         with recording_launches() as launches:
             run(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences)
@@ -276,12 +276,12 @@ def backward(
         launch_stream = resolve_stream((qa, ka, va, douta), stream, device=problem.device)
         _order_after_inputs(backend, launch_stream, call, douta, outa, lsea)
         spans = _input_spans(call, more_inputs, dq, dk, dv)
-        dq_obj, dqa, dq_span = _output(dq, "dq", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
-        dk_obj, dka, dk_span = _output(dk, "dk", ka, ka.shape, ka.dtype, problem, spans, launch_stream)
-        dv_obj, dva, dv_span = _output(dv, "dv", va, va.shape, va.dtype, problem, spans, launch_stream)
+        dq_obj, dqa, dq_span = output(dq, "dq", qa, qa.shape, qa.dtype, problem, spans, launch_stream)
+        dk_obj, dka, dk_span = output(dk, "dk", ka, ka.shape, ka.dtype, problem, spans, launch_stream)
+        dv_obj, dva, dv_span = output(dv, "dv", va, va.shape, va.dtype, problem, spans, launch_stream)
         for a, name in ((dqa, "dq"), (dka, "dk"), (dva, "dv")):
             problem_mod.check_alignment(a, name, problem.layout)
-        _check_outputs_disjoint((dq_span, dk_span, dv_span))
+        check_outputs_disjoint((dq_span, dk_span, dv_span))
         if path == dispatch.SMALLSEQ:
             smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, **call.sequences)
         else:

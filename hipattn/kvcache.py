@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import arrays, checks, kvcache_problem, launch_plans, runtime
+from . import checks, kvcache_problem, launch_plans, runtime
 from . import problem as problem_mod
-from .api import reject_unsupported
-from .attention import workspace_sections
+from .api import all_defaults, reject_unsupported
+from .attention import check_outputs_disjoint, output, workspace_sections
 from .jit.registry import recording_launches
 from .ops import decode
 from .streams import on_device, resolve_stream, wait_for_producers
@@ -26,7 +26,6 @@ from .workspace import kvcache_workspace
 _SLOTS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
           "cache_leftpad", "block_table", "o", "lse")
 _OUTPUTS = (11, 12)
-_NO_WINDOW = (-1, -1)
 
 
 def flash_attn_with_kvcache(
@@ -81,8 +80,7 @@ def flash_attn_with_kvcache(
              cache_leftpad, block_table, out, lse)
     active = runtime.active()
     key = None
-    if (workspace is None and type(window_size) is tuple and window_size == _NO_WINDOW and type(softcap) in (int, float)
-            and not softcap and alibi_slopes is None):
+    if workspace is None and all_defaults(0.0, window_size, softcap, alibi_slopes):
         host_length = cache_seqlens if type(cache_seqlens) is int else None
         key = launch_plans.signature(
             "kvcache", given, (host_length, cache_seqlens is None, softmax_scale, causal, rotary_interleaved, num_splits,
@@ -109,18 +107,17 @@ def flash_attn_with_kvcache(
         written = [(call.k_cache, "k_cache"), (call.v_cache, "v_cache")] if p.seqlen_new else []
         _check_cache_disjoint(inputs, written)
         spans = problem_mod.memory_spans(inputs + [(call.k_cache, "k_cache"), (call.v_cache, "v_cache")])
-        out_obj, out_a = _output(out, "out", call, (p.batch, p.seqlen_q, p.heads_q, p.head_dim), p.dtype, spans,
-                                 launch_stream)
-        lse_obj = lse_a = None
+        out_obj, out_a, out_span = output(out, "out", call.q, (p.batch, p.seqlen_q, p.heads_q, p.head_dim), p.dtype,
+                                          p, spans, launch_stream)
+        lse_obj = lse_a = lse_span = None
         if p.return_lse:
-            lse_obj, lse_a = _output(lse, "lse", call, (p.batch, p.heads_q, p.seqlen_q), "fp32", spans, launch_stream)
+            lse_obj, lse_a, lse_span = output(lse, "lse", call.q, (p.batch, p.heads_q, p.seqlen_q), "fp32", p, spans,
+                                              launch_stream)
             if p.seqlen_q > 1 and lse_a.strides[-1] != 1:
                 raise ValueError(f"lse has strides {lse_a.strides}; its last dimension must be contiguous")
             problem_mod.check_row_statistic_alignment(lse_a, "lse")
-        if out is not None and lse is not None and problem_mod.overlaps(out_a, lse_a):
-            raise ValueError("lse overlaps out in memory; outputs must not alias each other")
-        tiles = decode.attention_tiles(p)
-        splits = decode.choose_splits(p, tiles, decode.device_slots(p, tiles))
+        check_outputs_disjoint((out_span, lse_span))
+        tiles, splits = decode.attention_plan(p)
         plan = kvcache_workspace(p, splits)
         sections, base = {}, None
         if plan.sections:
@@ -150,10 +147,7 @@ def kvcache_workspace_bytes(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
     call = kvcache_problem.describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, block_table, None, causal, True,
                                     num_splits, False, None)
-    p = call.problem
-    tiles = decode.attention_tiles(p)
-    splits = decode.choose_splits(p, tiles, decode.device_slots(p, tiles))
-    return kvcache_workspace(p, splits).total_bytes
+    return kvcache_workspace(call.problem, decode.attention_plan(call.problem)[1]).total_bytes
 
 
 def _check_cache_disjoint(inputs: list, written: list) -> None:
@@ -164,12 +158,3 @@ def _check_cache_disjoint(inputs: list, written: list) -> None:
             if problem_mod.overlaps(cache, other):
                 raise ValueError(f"{cache_name} overlaps {other_name} in memory; the append writes {cache_name}, "
                                  "so it must be memory of its own")
-
-
-def _output(given: Any, name: str, call, shape, dtype: str, spans, stream: int):
-    """(object to return, DeviceArray): the caller's buffer checked against every input, or a new one."""
-    if given is None:
-        return arrays.empty(call.q, shape, dtype, stream=stream)
-    described = arrays.as_device_array(given, name)
-    problem_mod.check_output(described, name, shape, dtype, call.problem, spans)
-    return given, described

@@ -56,20 +56,17 @@ def _copy_bandwidth(torch) -> float:
 
 
 def _inputs(torch, batch, kv, heads_q, heads_kv, generator):
+    """q, contiguous k and v, and the same values paged as the matrix's decode cells page them."""
+    from tools.matrix import cells, gpu
+
     t = torch.bfloat16
     q = torch.randn(batch, 1, heads_q, DECODE_HEAD_DIM, generator=generator, device="cuda").to(t)
     k = torch.randn(batch, kv, heads_kv, DECODE_HEAD_DIM, generator=generator, device="cuda").to(t)
     v = torch.randn(batch, kv, heads_kv, DECODE_HEAD_DIM, generator=generator, device="cuda").to(t)
-    pages_per_sequence = kv // DECODE_PAGE_SIZE
-    order = torch.randperm(batch * pages_per_sequence, generator=generator, device="cuda")
-    paged = {}
-    for name, x in (("k", k), ("v", v)):
-        tiles = x.reshape(batch * pages_per_sequence, DECODE_PAGE_SIZE, heads_kv, DECODE_HEAD_DIM)
-        paged[name] = torch.empty_like(tiles)
-        paged[name][order] = tiles
-    table = order.to(torch.int32).reshape(batch, pages_per_sequence)
-    seqlens = torch.full((batch,), kv, dtype=torch.int32, device="cuda")
-    return q, k, v, paged, table, seqlens
+    cell = cells.Cell("decode", "fwd", DECODE_HEAD_DIM, heads_q, heads_kv, batch=batch, seqlen_q=1, seqlen_k=kv,
+                      page_size=DECODE_PAGE_SIZE)
+    paged = gpu.decode_cache(cell, {"k": k, "v": v}, generator)
+    return q, k, v, paged, paged["block_table"], paged["seqlens"]
 
 
 def _graph_ms(torch, call) -> float:

@@ -15,6 +15,8 @@ from ..catalog.decode import MAX_SPLITS
 from ..catalog.targets import check_grid
 from ..device_array import DeviceArray
 from ..kvcache_problem import KvCacheCall, KvCacheProblem
+from ..problem import BSHD
+from .fields import put_absent_tensor, put_tensor
 
 # The split heuristic (choose_splits) gives no split fewer keys than this: below it, a block's pipeline
 # start and the partials' writes and combine cost more than the parallelism gains ...
@@ -53,10 +55,11 @@ def choose_splits(problem: KvCacheProblem, tiles: decode.AttentionTiles, slots: 
 
 
 def _tensor(fields: dict, name: str, a: DeviceArray | None) -> None:
-    """A [batch, token, head, dim] array's pointer and strides (zeros when absent)."""
-    fields[name] = a.ptr if a is not None else 0
-    strides = a.strides if a is not None else (0, 0, 0, 1)
-    fields[f"{name}_batch_stride"], fields[f"{name}_token_stride"], fields[f"{name}_head_stride"] = strides[:3]
+    """A [batch, token, head, dim] array's fields (ops.fields), or a null one where the call has none."""
+    if a is None:
+        put_absent_tensor(fields, name)
+    else:
+        put_tensor(fields, name, a, BSHD)
 
 
 def _cache_fields(call: KvCacheCall) -> dict:
@@ -116,6 +119,12 @@ def device_slots(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
     """Blocks of ``tiles`` the call's device runs at once."""
     active = runtime.active()
     return active.compute_units(problem.device) * tiles.blocks_per_unit(active.target(problem.device), problem.head_dim)
+
+
+def attention_plan(problem: KvCacheProblem) -> tuple[decode.AttentionTiles, int]:
+    """The attention row the call runs and its split count (attention_tiles, choose_splits)."""
+    tiles = attention_tiles(problem)
+    return tiles, choose_splits(problem, tiles, device_slots(problem, tiles))
 
 
 def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray | None, splits: int,

@@ -32,7 +32,7 @@ def sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
 # A tensor's four field names (catalog.fields.strided), spelled once rather than formatted per launch.
 _TENSOR_FIELD_NAMES = {
     name: (name, f"{name}_batch_stride", f"{name}_token_stride", f"{name}_head_stride")
-    for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum")
+    for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum", "k_new", "v_new", "q_rotated")
 }
 
 

@@ -138,7 +138,7 @@ def _hipattn(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
 
     sets, count = data.sets, len(data.sets)
     if cell.section == "decode":
-        caches = [_decode_cache(cell, s, data.generator) for s in sets]
+        caches = [decode_cache(cell, s, data.generator) for s in sets]
         outs = [torch.full_like(s["q"], float("nan")) for s in sets]
 
         def run_decode(i: int) -> tuple:
@@ -177,7 +177,7 @@ def _hipattn(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
     return run
 
 
-def _decode_cache(cell: cells.Cell, s: dict, generator: torch.Generator) -> dict:
+def decode_cache(cell: cells.Cell, s: dict, generator: torch.Generator) -> dict:
     """A decode cell's cache for hipattn: the set's k/v as they are (contiguous), or scattered into
     shuffled pages of cell.page_size tokens with the block table that gathers them back."""
     seqlens = torch.full((cell.batch,), cell.seqlen_k, dtype=torch.int32, device=s["k"].device)
