@@ -118,7 +118,7 @@ class _Inputs(NamedTuple):
 
 
 def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                     causal, softmax_scale, stream) -> _Inputs:
+                     causal, softmax_scale, stream, window_size=problem_mod.NO_WINDOW) -> _Inputs:
     # A DLPack producer orders its pending writes before the consumer's stream, which must be named
     # at export: known here only when the caller passed a raw handle (otherwise the protocol's
     # default, the legacy stream, is what the producer syncs with).
@@ -139,7 +139,7 @@ def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
         qa, ka, va, cu_q, cu_k, used_q, used_k = settle_devices((qa, ka, va, cu_q, cu_k, used_q, used_k))
     sequences = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_q": used_q, "seqused_k": used_k}
     problem = problem_mod.describe(qa, ka, va, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   causal=causal, softmax_scale=softmax_scale)
+                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size)
     return _Inputs(qa, ka, va, sequences, problem)
 
 
@@ -150,6 +150,14 @@ def _order_after_inputs(backend, stream: int, call: _Inputs, *more: DeviceArray)
     wait_for_producers(backend, inputs, stream)
     if checks.enabled():
         checks.check_sequences(backend, stream, call.problem, call.sequences)
+
+
+def window_scalars(window_size: Any) -> tuple:
+    """window_size as plan-key scalars: its two sides, or the object itself where it is not a
+    tuple of two (launch_plans.signature then refuses the key and the full path checks it)."""
+    if type(window_size) is tuple and len(window_size) == 2:
+        return window_size
+    return (window_size,)
 
 
 # A forward call's array slots, by the kernel fields they fill (launch_plans): q, k, v, out, lse,
@@ -173,6 +181,7 @@ def forward(
     max_seqlen_k: int | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = problem_mod.NO_WINDOW,
     stream: Any = None,
 ) -> tuple[Any, Any]:
     """Attention forward. Returns ``(out, lse)``: out like q, lse fp32 in flash-attn's layout.
@@ -180,15 +189,17 @@ def forward(
     Varlen (THD) when cu_seqlens are given: q [total_q, Hq, D], k/v [total_k, Hkv, D], int32
     cu_seqlens [batch + 1] and host-int upper bounds max_seqlen_q/k. Batch (BSHD) otherwise:
     q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D], optional int32 seqused_q/k [B] (per-sequence lengths
-    of a padded batch). Rows beyond a sequence's length are not written.
+    of a padded batch). Rows beyond a sequence's length are not written. ``window_size=(left,
+    right)``: flash-attn's sliding window (hipattn.flash_attn_varlen_func says how it aligns).
 
     A repeat call with torch tensors of the same signature replays the launch the first one
     validated, checking only what depends on the pointers (launch_plans).
     """
     given = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     active = runtime.active()
-    key = launch_plans.signature("forward", given, (max_seqlen_q, max_seqlen_k, softmax_scale, causal), stream,
-                                 _FORWARD_OUTPUTS)
+    key = launch_plans.signature("forward", given,
+                                 (max_seqlen_q, max_seqlen_k, softmax_scale, causal, *window_scalars(window_size)),
+                                 stream, _FORWARD_OUTPUTS)
     if key is not None:
         plan = active.launch_plans.get(key)
         if plan is not None:
@@ -196,7 +207,7 @@ def forward(
             if replayed is not None:
                 return replayed[3], replayed[4]
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                            max_seqlen_k, causal, softmax_scale, stream)
+                            max_seqlen_k, causal, softmax_scale, stream, window_size)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     path = dispatch.choose_path(problem, "forward")
     backend = active.backend
@@ -243,6 +254,7 @@ def backward(
     max_seqlen_k: int | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = problem_mod.NO_WINDOW,
     deterministic: bool = False,
     workspace: Any = None,
     stream: Any = None,
@@ -259,7 +271,7 @@ def backward(
     framework, on the launch stream.
     """
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                            max_seqlen_k, causal, softmax_scale, stream)
+                            max_seqlen_k, causal, softmax_scale, stream, window_size)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     consumer = stream if type(stream) is int else None
     douta = arrays.as_device_array(dout, "dout", stream=consumer)
@@ -299,11 +311,12 @@ def backward(
 def backward_workspace_bytes(q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                              seqused_q: Any = None, seqused_k: Any = None, max_seqlen_q: int | None = None,
                              max_seqlen_k: int | None = None, causal: bool = False,
+                             window_size: tuple[int, int] = problem_mod.NO_WINDOW,
                              deterministic: bool = False) -> int:
     """Bytes of the ``workspace`` a ``backward`` call with these arguments needs (0 on the small-seq
     path, which needs none). Reads no device memory."""
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                            max_seqlen_k, causal, None, None)
+                            max_seqlen_k, causal, None, None, window_size)
     if dispatch.choose_path(call.problem, "backward") == dispatch.SMALLSEQ:
         return 0
     return backward_workspace(call.problem, deterministic).total_bytes

@@ -14,7 +14,7 @@ from typing import Any
 from . import checks, kvcache_problem, launch_plans, runtime
 from . import problem as problem_mod
 from .api import all_defaults, reject_unsupported
-from .attention import check_outputs_disjoint, output, workspace_sections
+from .attention import check_outputs_disjoint, output, window_scalars, workspace_sections
 from .jit.registry import recording_launches
 from .ops import decode
 from .streams import on_device, resolve_stream, wait_for_producers
@@ -62,11 +62,12 @@ def flash_attn_with_kvcache(
       [B, max_pages]) paged: [pages, page_size, Hkv, D]. Written in place when k/v are given.
     - ``k``/``v``: [B, S_new, Hkv, D], appended at ``cache_seqlens`` (an int, or int32 [B] on the
       device); ``rotary_cos``/``rotary_sin`` ([positions, rotary_dim / 2]) rotate the new keys at their
-      cache positions, and q at cache_seqlens (+ its token index when causal), interleaved
-      (GPT-J) or not (GPT-NeoX).
+      cache positions, and q at cache_seqlens (+ its token index when causal or windowed),
+      interleaved (GPT-J) or not (GPT-NeoX).
     - ``cache_batch_idx`` (int32 [B]): which cache entry each sequence uses; ``cache_leftpad`` (int32
       [B]): where each sequence's keys start.
-    - ``causal``: bottom-right aligned; ``num_splits``: 0 chooses from host-known sizes.
+    - ``causal`` and ``window_size=(left, right)`` (flash-attn's sliding window): bottom-right
+      aligned with the cache's end; ``num_splits``: 0 chooses from host-known sizes.
 
     The low-level keywords take caller buffers and a stream: ``out``, ``lse`` (needs
     ``return_softmax_lse``), ``workspace`` (``kvcache_workspace_bytes`` bytes; needed only with raw
@@ -80,20 +81,21 @@ def flash_attn_with_kvcache(
              cache_leftpad, block_table, out, lse)
     active = runtime.active()
     key = None
-    if workspace is None and all_defaults(0.0, window_size, softcap, alibi_slopes):
+    if workspace is None and all_defaults(0.0, softcap, alibi_slopes):
         host_length = cache_seqlens if type(cache_seqlens) is int else None
         key = launch_plans.signature(
             "kvcache", given, (host_length, cache_seqlens is None, softmax_scale, causal, rotary_interleaved, num_splits,
-                               return_softmax_lse), stream, _OUTPUTS if return_softmax_lse else _OUTPUTS[:1])
+                               return_softmax_lse, *window_scalars(window_size)), stream,
+            _OUTPUTS if return_softmax_lse else _OUTPUTS[:1])
         plan = active.launch_plans.get(key) if key is not None else None
         if plan is not None:
             replayed = launch_plans.replay(plan, active.backend, given, stream)
             if replayed is not None:
                 return (replayed[11], replayed[12]) if return_softmax_lse else replayed[11]
-    reject_unsupported(0.0, window_size, softcap, alibi_slopes)
+    reject_unsupported(0.0, softcap, alibi_slopes)
     call = kvcache_problem.describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                    rotary_interleaved, num_splits, return_softmax_lse, stream)
+                                    rotary_interleaved, num_splits, return_softmax_lse, stream, window_size)
     p = call.problem
     if lse is not None and not p.return_lse:
         raise ValueError("lse= was given but return_softmax_lse is False; pass return_softmax_lse=True")
@@ -141,12 +143,13 @@ def flash_attn_with_kvcache(
 def kvcache_workspace_bytes(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None,
                             rotary_cos: Any = None, rotary_sin: Any = None, cache_seqlens: Any = None,
                             cache_batch_idx: Any = None, cache_leftpad: Any = None, block_table: Any = None,
-                            causal: bool = False, num_splits: int = 0) -> int:
+                            causal: bool = False, num_splits: int = 0,
+                            window_size: tuple[int, int] = problem_mod.NO_WINDOW) -> int:
     """Bytes of the ``workspace`` a ``flash_attn_with_kvcache`` call with these arguments needs (0 when
     none: no rotary and one split). Reads no device memory."""
     call = kvcache_problem.describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, block_table, None, causal, True,
-                                    num_splits, False, None)
+                                    num_splits, False, None, window_size)
     return kvcache_workspace(call.problem, decode.attention_plan(call.problem)[1]).total_bytes
 
 

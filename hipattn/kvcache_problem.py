@@ -45,6 +45,21 @@ class KvCacheProblem:
     causal: bool
     num_splits: int  # as asked: 0 = the launcher's heuristic
     return_lse: bool
+    # flash-attn's window_size with causal folded in (problem.check_window): -1 is no bound.
+    window_left: int = -1
+    window_right: int = -1
+
+    @property
+    def keys_bound(self) -> int:
+        """The most keys a sequence's rows see together: the capacity, or a window's left side past
+        the first query token's diagonal and the seqlen_q tokens' own."""
+        return self.capacity if self.window_left < 0 else min(self.capacity, self.window_left + self.seqlen_q)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the window bounds some side within the cache, as flash-attn tells a local call
+        (which, like a causal one, rotates q at advancing positions)."""
+        return any(0 <= side < self.capacity for side in (self.window_left, self.window_right))
 
     @property
     def group(self) -> int:
@@ -104,7 +119,7 @@ def _check_host_int(value: Any, name: str) -> int:
 
 def describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, rotary_interleaved, num_splits, return_softmax_lse,
-             stream) -> KvCacheCall:
+             stream, window_size=problem_mod.NO_WINDOW) -> KvCacheCall:
     """Describe and validate every argument of a KV-cache call."""
     consumer = stream if type(stream) is int else None
     qa = arrays.as_device_array(q, "q", stream=consumer)
@@ -212,6 +227,8 @@ def describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
             raise ValueError(f"rotary_cos has {rotary_positions} positions; the cache holds {capacity} tokens, "
                              "and every cache position needs one")
 
+    causal = check_bool(causal, "causal")
+    window_left, window_right = problem_mod.check_window(window_size, causal)
     splits = _check_host_int(num_splits, "num_splits")
     if not 0 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits is {splits}; expected 0 (choose) to {MAX_SPLITS}")
@@ -220,7 +237,8 @@ def describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         head_dim=head_dim, seqlen_new=seqlen_new, capacity=capacity, cache_entries=entries, page_size=page_size,
         pages_per_sequence=pages_per_sequence, cache_seqlen=cache_seqlen, rotary_dim=rotary_dim,
         rotary_positions=rotary_positions, rotary_interleaved=check_bool(rotary_interleaved, "rotary_interleaved"),
-        softmax_scale=problem_mod.resolve_softmax_scale(softmax_scale, head_dim), causal=check_bool(causal, "causal"),
-        num_splits=splits, return_lse=check_bool(return_softmax_lse, "return_softmax_lse"))
+        softmax_scale=problem_mod.resolve_softmax_scale(softmax_scale, head_dim), causal=causal,
+        num_splits=splits, return_lse=check_bool(return_softmax_lse, "return_softmax_lse"),
+        window_left=window_left, window_right=window_right)
     problem_mod.check_fits_int32(capacity=capacity, rows=batch * seqlen_q * heads_q, cache_entries=entries)
     return KvCacheCall(qa, kc, vc, ka, va, cos, sin, seqlens, batch_idx, leftpad, table, problem)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,10 @@ class Problem:
     causal: bool
     softmax_scale: float
     device: int
+    # The keys a query row sees, flash-attn's window_size with causal folded in (right 0): -1 is no
+    # bound on that side. (-1, -1) is plain attention.
+    window_left: int = -1
+    window_right: int = -1
 
 
 def dims(a: DeviceArray, name: str, layout: str) -> tuple[int, int, int, int]:
@@ -110,6 +115,29 @@ def check_bool(value: object, name: str) -> bool:
     raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+NO_WINDOW = (-1, -1)
+
+
+def check_window(window_size: object, causal: bool) -> tuple[int, int]:
+    """flash-attn's ``window_size=(left, right)`` as the kernels' (left, right): a negative side has no
+    bound (-1), and causal makes the right side 0, as flash-attn does. Query i of a sequence sees key j
+    when i + len_k - len_q - left <= j <= i + len_k - len_q + right (bottom-right aligned)."""
+    if type(window_size) is tuple and window_size == NO_WINDOW and type(window_size[0]) is int:
+        return (-1, 0 if causal else -1)
+    # Any pair of integers: flash-attn's own tests pass a 2-element integer tensor, whose elements
+    # operator.index reads as Python ints. Bools are refused, as everywhere else an int is expected.
+    try:
+        sides = tuple(window_size)  # type: ignore[arg-type]
+        if len(sides) != 2 or any(isinstance(side, bool) or _is_numpy_bool(side) for side in sides):
+            raise TypeError
+        left, right = (max(operator.index(side), -1) for side in sides)
+    except TypeError:
+        # An array is named by its type: its repr could be large, or read device memory to print it.
+        given = repr(window_size) if isinstance(window_size, (tuple, list, int, float, str)) else type(window_size)
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {given}") from None
+    return (left, 0 if causal else right)
+
+
 # The kernels take softmax_scale as a float32: a double beyond its range would become inf (and the
 # output NaN), and one below half its smallest subnormal would become 0 (a uniform average).
 FLOAT32_MAX = 3.4028234663852886e38
@@ -157,6 +185,7 @@ def describe(
     max_seqlen_k: int | None = None,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = NO_WINDOW,
 ) -> Problem:
     """Check q, k, v and the sequence description; the layout follows from cu_seqlens being given."""
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -192,6 +221,7 @@ def describe(
         check_alignment(a, name, layout)
     if type(causal) is not bool:  # the common case costs one comparison: this runs on every call
         causal = check_bool(causal, "causal")
+    window_left, window_right = (-1, 0 if causal else -1) if window_size is NO_WINDOW else check_window(window_size, causal)
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)
 
     if layout == THD:
@@ -219,7 +249,7 @@ def describe(
         check_fits_int32(total_q=total_q, total_k=total_k, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k,
                           heads_q=heads_q, heads_kv=heads_kv)
     return _problem(layout, q.dtype, batch, heads_q, heads_kv, head_dim, max_q, max_k, total_q, total_k,
-                    causal, softmax_scale, device)
+                    causal, softmax_scale, device, window_left, window_right)
 
 
 # The kernels take token counts, batch and bounds as 32-bit ints (ctypes would wrap larger values
@@ -260,7 +290,7 @@ _new_object = object.__new__
 
 
 def _problem(layout, dtype, batch, heads_q, heads_kv, head_dim, max_seqlen_q, max_seqlen_k, total_q, total_k,
-             causal, softmax_scale, device) -> Problem:
+             causal, softmax_scale, device, window_left, window_right) -> Problem:
     # The hot-path constructor (as device_array.unchecked_device_array): the frozen dataclass __init__
     # sets its 13 fields one object.__setattr__ at a time (~2 us); filling __dict__ builds the same
     # object in a third.
@@ -268,7 +298,7 @@ def _problem(layout, dtype, batch, heads_q, heads_kv, head_dim, max_seqlen_q, ma
     problem.__dict__.update(
         layout=layout, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, total_q=total_q, total_k=total_k, causal=causal,
-        softmax_scale=softmax_scale, device=device,
+        softmax_scale=softmax_scale, device=device, window_left=window_left, window_right=window_right,
     )  # fmt: skip
     return problem
 

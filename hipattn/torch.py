@@ -31,11 +31,13 @@ import torch
 
 from . import attention, kvcache, torch_sdpa
 from .api import reject_unsupported
-from .problem import check_bool, check_max_seqlen, resolve_softmax_scale
+from .packed import KV_BATCH, KV_VARLEN, QKV_BATCH, QKV_VARLEN, Packing
+from .problem import check_bool, check_max_seqlen, check_window, resolve_softmax_scale
 from .torch_sdpa import disable, enable, enabled, is_enabled
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "enable", "disable", "enabled",
-           "is_enabled"]
+           "is_enabled", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func"]
 
 Tensor = torch.Tensor
 
@@ -47,11 +49,12 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
     return (q.shape[0], q.shape[2], q.shape[1])
 
 
-def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                 window_left, window_right):
     """hipattn's forward kernels on the op's arguments: (out, lse)."""
     return attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                             causal=causal)
+                             causal=causal, window_size=(window_left, window_right))
 
 
 @torch.library.custom_op("hipattn::forward", mutates_args=())
@@ -65,15 +68,18 @@ def _forward_op(
     max_seqlen_k: Optional[int],
     softmax_scale: float,
     causal: bool,
+    window_left: int,
+    window_right: int,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     del deterministic  # a forward is deterministic; the flag is kept for the backward (_setup_context)
-    return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                        window_left, window_right)
 
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                  deterministic):
+                  window_left, window_right, deterministic):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
@@ -91,25 +97,29 @@ def _backward_op(
     max_seqlen_k: Optional[int],
     softmax_scale: float,
     causal: bool,
+    window_left: int,
+    window_right: int,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return attention.backward(dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                              causal=causal, deterministic=deterministic)
+                              causal=causal, window_size=(window_left, window_right), deterministic=deterministic)
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   causal, deterministic):
+                   causal, window_left, window_right, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+     deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.window = (window_left, window_right)
 
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
@@ -117,8 +127,9 @@ def _backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
     # The kernels read rows with 16-byte accesses: a gradient that autograd hands over expanded or
     # transposed is made contiguous first.
     dq, dk, dv = _backward_op(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                              ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                              ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, *ctx.window,
+                              ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -131,8 +142,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                deterministic):
-        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
+                window_left, window_right, deterministic):
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                  window_right, deterministic)
         output = _run_forward(*inputs[:-1])
         ctx.mark_non_differentiable(output[1])
         _setup_context(ctx, inputs, output)
@@ -146,17 +158,19 @@ class _EagerAttention(torch.autograd.Function):
 _TENSOR = torch.Tensor
 
 
-def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic):
+def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
+            deterministic):
     """hipattn's forward with autograd: for plain tensors in eager mode, the autograd Function (or,
     when nothing needs a gradient, the forward alone); the custom op for everything traced."""
     if (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not torch.compiler.is_compiling()
             and not torch._C._len_torch_dispatch_stack() and not torch._C._is_torch_function_mode_enabled()):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, causal, deterministic)
-        return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+                                         softmax_scale, causal, *window, deterministic)
+        return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                            *window)
     return _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       deterministic)
+                       *window, deterministic)
 
 
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
@@ -196,10 +210,10 @@ def flash_attn_varlen_func(
     Returns out, or (out, softmax_lse, None) with return_attn_probs=True; out.backward() runs
     hipattn's backward, bit-identical run to run with ``deterministic=True``.
     """
-    reject_unsupported(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    reject_unsupported(dropout_p, softcap, alibi_slopes, block_table)
     causal, deterministic = _host_arguments(max_seqlen_q, max_seqlen_k, causal, deterministic)
     out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale),
-                       causal, deterministic)
+                       causal, check_window(window_size, causal), deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -217,9 +231,10 @@ def flash_attn_func(
     return_attn_probs: bool = False,
 ):
     """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd."""
-    reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    reject_unsupported(dropout_p, softcap, alibi_slopes)
     causal, deterministic = _host_arguments(None, None, causal, deterministic)
-    out, lse = _attend(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal, deterministic)
+    out, lse = _attend(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal,
+                       check_window(window_size, causal), deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -239,18 +254,21 @@ def _kvcache_op(
     block_table: Optional[Tensor],
     softmax_scale: Optional[float],
     causal: bool,
+    window_left: int,
+    window_right: int,
     rotary_interleaved: bool,
     num_splits: int,
 ) -> tuple[Tensor, Tensor]:
     return kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if cache_seqlens is not None else cache_seqlen,
-        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, (-1, -1), 0.0, rotary_interleaved, None,
-        num_splits, True)
+        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), 0.0,
+        rotary_interleaved, None, num_splits, True)
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx,
-                  cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved, num_splits):
+                  cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, rotary_interleaved,
+                  num_splits):
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
@@ -280,13 +298,117 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
             return_softmax_lse)
-    reject_unsupported(0.0, window_size, softcap, alibi_slopes)
+    reject_unsupported(0.0, softcap, alibi_slopes)
     host_length = cache_seqlens if isinstance(cache_seqlens, int) else None
+    causal = check_bool(causal, "causal")
     out, lse = _kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                            None if host_length is not None else cache_seqlens, host_length, cache_batch_idx,
-                           cache_leftpad, block_table, softmax_scale, check_bool(causal, "causal"),
+                           cache_leftpad, block_table, softmax_scale, causal, *check_window(window_size, causal),
                            check_bool(rotary_interleaved, "rotary_interleaved"), num_splits)
     return (out, lse) if check_bool(return_softmax_lse, "return_softmax_lse") else out
+
+
+def _check_tensors(function: str, **given) -> None:
+    for name, value in given.items():
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; hipattn.{function} takes "
+                            "other array kinds")
+
+
+def _unpack(packed: Tensor, packing: Packing) -> tuple:
+    """Views of the tensors stacked in ``packed``: unbind's backward stacks their gradients into one
+    tensor of the packed shape, as flash-attn's dqkv and dkv are."""
+    packing.check_shape(tuple(packed.shape))
+    return packed.unbind(packing.axis)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """flash_attn_func with autograd on q, k, v stacked in qkv [B, S, 3, H, D]: the gradient arrives in
+    qkv.grad, one tensor of qkv's shape (hipattn.flash_attn_qkvpacked_func's docstring)."""
+    _check_tensors("flash_attn_qkvpacked_func", qkv=qkv)
+    q, k, v = _unpack(qkv, QKV_BATCH)
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                           deterministic=deterministic, return_attn_probs=return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """flash_attn_func with autograd on q [B, S_q, Hq, D] and k, v stacked in kv [B, S_k, 2, Hkv, D]."""
+    _check_tensors("flash_attn_kvpacked_func", q=q, kv=kv)
+    k, v = _unpack(kv, KV_BATCH)
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                           deterministic=deterministic, return_attn_probs=return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """flash_attn_varlen_func with autograd on q, k, v stacked in qkv [total, 3, H, D], cu_seqlens and
+    max_seqlen serving queries and keys alike."""
+    _check_tensors("flash_attn_varlen_qkvpacked_func", qkv=qkv, cu_seqlens=cu_seqlens)
+    q, k, v = _unpack(qkv, QKV_VARLEN)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
+                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                  softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                  return_attn_probs=return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """flash_attn_varlen_func with autograd on q [total_q, Hq, D] and k, v stacked in kv [total_k, 2, Hkv, D]."""
+    _check_tensors("flash_attn_varlen_kvpacked_func", q=q, kv=kv, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k)
+    k, v = _unpack(kv, KV_VARLEN)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
 torch_sdpa.register()

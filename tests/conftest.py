@@ -9,3 +9,22 @@ import pytest
 def emulation_dirs(tmp_path_factory):
     """Build and cache directories for a module's emulated kernels: each compiles once per module."""
     return tmp_path_factory.mktemp("emulated-build"), tmp_path_factory.mktemp("emulated-cache")
+
+
+@pytest.fixture
+def windowed(monkeypatch):
+    """``windowed(window)`` makes the raw-array checks (support.raw_calls) run with flash-attn's
+    window_size=window: hipattn's forward and backward and the float64 reference all take it."""
+    import functools
+
+    from support import raw_calls, reference
+
+    import hipattn
+
+    def use(window):
+        for name in ("forward", "backward", "backward_workspace_bytes"):
+            monkeypatch.setattr(hipattn, name, functools.partial(getattr(hipattn, name), window_size=window))
+        for name in ("reference_forward", "reference_backward"):
+            monkeypatch.setattr(raw_calls, name, functools.partial(getattr(reference, name), window=window))
+
+    return use

@@ -70,6 +70,25 @@ def test_the_mfma_flash_backward_matches_float64(device, dtype, head_dim, heads_
                                causal, max_q=max(lengths_q) + 37, max_k=max(lengths_k) + 50, deterministic=deterministic)
 
 
+# Sliding windows (flash-attn's window_size, -1: no bound on that side): a left side that skips the
+# first key tiles, a right side that leaves the rows of a short KV sequence no key, a band within one
+# tile, and causal with a left side.
+FLASH_WINDOWS = [((40, -1), False), ((3, 20), False), ((8, 8), False), ((24, 0), True)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("window_causal", FLASH_WINDOWS, ids=lambda wc: f"window{wc[0]}" + ("-causal" * wc[1]))
+def test_the_mfma_flash_kernels_match_float64_with_windows(device, windowed, window_causal, deterministic):
+    """The forward's key-tile range and masks at both window edges, the dK/dV kernel's query tiles
+    (rows_seeing), and the dQ kernel's key range."""
+    window, causal = window_causal
+    windowed(window)
+    lengths_q = [18, 70, 5, 33, 40]
+    lengths_k = [40, 70, 19, 0, 80]
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, 2, 1, 64, "bf16", causal,
+                               deterministic=deterministic)
+
+
 def test_the_mfma_flash_kernels_match_float64_in_batch_mode_with_seqused(device):
     """BSHD with per-sequence lengths (seqused): batch strides instead of cu_seqlens, rows past a
     sequence's length left alone, causal, GQA, both dQ schedules."""

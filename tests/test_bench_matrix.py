@@ -28,13 +28,36 @@ def test_cell_names_are_unique_and_every_section_is_there():
     names = [c.name for c in every]
     assert len(names) == len(set(names))
     counts = {s: sum(1 for c in every if c.section == s) for s in cells.SECTIONS}
-    # 3 head_dims x 6 head groupings x 2 directions; 4 x 2 x 2 x 6 x 2; 2 x 2 x 2; the decode shapes
+    # 3 head_dims x 6 head groupings x 2 directions; 4 x 2 x 2 x 6 x 2; 2 x 2 x 2; the decode shapes;
+    # the window shapes x 2 directions and the window decode steps
     assert counts == {"smallseq": 36, "batch": 192, "varlen": 8,
-                      "decode": len(cells.DECODE_SHAPES) + len(cells.DECODE_PAGED_SHAPES)}
+                      "decode": len(cells.DECODE_SHAPES) + len(cells.DECODE_PAGED_SHAPES),
+                      "window": 2 * len(cells.WINDOW_SHAPES) + len(cells.WINDOW_DECODE_SHAPES)}
     assert "smallseq/d128/h16:4/fwd" in names
     assert "batch/d96/h16:4/s16384/causal/fwdbwd" in names
     assert "decode/d128/h32:8/b1/kv131072/fwd" in names
     assert all(cells.by_name(n).name == n for n in names)
+
+
+def test_window_cells_are_named_by_their_window_and_the_others_keep_their_names():
+    names = {c.name for c in cells.all_cells()}
+    for name in ("window/d128/h16:4/s16384/w1023,0/causal/fwd", "window/d128/h16:4/s4096/w1023,0/causal/fwdbwd",
+                 "window/d128/h16:4/s4096/w512,512/noncausal/fwd", "window/d128/h16:4/s16384/w4095,0/causal/fwdbwd",
+                 "window/d64/h16:4/s16384/w1023,0/causal/fwdbwd", "window/d128/h16:16/s16384/w1023,0/causal/fwd",
+                 "window/d128/h32:8/b8/kv32768/w4095,0/causal/fwd", "window/d128/h32:8/b64/kv4096/w1023,0/causal/fwd"):
+        assert name in names
+    cell = cells.by_name("window/d128/h16:4/s16384/w1023,0/causal/fwd")
+    assert (cell.window, cell.causal, cell.batch, cell.seqlen_q, cell.seqlen_k) == ((1023, 0), True, 1, 16384, 16384)
+    assert cell.params()["window_left"] == 1023 and cell.layout == "bshd" and not cell.is_decode
+    decode = cells.by_name("window/d128/h32:8/b8/kv32768/w4095,0/causal/fwd")
+    assert decode.is_decode and decode.seqlen_q == 1 and decode.window == (4095, 0)
+    for c in cells.all_cells():
+        assert c.windowed == (c.section == "window")  # a window field is set only in the window section
+        assert c.is_decode == (c.section == "decode" or (c.section == "window" and c.seqlen_q == 1))
+        assert ",".join(map(str, c.window)) in c.name or not c.windowed
+    # the default window leaves every other cell's name as it was
+    plain = cells.Cell("batch", "fwd", 128, 16, 4, True, batch=4, seqlen_q=4096, seqlen_k=4096)
+    assert plain.window == cells.NO_WINDOW and plain.name == "batch/d128/h16:4/s4096/causal/fwd"
 
 
 def test_quick_is_a_subset_of_the_full_list_with_every_section():
@@ -43,6 +66,10 @@ def test_quick_is_a_subset_of_the_full_list_with_every_section():
     assert {c.section for c in quick} == set(cells.SECTIONS)
     assert [c.name for c in full[:len(quick)]] == [c.name for c in quick]  # measured first in a full run
     assert sorted(c.name for c in full) == sorted(c.name for c in cells.all_cells())
+    assert set(cells.REST_ORDER) == set(cells.SECTIONS)
+    window = [c for c in quick if c.section == "window"]
+    assert sorted(c.direction for c in window) == ["fwd", "fwdbwd"]  # one of each
+    assert any(cells.prescreen(c, "sdpa_masked") is None for c in window)  # one has the masked reference too
 
 
 def test_only_keeps_the_cells_whose_name_matches():
@@ -54,7 +81,7 @@ def test_only_keeps_the_cells_whose_name_matches():
 
 def test_the_batch_cells_hold_a_fixed_token_count():
     for c in cells.all_cells():
-        if c.section == "batch":
+        if c.section == "batch" or (c.section == "window" and not c.is_decode):
             assert c.batch * c.seqlen_q == cells.BATCH_TOKENS and c.seqlen_q == c.seqlen_k
 
 
@@ -77,8 +104,20 @@ def test_sdpa_flash_is_never_run_where_it_ends_the_cuda_context():
     smallseq = cells.by_name("smallseq/d128/h16:16/fwd")
     assert "device-side assert" in cells.prescreen(smallseq, "sdpa_flash")
     assert cells.prescreen(smallseq, "sdpa_cudnn") is None
-    assert all(cells.prescreen(c, p) is None for c in cells.all_cells() if c.section != "smallseq" for p in cells.peers(c))
+    assert all(cells.prescreen(c, p) is None for c in cells.all_cells() if c.section != "smallseq" for p in cells.peers(c)
+               if p != "sdpa_masked")
     assert cells.padded_peer(smallseq, "sdpa_cudnn") and not cells.padded_peer(smallseq, "varlen_attn")
+
+
+def test_window_peers_and_where_the_masked_reference_is_not_run():
+    train = cells.by_name("window/d128/h16:4/s4096/w512,512/noncausal/fwdbwd")
+    decode = cells.by_name("window/d128/h32:8/b8/kv32768/w4095,0/causal/fwd")
+    assert cells.peers(train) == ("flex", "varlen_attn", "sdpa_masked")  # SDPA flash and cuDNN take no window
+    assert cells.peers(decode) == ("flex", "varlen_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+    assert cells.prescreen(train, "sdpa_masked") is None  # a 16 MiB mask
+    reason = cells.prescreen(cells.by_name("window/d128/h16:4/s16384/w1023,0/causal/fwd"), "sdpa_masked")
+    assert reason.startswith("not run: its [S_q, S_k] boolean mask would be 256 MiB (> 64 MiB")
+    assert not any(cells.padded_peer(c, p) for c in cells.all_cells() if c.section == "window" for p in cells.peers(c))
 
 
 # ---- floors --------------------------------------------------------------------------------------
@@ -100,6 +139,48 @@ def test_visible_pairs_match_the_mask_drawn_element_by_element():
         for len_k in range(1, 9):
             drawn = sum(1 for i in range(len_q) for j in range(len_k) if j <= i + len_k - len_q)
             assert cells.visible_pairs(len_q, len_k, True) == drawn
+
+
+def _drawn(len_q: int, len_k: int, causal: bool, window: tuple[int, int]) -> list[tuple[int, int]]:
+    """The visible (query, key) pairs by flash-attn's rule, one by one: with d = len_k - len_q, query i
+    sees key j when i + d - left <= j <= i + d + right; a negative side has no bound; causal: right = 0."""
+    left, right = window
+    right = 0 if causal else right
+    d = len_k - len_q
+    return [(i, j) for i in range(len_q) for j in range(len_k)
+            if (left < 0 or j >= i + d - left) and (right < 0 or j <= i + d + right)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_windowed_visible_pairs_and_keys_match_the_mask_drawn_element_by_element(causal):
+    for len_q in range(1, 10):
+        for len_k in range(1, 10):
+            for left in range(-1, 11):
+                for right in range(-1, 11):
+                    pairs = _drawn(len_q, len_k, causal, (left, right))
+                    assert cells.visible_pairs(len_q, len_k, causal, (left, right)) == len(pairs), (len_q, len_k, left, right)
+                    keys = sorted({j for _, j in pairs})
+                    expected = (keys[0], keys[-1] + 1) if keys else (0, 0)
+                    assert cells.key_range(len_q, len_k, causal, (left, right)) == expected
+                    assert cells.visible_keys(len_q, len_k, causal, (left, right)) == len(keys)
+                    assert keys == list(range(*expected))  # one run of keys
+
+
+@pytest.mark.parametrize(("len_q", "len_k", "causal", "window", "pairs"), [
+    (4096, 4096, True, (1023, 0), 1024 * 1025 // 2 + 3072 * 1024),  # rows 0..1023 see i + 1 keys, the rest 1024
+    (4096, 4096, False, (1023, 0), 1024 * 1025 // 2 + 3072 * 1024),  # the same window spelled without causal
+    (4096, 4096, True, (1023, 7), 1024 * 1025 // 2 + 3072 * 1024),  # causal sets right = 0
+    (4096, 4096, False, (512, 512), 4096 * 1025 - 2 * (512 * 513 // 2)),  # 1025 keys a row, less both edges
+    (16384, 16384, True, (-1, -1), 16384 * 16385 // 2),  # no window: plain causal
+    (16384, 16384, False, (-1, -1), 16384 * 16384),
+    (1, 32768, True, (4095, 0), 4096),  # a decode step sees the last left + 1 keys
+    (1, 100, True, (4095, 0), 100),  # ... or the whole cache when shorter
+    (1, 32768, False, (-1, 0), 32768),
+    (3, 10, False, (0, 0), 3),  # the diagonal, bottom-right: keys 7, 8, 9
+    (10, 3, True, (1, 0), 5),  # rows 0..6 see nothing; row 7 sees key 0, rows 8 and 9 two keys
+])
+def test_windowed_visible_pairs_by_hand(len_q, len_k, causal, window, pairs):
+    assert cells.visible_pairs(len_q, len_k, causal, window) == pairs
 
 
 def test_thd_bytes_by_hand():
@@ -131,6 +212,48 @@ def test_a_small_seq_backward_cell_counts_real_tokens_and_kv_heads_once():
     work = cells.work(cell)
     assert work.bytes == cells.thd_bytes(sum(lengths_q), sum(lengths_k), 16, 4, 128, "bwd")
     assert work.flops == 2.5 * 4 * 16 * 128 * sum(q * k for q, k in zip(lengths_q, lengths_k, strict=True))
+
+
+def test_window_cells_by_hand():
+    work = cells.work(cells.by_name("window/d128/h16:4/s4096/w1023,0/causal/fwd"))
+    pairs = 4 * (1024 * 1025 // 2 + 3072 * 1024)  # B = 4 sequences of 4096
+    assert work.flops == 4 * 16 * 128 * pairs
+    tensor = 4 * 4096 * 16 * 128 * 2  # one [B, S, Hq, D] bf16 tensor; K and V have a quarter of the heads
+    assert work.bytes == 2 * tensor + 2 * tensor // 4 + 4 * 16 * 4096 * 4  # every key is seen by some query
+    both = cells.work(cells.by_name("window/d128/h16:4/s4096/w1023,0/causal/fwdbwd"))
+    assert both.flops == 3.5 * work.flops
+    symmetric = cells.work(cells.by_name("window/d128/h16:4/s4096/w512,512/noncausal/fwd"))
+    assert symmetric.flops == 4 * 16 * 128 * 4 * (4096 * 1025 - 512 * 513)
+    full = cells.work(cells.by_name("batch/d128/h16:4/s16384/causal/fwd"))
+    windowed = cells.work(cells.by_name("window/d128/h16:4/s16384/w1023,0/causal/fwd"))
+    assert windowed.bytes == full.bytes and windowed.flops < full.flops / 7
+    ceilings = cells.NOMINAL_CEILINGS
+    assert cells.floor(windowed, ceilings)["ms"] == pytest.approx(windowed.flops / ceilings.gemm_flops_per_s * 1e3)
+
+
+def test_a_decode_window_reads_its_window_only():
+    work = cells.work(cells.by_name("window/d128/h32:8/b8/kv32768/w4095,0/causal/fwd"))
+    q = out = 8 * 32 * 128 * 2
+    assert work.bytes == q + out + 2 * 8 * 4096 * 8 * 128 * 2  # the last 4096 keys of each cache, no lse
+    assert work.flops == 4 * 32 * 128 * 8 * 4096
+    assert cells.floor(work, cells.NOMINAL_CEILINGS)["bound"] == "bytes"
+    whole = cells.work(cells.by_name("decode/d128/h32:8/b8/kv32768/fwd"))
+    assert whole.bytes - work.bytes == 2 * 8 * (32768 - 4096) * 8 * 128 * 2
+    # the rotation counts the bytes a call touches: two sets of 128 MiB windows, not one 1 GiB cache
+    assert cells.set_bytes(cells.by_name("window/d128/h32:8/b8/kv32768/w4095,0/causal/fwd")) == q + 2 * 8 * 4096 * 8 * 128 * 2
+    assert cells.input_sets(cells.by_name("window/d128/h32:8/b8/kv32768/w4095,0/causal/fwd")) == 2
+
+
+def test_the_estimates_count_flexattention_s_compile_and_the_masked_peer_s_dense_work():
+    cell = cells.by_name("window/d128/h16:4/s4096/w1023,0/causal/fwdbwd")
+    assert cells.estimate_seconds(cell) > cells.FLEX_COMPILE_S["fwdbwd"]
+    # the masked SDPA computes every pair: its call, about 7x the dense floor, is what the estimate plans
+    dense_ms = cells.floor(cells.work(cells.by_name("batch/d128/h16:4/s4096/noncausal/fwdbwd")),
+                           cells.NOMINAL_CEILINGS)["ms"]
+    without_masked = cells.CELL_OVERHEAD_S + cells.FLEX_COMPILE_S["fwdbwd"] + sum(
+        cells.runner_seconds(cells.floor(cells.work(cell), cells.NOMINAL_CEILINGS)["ms"] * ratio)
+        for runner, ratio in cells.EXPECTED_FLOOR_RATIO[("window", "fwdbwd")].items() if runner != "sdpa_masked")
+    assert cells.estimate_seconds(cell) - without_masked == pytest.approx(cells.runner_seconds(7.0 * dense_ms))
 
 
 def test_a_decode_cell_reads_the_cache_once_and_writes_no_lse():
@@ -168,7 +291,9 @@ def test_timing_plan():
 def test_the_estimates_fit_the_budget_with_room_for_the_prewarm():
     full = sum(s for _, s in cells.estimate_by_section(cells.select()).values())
     quick = sum(s for _, s in cells.estimate_by_section(cells.select(quick=True)).values())
-    assert full < 300  # of the default 480 s budget, leaving about 2 minutes for `hipattn warm`
+    # of the default 480 s budget, leaving about 2 minutes for `hipattn warm`; the window section's share
+    # is mostly FlexAttention's compiles (cells.FLEX_COMPILE_S, guessed)
+    assert full < 360
     assert quick < 40
 
 
@@ -211,6 +336,8 @@ def _synthetic() -> dict:
         _record("batch/d128/h16:16/s1024/causal/fwd", 0.3, {"sdpa_flash": 0.6}, check_ok=False),
         _record("varlen/d128/h16:16/noncausal/fwd", 0.5, {"varlen_attn": "RuntimeError: boom"}),
         _record("decode/d128/h32:8/b1/kv131072/fwd", None, {"sdpa_flash": 0.3}, check_ok=None),
+        _record("window/d128/h16:4/s4096/w512,512/noncausal/fwdbwd", 0.8,
+                {"flex": 1.0, "varlen_attn": 0.9, "sdpa_masked": 4.0}),
         {"name": "decode/d128/h32:8/b64/kv4096/fwd", "section": "decode",
          "params": cells.by_name("decode/d128/h32:8/b64/kv4096/fwd").params(),
          "error": "the worker ended with status -11 during setup of sdpa_cudnn"},
@@ -240,15 +367,17 @@ def test_a_cell_whose_peers_all_failed_has_a_floor_ratio_and_no_peer_ratio():
 
 def test_the_summary_counts_wins_failures_and_the_worst_cells():
     summary = report.summarize(_synthetic())
-    assert summary["compared"] == 3  # small-seq, batch non-causal and causal
-    assert summary["wins"] == 1  # the causal cell is faster but its check failed
+    assert summary["compared"] == 4  # small-seq, batch non-causal and causal, window
+    assert summary["wins"] == 2  # small-seq and window; the causal cell is faster but its check failed
     assert summary["check_failures"] == ["batch/d128/h16:16/s1024/causal/fwd"]
     assert summary["worst"] == [("batch/d128/h16:16/s1024/noncausal/fwd", pytest.approx(2.0), "sdpa_cudnn")]
     assert summary["no_peer"] == ["varlen/d128/h16:16/noncausal/fwd"]
     assert set(summary["hipattn_failed"]) == {"decode/d128/h32:8/b1/kv131072/fwd", "decode/d128/h32:8/b64/kv4096/fwd"}
     assert summary["skipped"] == ["batch/d256/h16:4/s16384/causal/fwdbwd"]
-    assert summary["geomean_vs_best_peer"] == pytest.approx((0.7 / 5.5 * 2.0 * 0.5) ** (1 / 3))
+    assert summary["geomean_vs_best_peer"] == pytest.approx((0.7 / 5.5 * 2.0 * 0.5 * 0.8 / 0.9) ** (1 / 4))
     assert report.summarize(_synthetic(), "smallseq")["wins"] == 1
+    window = report.summarize(_synthetic(), "window")
+    assert (window["cells"], window["wins"], window["geomean_vs_best_peer"]) == (1, 1, pytest.approx(0.8 / 0.9))
 
 
 def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
@@ -259,7 +388,7 @@ def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
     assert "SM clock 1965-1980 MHz" in text
     for section in cells.SECTIONS:
         assert f"### {report.SECTION_TITLES[section]}" in text
-    assert text.count("| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |") == 4
+    assert text.count("| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |") == 5
     assert "| `d128/h16:16/fwd` | 0.7 | cuDNN (SDPA) padded | 5.5 | **0.13×** | 1.25× | ok (3.0e-03) |" in text
     assert "| `d128/h16:16/s1024/noncausal/fwd` | 0.4 | cuDNN (SDPA) | 0.2 | 2.00× | 0.40× | ok (3.0e-03) |" in text
     assert "**FAIL**" in text
@@ -267,7 +396,9 @@ def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
     assert "failed: the worker ended with status -11" in text
     assert "efficient (SDPA) in 1 cells (RuntimeError: No available kernel)" in text
     assert "Skipped 1 cells (budget: 2.1 s expected, 0.4 s left): `d256/h16:4/s16384/causal/fwdbwd`" in text
-    assert "**Summary:** hipattn is faster than the best peer in 1 of 3 cells" in text
+    assert "| `d128/h16:4/s4096/w512,512/noncausal/fwdbwd` | 0.8 | varlen_attn | 0.9 | **0.89×** | 0.80× | ok (3.0e-03) |" in text
+    assert f"Peers: {report.SECTION_PEERS['window']}. hipattn wins 1 of 1" in text
+    assert "**Summary:** hipattn is faster than the best peer in 2 of 4 cells" in text
     assert "Prewarm: `python -m hipattn warm --arch sm_90a --jobs 16`, exit 0, 71.2 s." in text
 
 
@@ -283,6 +414,21 @@ def test_the_heat_map_puts_each_cell_at_its_parameters():
     assert batch["entries"][("d256 h16:4 causal", "s16384\nfwdbwd")] == (None, "skip")
     assert laid_out["varlen"]["entries"][("noncausal", "h16:16\nfwd")] == (None, "no peer")
     assert {text for _, text in laid_out["decode"]["entries"].values()} == {"error"}
+    window = laid_out["window"]
+    assert window["rows"] == ["d128 h16:4 w512,512 noncausal"] and window["columns"] == ["s4096\nfwdbwd"]
+    assert window["entries"][("d128 h16:4 w512,512 noncausal", "s4096\nfwdbwd")] == (pytest.approx(0.8 / 0.9), "0.89")
+    decode = cells.by_name("window/d128/h32:8/b8/kv32768/w4095,0/causal/fwd").params()
+    assert report.panel_position(decode) == ("decode w4095,0 causal", "b8 kv32768\nh32:8")
+
+
+def test_every_section_and_peer_has_its_report_text():
+    assert set(report.SECTION_TITLES) == set(report.SECTION_PEERS) == set(cells.SECTIONS)
+    every_peer = {p for c in cells.all_cells() for p in cells.peers(c)}
+    assert every_peer <= set(report.PEER_NAMES)
+    for c in cells.all_cells():  # every runner of a cell has an expected time (else the estimate guesses 5x)
+        kind = "decode" if c.section == "window" and c.is_decode else c.direction
+        run = {p for p in ("hipattn", *cells.peers(c)) if cells.prescreen(c, p) is None}
+        assert run <= set(cells.EXPECTED_FLOOR_RATIO[(c.section, kind)]), c.name
 
 
 def _write(doc: dict, folder) -> None:
@@ -295,7 +441,7 @@ def test_report_renders_the_markdown_and_the_png_from_a_json(tmp_path):
     done = subprocess.run([*TOOL, "--report", str(tmp_path / "run"), "--out", str(tmp_path / "new")],
                           capture_output=True, text=True, timeout=120, cwd=REPOSITORY)
     assert done.returncode == 0, done.stderr
-    assert "hipattn is faster than the best peer in 1 of 3" in done.stdout
+    assert "hipattn is faster than the best peer in 2 of 4" in done.stdout
     assert (tmp_path / "new" / report.MARKDOWN_NAME).read_text() == report.markdown(_synthetic())
     try:
         import matplotlib  # noqa: F401

@@ -1,8 +1,9 @@
 """tools/matrix/gpu.py's runners on the CPU: hipattn's (through a stand-in for its public API that
-computes attention in float32) and SDPA's flash backend (which torch also has on the CPU), on small
-cells of every layout, through run.measure_cell as on the GPU; the numeric check; the clock reader
-without NVML. What stays untested here is what needs CUDA: events, the spin kernel, NVML, the
-ceilings, cuDNN, the efficient backend and varlen_attn.
+computes attention in float32, sliding windows included) and SDPA's flash backend (which torch also
+has on the CPU), on small cells of every layout, through run.measure_cell as on the GPU; window cells
+against FlexAttention run eagerly and the masked SDPA peer on the math backend; the numeric check; the
+clock reader without NVML. What stays untested here is what needs CUDA: events, the spin kernel,
+NVML, the ceilings, cuDNN, the efficient backend, varlen_attn and torch.compile of flex_attention.
 """
 
 from __future__ import annotations
@@ -19,14 +20,23 @@ from tools.matrix import cells, gpu, run  # noqa: E402 - gpu.py imports torch
 
 # ---- a stand-in for hipattn's public API -----------------------------------------------------------
 
-def _attend(q, k, v, causal: bool):
-    """One sequence, float32: q [Sq, Hq, D], k/v [Sk, Hkv, D] -> out [Sq, Hq, D], lse [Hq, Sq]."""
+def _attend(q, k, v, causal: bool, window_size=(-1, -1)):
+    """One sequence, float32: q [Sq, Hq, D], k/v [Sk, Hkv, D] -> out [Sq, Hq, D], lse [Hq, Sq]. Causal
+    and window_size=(left, right) bottom-right aligned, as flash-attn: query i sees key j when
+    i + d - left <= j <= i + d + right (d = Sk - Sq), a negative side unbounded, causal: right = 0."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    if causal:  # bottom-right
-        keep = torch.arange(k.shape[0])[None, :] <= torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
-        scores = scores.masked_fill(~keep, float("-inf"))
+    left, right = window_size
+    right = 0 if causal else right
+    diagonal = torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
+    keys = torch.arange(k.shape[0])[None, :]
+    keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool)
+    if right >= 0:
+        keep &= keys <= diagonal + right
+    if left >= 0:
+        keep &= keys >= diagonal - left
+    scores = scores.masked_fill(~keep, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v), torch.logsumexp(scores, -1)
 
 
@@ -42,10 +52,12 @@ def _sequences(q, cu_seqlens_q, cu_seqlens_k):
 def _fake_hipattn(write_forward_output: bool = True) -> types.ModuleType:
     module = types.ModuleType("hipattn")
     module.calls = []
+    module.windows = []  # the window_size of every call
 
     def forward(q, k, v, *, out=None, lse=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                max_seqlen_k=None, causal=False):
+                max_seqlen_k=None, causal=False, window_size=(-1, -1)):
         module.calls.append(("forward", out is not None))
+        module.windows.append(window_size)
         given = out is not None
         out = torch.empty_like(q) if out is None else out
         if lse is None:
@@ -54,14 +66,15 @@ def _fake_hipattn(write_forward_output: bool = True) -> types.ModuleType:
         if given and not write_forward_output:
             return out, lse
         for rows_q, rows_k, lse_index in _sequences(q, cu_seqlens_q, cu_seqlens_k):
-            o, row_lse = _attend(q[rows_q].float(), k[rows_k].float(), v[rows_k].float(), causal)
+            o, row_lse = _attend(q[rows_q].float(), k[rows_k].float(), v[rows_k].float(), causal, window_size)
             out[rows_q] = o.to(out.dtype)
             lse[lse_index] = row_lse
         return out, lse
 
     def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None, causal=False):
+                 max_seqlen_q=None, max_seqlen_k=None, causal=False, window_size=(-1, -1)):
         module.calls.append(("backward", dq is not None))
+        module.windows.append(window_size)
         if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
             raise ValueError("backward got a poisoned out or lse")  # hipattn's kernel would read them
         dq = torch.empty_like(q) if dq is None else dq
@@ -69,19 +82,21 @@ def _fake_hipattn(write_forward_output: bool = True) -> types.ModuleType:
         dv = torch.empty_like(v) if dv is None else dv
         for rows_q, rows_k, _ in _sequences(q, cu_seqlens_q, cu_seqlens_k):
             leaves = [t.float().requires_grad_() for t in (q[rows_q], k[rows_k], v[rows_k])]
-            o, _ = _attend(*leaves, causal)
+            o, _ = _attend(*leaves, causal, window_size)
             grads = torch.autograd.grad(o, leaves, dout[rows_q].float())
             for target, grad in zip((dq, dk, dv), grads, strict=True):
                 target[rows_q if target is dq else rows_k] = grad.to(target.dtype)
         return dq, dk, dv
 
-    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None, causal=False, out=None):
+    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None, causal=False,
+                                window_size=(-1, -1), out=None):
         module.calls.append(("kvcache", block_table is not None))
+        module.windows.append(window_size)
         for b in range(q.shape[0]):
             rows = block_table[b].long() if block_table is not None else [b]
             keys = torch.cat([k_cache[r] for r in rows])[:int(cache_seqlens[b])]
             values = torch.cat([v_cache[r] for r in rows])[:int(cache_seqlens[b])]
-            out[b] = _attend(q[b].float(), keys.float(), values.float(), causal)[0].to(out.dtype)
+            out[b] = _attend(q[b].float(), keys.float(), values.float(), causal, window_size)[0].to(out.dtype)
         return out
 
     module.forward, module.backward, module.flash_attn_with_kvcache = forward, backward, flash_attn_with_kvcache
@@ -147,6 +162,84 @@ def test_hipattn_matches_sdpa_flash_through_the_runners(hipattn, cell):
         assert hipattn.calls[:sets * (1 if cell.direction == "fwd" else 2)] == (
             [("forward", False)] * sets if cell.direction == "fwd" else [("forward", False), ("backward", False)] * sets)
         assert all(given for _, given in hipattn.calls[sets * (1 if cell.direction == "fwd" else 2):])
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """FlexAttention run eagerly (torch.compile needs a C++ compiler and minutes on the CPU), and the
+    masked peer on SDPA's math backend (the efficient one is CUDA-only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(gpu, "_flex_function", lambda: flex_attention)
+    monkeypatch.setattr(gpu, "MASKED_SDPA_BACKEND", "MATH")
+
+
+WINDOW_CELLS = [
+    cells.Cell("window", "fwd", 32, 4, 2, causal=True, batch=2, seqlen_q=40, seqlen_k=40, window_left=7, window_right=0),
+    cells.Cell("window", "fwdbwd", 32, 4, 4, causal=False, batch=2, seqlen_q=36, seqlen_k=36, window_left=5,
+               window_right=9),
+    cells.Cell("window", "fwdbwd", 32, 4, 1, causal=True, batch=1, seqlen_q=48, seqlen_k=48, window_left=11,
+               window_right=0),
+    cells.Cell("window", "fwd", 32, 4, 2, causal=True, batch=3, seqlen_q=1, seqlen_k=70, window_left=20, window_right=0),
+]
+
+
+@pytest.mark.parametrize("cell", WINDOW_CELLS, ids=lambda c: c.name)
+def test_window_cells_match_flexattention_and_the_masked_sdpa(hipattn, eager_flex, cell):
+    record = run.measure_cell(cell, CpuMeasurer(), cells.NOMINAL_CEILINGS, rounds=1)
+    assert "median_ms" in record["runners"]["hipattn"], record["runners"]["hipattn"]
+    assert set(hipattn.windows) == {cell.window}  # every hipattn call got the cell's window
+    if cell.is_decode:
+        assert set(hipattn.calls) == {("kvcache", False)}
+        checked = ("flex", "sdpa_flash")  # SDPA on the window's slice of the cache
+    elif cell.direction == "fwd":
+        checked = ("flex", "sdpa_masked")
+    else:  # FlexAttention has no backward on the CPU: its error is recorded and the cell goes on
+        checked = ("sdpa_masked",)
+        assert "backward on CPU" in record["runners"]["flex"]["error"]
+    for peer in checked:
+        assert "median_ms" in record["runners"][peer], record["runners"][peer]
+        check = record["checks"][peer]
+        assert check["ok"] and check["rel_l2"] < 1e-2, (peer, check)
+    assert "error" in record["runners"]["varlen_attn"]  # FA2 only: not on the CPU
+    assert record["best_peer"] in checked and record["vs_floor"] > 0
+
+
+def test_the_checks_see_a_window_that_is_not_applied(monkeypatch, eager_flex):
+    """A hipattn that ignored window_size would fail the check against every peer."""
+    fake = _fake_hipattn()
+    forward = fake.forward
+    fake.forward = lambda *a, window_size=(-1, -1), **k: forward(*a, **k)
+    monkeypatch.setitem(sys.modules, "hipattn", fake)
+    record = run.measure_cell(WINDOW_CELLS[0], CpuMeasurer(), cells.NOMINAL_CEILINGS, rounds=1)
+    assert not record["checks"]["flex"]["ok"] and not record["checks"]["sdpa_masked"]["ok"]
+    assert record["check"]["ok"] is False
+
+
+def test_the_window_mask_is_flash_attn_s_rule_and_holds_the_visible_pairs():
+    for causal, window in ((True, (3, 0)), (False, (2, 4)), (False, (-1, 1)), (False, (5, -1)), (True, (-1, -1))):
+        for length_q, length_k in ((9, 9), (4, 11), (1, 13)):
+            cell = cells.Cell("window", "fwd", 8, 2, 2, causal=causal, batch=1, seqlen_q=length_q, seqlen_k=length_k,
+                              window_left=window[0], window_right=window[1])
+            mask = gpu.window_mask(cell, "cpu")
+            shift, (left, right) = length_k - length_q, window
+            right = 0 if causal else right
+            drawn = [[(left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right)
+                      for j in range(length_k)] for i in range(length_q)]
+            assert mask.tolist() == drawn
+            assert int(mask.sum()) == cells.visible_pairs(length_q, length_k, causal, window)
+
+
+def test_non_window_cells_call_hipattn_without_a_window(hipattn):
+    for cell in (BATCH_CELLS[0], BATCH_CELLS[3]):
+        gpu.build("hipattn", cell, gpu.prepare(cell, "cpu")).run(0)
+    assert set(hipattn.windows) == {(-1, -1)}  # the stand-in's default: no window_size was passed
+
+
+def test_sdpa_refuses_a_batch_window_cell():
+    cell = WINDOW_CELLS[0]
+    with pytest.raises(ValueError, match="no sliding window"):
+        gpu.build("sdpa_flash", cell, gpu.prepare(cell, "cpu"))
 
 
 def test_a_small_seq_backward_runs_on_thd_and_its_padded_peer_is_not_checked(hipattn):

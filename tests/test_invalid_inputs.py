@@ -437,11 +437,11 @@ CASES = [
     # flash-attn arguments hipattn does not support
     case("dropout", varlen_api, ValueError, "dropout_p=0.1 (hipattn has no dropout; pass 0.0)", dropout_p=0.1),
     case("dropout (batch)", batch_api, ValueError, "dropout_p=0.5", dropout_p=0.5),
-    case("sliding window", varlen_api, ValueError, "window_size=(128, 0) (only (-1, -1), no sliding window)",
-         window_size=(128, 0)),
-    case("sliding window (batch)", batch_api, ValueError, "only (-1, -1)", window_size=(-1, 64)),
-    case("window_size not a pair", batch_api, TypeError, "window_size must be a pair (left, right), got 5",
+    case("window_size not a pair", batch_api, TypeError, "window_size must be a pair of ints (left, right), got 5",
          window_size=5),
+    case("window_size of three", forward_thd, TypeError, "window_size must be a pair of ints", window_size=(1, 2, 3)),
+    case("window_size of bools", forward_bshd, TypeError, "window_size must be a pair of ints",
+         window_size=(True, 0)),
     case("softcap", varlen_api, ValueError, "softcap=30.0 (only 0.0)", softcap=30.0),
     case("alibi_slopes", batch_api, ValueError, "alibi_slopes (ALiBi is not supported)",
          alibi_slopes=thd_array((HEADS_Q,), "fp32")),
@@ -760,7 +760,9 @@ def test_valid_small_calls_launch_once_with_one_block_per_group_of_problems(
     per_block = block[0] // lanes
     assert grid == (-(-problems // per_block), 1, 1)
     assert (grid[0] - 1) * per_block < problems <= grid[0] * per_block
-    assert (params.batch, params.heads_kv, params.causal) == (batch, heads_kv, int(causal))
+    assert (params.batch, params.heads_kv) == (batch, heads_kv)
+    # causal is the window's right side at 0; a side with no bound reaches past any sequence.
+    assert (params.window_left, params.window_right) == (params.max_seqlen_k, 0 if causal else params.max_seqlen_q)
     function = device.backend.launches[0][0]
     (kernel,) = [kernel for kernel in device.registry.loaded() if kernel.function is function]
     assert kernel.spec.family.name == f"smallseq_{direction}" + ("_gqa_mma" if grouped else "_mma" if tensor_cores else "")

@@ -53,7 +53,7 @@ def _run(device, case_bits: dict, case: KvCacheCase, dtype, num_splits, *, cache
         cache_batch_idx=device.array(ints["batch_idx"]) if ints["batch_idx"] is not None else None,
         cache_leftpad=device.array(ints["leftpad"]) if ints["leftpad"] is not None else None,
         block_table=device.array(ints["block_table"]) if ints["block_table"] is not None else None,
-        causal=case.causal, num_splits=num_splits)
+        causal=case.causal, window_size=case.window, num_splits=num_splits)
     q, k_cache, v_cache = (array_16bit(case_bits[name], dtype) for name in ("q", "k_cache", "v_cache"))
     workspace_bytes = hipattn.kvcache_workspace_bytes(q, k_cache, v_cache, **arguments)
     workspace = aligned_bytes(workspace_bytes)
@@ -65,7 +65,8 @@ def _run(device, case_bits: dict, case: KvCacheCase, dtype, num_splits, *, cache
 
 
 def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64, capacity=80, seqlen_new=0,
-          rotary_dim=0, interleaved=True, page_size=None, batch_idx=False, leftpad=False, causal=False, lengths=None):
+          rotary_dim=0, interleaved=True, page_size=None, batch_idx=False, leftpad=False, causal=False, lengths=None,
+          window=(-1, -1)):
     bits, case = {}, {}
     bits["q"], case["q"] = _values(rng, (batch, seqlen_q, heads_q, head_dim), dtype)
     if page_size is None:
@@ -93,7 +94,7 @@ def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64
         case["batch_idx"] = rng.permutation(cache_shape[0])[:batch]
     if leftpad:
         case["leftpad"] = np.array([rng.integers(0, n + 1) for n in case["cache_seqlens"]])
-    return bits, KvCacheCase(**case, interleaved=interleaved, causal=causal)
+    return bits, KvCacheCase(**case, interleaved=interleaved, causal=causal, window=window)
 
 
 def _check(device, bits, case, dtype, num_splits, portable=False, **options):
@@ -175,3 +176,17 @@ def test_the_portable_kernel_matches_float64_at_wave64(emulation_dirs, monkeypat
     bits, case = _case(rng, "bf16", heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q, head_dim=head_dim,
                        causal=seqlen_q > 1, seqlen_new=1, lengths=[0, 37, 79])
     _check(device, bits, case, "bf16", 3, portable=True)
+
+
+@pytest.mark.parametrize("window,causal", [((10, -1), False), ((20, 0), True), ((3, 2), False)])
+@pytest.mark.parametrize("num_splits,cache", [(1, "paged"), (3, "paged"), (3, "leftpad")])
+def test_sliding_windows_match_float64(device, window, causal, num_splits, cache):
+    """flash-attn's window_size against the cache, aligned with its end: a left side that cuts the keys
+    the splits share out, a band under the causal diagonal, and a window with a right side (three
+    query tokens, so that the right side matters); appended keys with rotary (windowed calls rotate q
+    at advancing positions), over a paged cache or a contiguous one with leftpad."""
+    rng = np.random.default_rng()
+    layout = dict(page_size=16) if cache == "paged" else dict(leftpad=True)
+    bits, case = _case(rng, "bf16", heads_q=4, heads_kv=2, seqlen_q=3, seqlen_new=2, rotary_dim=32, causal=causal,
+                       window=window, lengths=[0, 37, 70], **layout)
+    _check(device, bits, case, "bf16", num_splits)

@@ -85,7 +85,7 @@ INVALID = {
                          ValueError, "rotary_cos has 100 positions"),
     "num_splits range": (dict(num_splits=129), ValueError, "num_splits is 129"),
     "num_splits kind": (dict(num_splits=True), TypeError, "num_splits must be an int"),
-    "window": (dict(window_size=(4, 0)), ValueError, "does not support: window_size"),
+    "window kind": (dict(window_size=(4.0, 0)), TypeError, "window_size must be a pair of ints"),
     "softcap": (dict(softcap=30.0), ValueError, "does not support: softcap"),
     "alibi": (dict(alibi_slopes=lambda m, a: m.array((8,), "fp32")), ValueError, "ALiBi"),
     "lse without asking": (dict(lse=lambda m, a: m.array((2, 8, 1), "fp32")), ValueError, "return_softmax_lse is False"),

@@ -94,3 +94,25 @@ def test_the_flash_backward_matches_float64(device, dtype, head_dim, heads_q, he
     dq_kernels = ["flash_backward_dq_mma"] if deterministic else ["bwd_convert_dq"]
     assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
                               *dq_kernels]
+
+
+# Sliding windows (flash-attn's window_size, -1: no bound on that side): a left side that skips the
+# first key tiles of long rows, a right side that leaves rows of short KV sequences no key at all, both
+# sides within one 64-key tile, and causal with a left side (a band under the diagonal).
+FLASH_WINDOWS = [((70, -1), False), ((5, 30), False), ((16, 16), False), ((40, 0), True)]
+
+
+@pytest.mark.parametrize("window_causal", FLASH_WINDOWS, ids=lambda wc: f"window{wc[0]}" + ("-causal" * wc[1]))
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [FLASH_CASES[0], FLASH_CASES[2]])
+def test_the_flash_kernels_match_float64_with_windows(device, windowed, dtype, head_dim, heads_q, heads_kv,
+                                                      window_causal):
+    """The forward's key-tile range and its masks at both window edges; the dK/dV kernel's query-tile
+    range (rows_seeing) and the deterministic dQ kernel's key-tile range."""
+    window, causal = window_causal
+    windowed(window)
+    lengths_q = [18, 150, 5, 33, 0, 40]
+    lengths_k = [40, 200, 19, 0, 7, 80]
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
+                               causal, deterministic=True)
+    assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
+                              "flash_backward_dq_mma"]

@@ -6,8 +6,11 @@ NaN first; every element is compared, and rows past a sequence must stay unwritt
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
+from support import raw_calls, reference
 from support.emulation import EmulatedDevice, from_16bit, needs_compiler, to_16bit
 from support.raw_calls import (
     check_bshd_forward_and_backward,
@@ -23,6 +26,7 @@ from support.reference import (
     reference_forward,
 )
 
+import hipattn
 from hipattn.catalog import smallseq
 from hipattn.catalog.smallseq import SmallSeqBackwardGqaMmaTiles, SmallSeqForwardGqaMmaTiles, SmallSeqMmaTiles
 
@@ -58,6 +62,43 @@ def test_the_grouped_kernels_match_float64(device, dtype, head_dim, heads_q, hea
     the backward's four, meeting at barriers; at 64 and 128 a block holds several teams."""
     grouped_kernels_match(device, np.random.default_rng(), LENGTHS_Q, LENGTHS_K, heads_q, heads_kv, head_dim,
                                dtype, causal)
+
+
+# Sliding windows, flash-attn's window_size=(left, right) (-1: no bound on that side), with causal or
+# not (causal makes the right side 0): windows cut by either end of a sequence, rows whose window holds
+# no key, each side bounded alone. A one-key window, (0, 0), would give dQ = dK = 0 exactly in float64.
+WINDOWS = [((2, 0), False), ((0, 3), False), ((1, 1), False), ((3, -1), False), ((-1, 2), False), ((0, 1), False),
+           ((1, 1), True), ((3, -1), True)]
+
+
+def _window_id(window_causal) -> str:
+    (left, right), causal = window_causal
+    return f"window{left},{right}" + ("-causal" if causal else "")
+
+
+@pytest.fixture
+def windowed(monkeypatch):
+    """raw_calls' checks with a window: hipattn's calls and the float64 reference both take it."""
+    def use(window):
+        for name in ("forward", "backward"):
+            monkeypatch.setattr(hipattn, name, functools.partial(getattr(hipattn, name), window_size=window))
+        for name in ("reference_forward", "reference_backward"):
+            monkeypatch.setattr(raw_calls, name, functools.partial(getattr(reference, name), window=window))
+    return use
+
+
+@pytest.mark.parametrize("window_causal", WINDOWS, ids=_window_id)
+@pytest.mark.parametrize("heads_q,heads_kv", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (256, "fp16")])
+def test_the_tensor_core_kernels_match_float64_with_windows(device, windowed, dtype, head_dim, heads_q, heads_kv,
+                                                            window_causal):
+    """The stacked rows' key masks (group_tiles.h key_bits, a row's [first, end) keys as bits), and with
+    Hq = Hkv the one-problem-per-head kernels (smallseq/forward_mma.hip, backward_mma.hip)."""
+    window, causal = window_causal
+    windowed(window)
+    check_forward_and_backward(device, np.random.default_rng(), LENGTHS_Q, LENGTHS_K, heads_q, heads_kv, head_dim,
+                               dtype, causal, max_q=17, max_k=17)
+    assert device.kernels == (GROUPED if heads_q != heads_kv else ["smallseq_forward_mma", "smallseq_backward_mma"])
 
 
 @pytest.mark.parametrize("groups_per_team", [2, 3])

@@ -11,11 +11,14 @@ Outputs are poisoned with NaN and every element is compared; rows past a sequenc
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from support import raw_calls, reference
 from support.emulation import (
     EMULATED_ARCH,
     EmulatedDevice,
@@ -34,6 +37,7 @@ from hipattn.catalog import smallseq as catalog
 from hipattn.jit.cache import DiskCache
 from hipattn.jit.registry import Registry
 from hipattn.jit.target import Target
+from hipattn.ops import smallseq as smallseq_ops
 
 pytestmark = needs_compiler
 
@@ -126,6 +130,55 @@ def test_the_mfma_small_seq_kernels_match_float64(device, case):
     _run(device, case, rng)
     assert device.backend.launches == 2, "one small-seq kernel each way"
     assert _loaded_families(device) == {"smallseq_forward_mfma", "smallseq_backward_mfma"}
+
+
+# Sliding windows, flash-attn's window_size=(left, right) (-1: no bound on that side), with causal or
+# not (causal makes the right side 0, as in flash-attn), over sequences whose queries are longer and
+# shorter than their keys: windows cut by either end of a sequence, rows whose window holds no key
+# (O = 0, LSE = +inf), and each side bounded alone.
+# (A window of one key, (0, 0), would give dQ = 0 exactly in float64, P being 1, which rounding misses
+# by 1e-8: relative errors need a reference that is not all zero.)
+WINDOWS = [((2, 0), False), ((0, 3), False), ((1, 1), False), ((3, -1), False), ((-1, 2), False), ((0, 1), False),
+           ((1, 1), True), ((3, -1), True)]
+# MHA, MQA (8 x 17 stacked rows: query tiles that cross heads), BSHD with G = 3, and two waves a
+# workgroup (head_dim 128); causal comes with the window.
+WINDOW_CASES = [dataclasses.replace(case, causal=False) for case in CASES[:4]]
+
+
+def _window_id(window_causal) -> str:
+    (left, right), causal = window_causal
+    return f"window{left},{right}" + ("-causal" if causal else "")
+
+
+@pytest.fixture
+def windowed(monkeypatch):
+    """raw_calls' checks with a window: hipattn's calls and the float64 reference both take it."""
+    def use(window):
+        for name in ("forward", "backward"):
+            monkeypatch.setattr(hipattn, name, functools.partial(getattr(hipattn, name), window_size=window))
+        for name in ("reference_forward", "reference_backward"):
+            monkeypatch.setattr(raw_calls, name, functools.partial(getattr(reference, name), window=window))
+    return use
+
+
+@pytest.mark.parametrize("window_causal", WINDOWS, ids=_window_id)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
+def test_the_mfma_small_seq_kernels_match_float64_with_windows(device, windowed, case, window_causal):
+    window, causal = window_causal
+    windowed(window)
+    _run(device, dataclasses.replace(case, causal=causal), np.random.default_rng())
+    assert device.backend.launches == 2
+    assert _loaded_families(device) == {"smallseq_forward_mfma", "smallseq_backward_mfma"}
+
+
+@pytest.mark.parametrize("window_causal", [((2, 0), False), ((1, 3), True)], ids=_window_id)
+def test_the_portable_small_seq_kernels_match_float64_with_windows(device, windowed, monkeypatch, window_causal):
+    """The kernels AMD targets without MFMA run (smallseq/forward.hip, backward.hip), GQA included."""
+    window, causal = window_causal
+    monkeypatch.setenv(smallseq_ops.KERNEL_SWITCH, "portable")
+    windowed(window)
+    _run(device, Case("bf16", 64, 4, 2, causal, "thd", *THD), np.random.default_rng())
+    assert _loaded_families(device) == {"smallseq_forward", "smallseq_backward"}
 
 
 @pytest.mark.parametrize("layout", ["thd", "bshd"])

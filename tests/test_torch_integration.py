@@ -83,16 +83,19 @@ class ReferenceKernels:
         self.forward_calls = 0
         self.backward_calls = 0
         self.last_dout = None
+        self.windows = []  # (direction, window_size) of every call
 
     def forward(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                softmax_scale, causal, stream=None):
+                softmax_scale, causal, window_size=(-1, -1), stream=None):
         self.forward_calls += 1
+        self.windows.append(("forward", window_size))
         out, lse = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
         return out.to(q.dtype), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, causal, deterministic=False):
+                 softmax_scale, causal, window_size=(-1, -1), deterministic=False):
         self.backward_calls += 1
+        self.windows.append(("backward", window_size))
         self.last_dout = dout
         grads = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dout)
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
@@ -104,6 +107,18 @@ def kernels(monkeypatch):
     monkeypatch.setattr(attention, "forward", fake.forward)
     monkeypatch.setattr(attention, "backward", fake.backward)
     return fake
+
+
+@pytest.mark.parametrize(("window_size", "causal", "kernel_window"), [
+    ((-1, -1), False, (-1, -1)), ((-1, -1), True, (-1, 0)), ((8, 2), False, (8, 2)), ((8, 2), True, (8, 0)),
+    ((-5, 3), False, (-1, 3)), (torch.tensor([8, 2]), False, (8, 2)),  # flash-attn's tests pass a tensor
+])
+def test_the_window_reaches_the_forward_and_the_backward_as_flash_attn_reads_it(kernels, window_size, causal,
+                                                                                   kernel_window):
+    q, k, v, cu_q, cu_k = _varlen([3, 7], [4, 6])
+    out = hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, causal=causal, window_size=window_size)
+    out.sum().backward()
+    assert kernels.windows == [("forward", kernel_window), ("backward", kernel_window)]
 
 
 def _varlen(lengths_q, lengths_k, heads_q=4, heads_kv=2, head_dim=16):
@@ -161,11 +176,12 @@ def test_softmax_scale_is_checked_as_the_core_api_checks_it():
 def test_the_ops_pass_torch_librarys_checks(kernels):
     """Schema, fake (meta) kernels against the real outputs, and the autograd registration."""
     q, k, v, cu_q, cu_k = _varlen([3, 4], [5, 2])
-    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False, False)  # ..., causal, deterministic
+    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False, 3, -1, False)  # ..., causal, window left, right, deterministic
     torch.library.opcheck(torch.ops.hipattn.forward.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     out, lse = torch.ops.hipattn.forward(*args)
-    backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 4, 5, 0.25, False, True)
+    backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 4, 5, 0.25, False, 3, -1,
+                     True)
     torch.library.opcheck(torch.ops.hipattn.backward.default, backward_args, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -9,8 +9,10 @@
 
 Sections (tools/matrix/cells.py): small-seq THD (head_dim 64/128/256, Hq:Hkv 16:16 .. 16:1 and 8:1,
 forward and backward), general batch BSHD (head_dim 64/96/128/256, 16:16 and 16:4, causal or not,
-S = 512..16384 at 16384 tokens, forward and forward + backward), varlen THD (lengths 128..4096) and
-decode (one query token against 1k-128k keys). Every cell's peers run in the same process as
+S = 512..16384 at 16384 tokens, forward and forward + backward), varlen THD (lengths 128..4096),
+decode (one query token against 1k-128k keys) and sliding window (flash-attn's window_size: BSHD at
+16384 tokens, S 4096 and 16384, and decode steps; FlexAttention, varlen_attn and a masked SDPA as
+peers). Every cell's peers run in the same process as
 hipattn, interleaved with it; each cell records hipattn's and every peer's samples with the SM clock,
 hipattn ÷ best peer, hipattn ÷ floor and a numeric check of hipattn against a peer.
 
@@ -57,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 def _list(options: argparse.Namespace) -> int:
     selected = cells.select(options.quick, options.only)
     for cell in selected:
-        print(f"{cell.name:<46} ~{cells.estimate_seconds(cell, rounds=options.rounds):5.1f} s  "
+        print(f"{cell.name:<52} ~{cells.estimate_seconds(cell, rounds=options.rounds):5.1f} s  "
               f"peers: {', '.join(cells.peers(cell))}")
     print(run.estimate_text(selected, options.rounds))
     return 0 if selected else 2

@@ -155,6 +155,7 @@ class Case:
     max_seqlen_q: int = SMALLSEQ_TILE
     max_seqlen_k: int = SMALLSEQ_TILE
     causal: bool = False
+    window: tuple[int, int] = (-1, -1)  # flash-attn's window_size
     total_q: int = TOTAL_Q
     total_k: int = TOTAL_K
     allocate_outputs: bool = False  # let hipattn allocate out/lse/dq/dk/dv (valid, fully covered inputs only)
@@ -237,6 +238,8 @@ def build_cases(quick: bool = False) -> list[Case]:
             for causal in (False, True):
                 cases.append(Case(name=f"{tag} valid causal={causal}", cu_seqlens_q=valid_q, cu_seqlens_k=valid_k,
                                   causal=causal, **base))
+            cases.append(Case(name=f"{tag} valid window (3, 2)", cu_seqlens_q=valid_q, cu_seqlens_k=valid_k,
+                              window=(3, 2), **base))
             cases.append(Case(name=f"{tag} valid allocated", cu_seqlens_q=full_q, cu_seqlens_k=full_k,
                               allocate_outputs=True, **base))
             if kernel == "tensor-core":
@@ -253,7 +256,7 @@ def build_cases(quick: bool = False) -> list[Case]:
                     cu_q = bad_q[name] if side in ("q", "both") else valid_q
                     cu_k = bad_k[name] if side in ("k", "both") else valid_k
                     cases.append(Case(name=f"{tag} {name} on {side}", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                      causal=side == "both", **base))
+                                      causal=side == "both", window=(2, -1) if side == "k" else (-1, -1), **base))
             cases.append(Case(name=f"{tag} max_seqlen below the real lengths", cu_seqlens_q=valid_q,
                               cu_seqlens_k=valid_k, max_seqlen_q=5, max_seqlen_k=3, causal=True, **base))
             cases.append(Case(name=f"{tag} max_seqlen 0", cu_seqlens_q=valid_q, cu_seqlens_k=valid_k,
@@ -271,6 +274,9 @@ def build_cases(quick: bool = False) -> list[Case]:
             for kernel in ("device", "mma.sync"):
                 cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid causal={causal} kernel={kernel}",
                                   cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal, kernel=kernel, **base))
+                cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid window (20, 7) causal={causal} "
+                                       f"kernel={kernel}", cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal,
+                                  window=(20, 7), kernel=kernel, **base))
         bad_q, bad_k = adversarial_cu_seqlens(base["total_q"]), adversarial_cu_seqlens(base["total_k"])
         for name in bad_q:
             cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}", cu_seqlens_q=bad_q[name],
@@ -289,12 +295,15 @@ def build_cases(quick: bool = False) -> list[Case]:
                                                f"kernel={kernel}", cu_seqlens_q=backward_q, cu_seqlens_k=backward_k,
                                           causal=causal, deterministic=deterministic, varlen_prep=prep,
                                           kernel=kernel, **base))
+                if prep == "device":
+                    cases.append(Case(name=f"{tag} valid window (40, 9) det={deterministic}", cu_seqlens_q=backward_q,
+                                      cu_seqlens_k=backward_k, window=(40, 9), deterministic=deterministic, **base))
         bad_q, bad_k = adversarial_cu_seqlens(base["total_q"]), adversarial_cu_seqlens(base["total_k"])
         for i, name in enumerate(bad_q):
             deterministic, prep = bool(i % 2), ("device", "host")[i // 2 % 2]
             cases.append(Case(name=f"{tag} {name} det={deterministic} prep={prep}", cu_seqlens_q=bad_q[name],
                               cu_seqlens_k=bad_k[name], causal=bool(i % 3 == 0), deterministic=deterministic,
-                              varlen_prep=prep, adversarial=True, **base))
+                              varlen_prep=prep, adversarial=True, window=(5, 3) if i % 3 == 1 else (-1, -1), **base))
         for i, (name, used) in enumerate(ADVERSARIAL_SEQUSED.items()):
             cases.append(Case(name=f"{tag} {name} with valid cu_seqlens prep={('device', 'host')[i % 2]}",
                               cu_seqlens_q=backward_q, cu_seqlens_k=backward_k, seqused_q=used, seqused_k=used[::-1],
@@ -416,7 +425,8 @@ def run_smallseq(runner: Runner, case: Case) -> None:
         lse_shape = (BATCH, case.heads_q, case.total_q)
     q, k, v, dout = (runner.input(s, case.dtype) for s in (q_shape, k_shape, k_shape, q_shape))
     args = dict(cu_seqlens_q=runner.int32(case.cu_seqlens_q), cu_seqlens_k=runner.int32(case.cu_seqlens_k),
-                seqused_q=runner.int32(case.seqused_q), seqused_k=runner.int32(case.seqused_k), causal=case.causal)
+                seqused_q=runner.int32(case.seqused_q), seqused_k=runner.int32(case.seqused_k), causal=case.causal,
+                window_size=case.window)
     if thd or case.max_seqlen_q != SMALLSEQ_TILE:
         args.update(max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k)
     max_q = case.max_seqlen_q if thd else min(case.max_seqlen_q, case.total_q)
@@ -481,7 +491,7 @@ def run_flash_forward(runner: Runner, case: Case) -> None:
     qa, ka, va = (arrays.as_device_array(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     cu_qa, cu_ka = arrays.as_device_array(cu_q, "cu_seqlens_q"), arrays.as_device_array(cu_k, "cu_seqlens_k")
     problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka, max_seqlen_q=case.max_seqlen_q,
-                                   max_seqlen_k=case.max_seqlen_k, causal=case.causal)
+                                   max_seqlen_k=case.max_seqlen_k, causal=case.causal, window_size=case.window)
     with on_device(runtime.active().backend, problem.device):
         stream = resolve_stream((qa, ka, va), None, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
@@ -526,7 +536,7 @@ def run_flash_backward(runner: Runner, case: Case) -> None:
                      seqused_k=array(runner.int32(case.seqused_k), "seqused_k"))
     qa, ka, va = array(q, "q"), array(k, "k"), array(v, "v")
     problem = problem_mod.describe(qa, ka, va, max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k,
-                                   causal=case.causal, **sequences)
+                                   causal=case.causal, window_size=case.window, **sequences)
     plan = backward_workspace(problem, case.deterministic)
     workspace = {section.name: array(runner.output(section.name, section.shape, section.dtype, fill=0), section.name)
                  for section in plan.sections}

@@ -38,6 +38,7 @@ class KvCacheCase:
     block_table: tuple[tuple[int, ...], ...] | None = None  # None with a page size: a shuffled valid one
     rotary_dim: int = 0
     causal: bool = False
+    window: tuple[int, int] = (-1, -1)  # flash-attn's window_size
     num_splits: int = 1
     families: tuple[str, ...] = field(default=())
 
@@ -61,6 +62,8 @@ def build_cases(quick: bool = False) -> list[KvCacheCase]:
                     cache_seqlens=(0, 17, 64, 95)),
         KvCacheCase(name="kvcache paged 64 fp16 d64", dtype="fp16", head_dim=64, page_size=64, num_splits=3),
         KvCacheCase(name="kvcache batch index and leftpad", batch_idx=(5, 0, 3, 1), leftpad=(0, 3, 64, 10)),
+        KvCacheCase(name="kvcache paged 16 window (20, 0) causal splits=3", page_size=16, seqlen_q=2, seqlen_new=1,
+                    window=(20, 0), causal=True, num_splits=3),
     ]
     bad_lengths = (-5, CAPACITY + 100, INT32_MAX, INT32_MIN)
     cases += [
@@ -72,6 +75,8 @@ def build_cases(quick: bool = False) -> list[KvCacheCase]:
         KvCacheCase(name="kvcache batch index outside the cache", batch_idx=(-3, 6, INT32_MAX, INT32_MIN),
                     seqlen_new=1),
         KvCacheCase(name="kvcache leftpad outside the sequence", leftpad=(-7, INT32_MAX, 200, INT32_MIN)),
+        KvCacheCase(name="kvcache cache_seqlens outside the cache, window (30, 2)", cache_seqlens=bad_lengths,
+                    seqlen_q=3, window=(30, 2), num_splits=3),
     ]
     if quick:
         cases = cases[1:3] + cases[5:]
@@ -113,7 +118,8 @@ def run(runner, case: KvCacheCase) -> None:
         q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=runner.int32(list(case.cache_seqlens)),
         cache_batch_idx=runner.int32(list(case.batch_idx)) if case.batch_idx else None,
         cache_leftpad=runner.int32(list(case.leftpad)) if case.leftpad else None, block_table=table,
-        causal=case.causal, num_splits=case.num_splits, return_softmax_lse=True, out=out, lse=lse)
+        causal=case.causal, window_size=case.window, num_splits=case.num_splits, return_softmax_lse=True, out=out,
+        lse=lse)
     # Every row of out and lse is written (a row that sees no key gets O = 0, LSE = +inf); appended
     # caches change only inside, at clamped positions.
     runner.check_outputs({})

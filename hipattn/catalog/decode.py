@@ -16,7 +16,7 @@ from ..jit.params import ParamsStruct
 from ..jit.spec import KernelFamily, KernelSpec
 from ..jit.target import Target
 from .common import DTYPES, FLASH_ROW_PAD
-from .fields import Fields, row_statistic, strided
+from .fields import WINDOW_FIELDS, Fields, row_statistic, strided
 from .index import register
 from .targets import (
     HOPPER_SHARED_BYTES,
@@ -60,7 +60,7 @@ DECODE_FORWARD_PARAMS = ParamsStruct(
     "DecodeForwardParams",
     strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr")
     + (("o_partial", "ptr"), ("lse_partial", "ptr"), ("cache_leftpad", "const_ptr")) + _CACHE_FIELDS
-    + (("splits", "i32"), ("softmax_scale", "f32"), ("causal", "i32")),
+    + (("splits", "i32"), ("softmax_scale", "f32")) + WINDOW_FIELDS,
 )
 DECODE_COMBINE_PARAMS = ParamsStruct(
     "DecodeCombineParams",

@@ -26,6 +26,10 @@ def row_statistic(name: str, kind: str) -> Fields:
     return ((name, kind), (f"{name}_batch_stride", "i64"), (f"{name}_head_stride", "i64"))
 
 
+# The keys each query row sees (kernels/common/key_window.h): causal and sliding windows, encoded by
+# ops.fields.kernel_window.
+WINDOW_FIELDS: Fields = (("window_left", "i32"), ("window_right", "i32"))
+
 # The sequence description every attention kernel reads (kernels/common/sequence.h clamps it).
 SEQUENCE_FIELDS: Fields = (
     ("cu_seqlens_q", "const_ptr"),
@@ -39,5 +43,5 @@ SEQUENCE_FIELDS: Fields = (
     ("total_q", "i32"),
     ("total_k", "i32"),
     ("softmax_scale", "f32"),
-    ("causal", "i32"),
+    *WINDOW_FIELDS,
 )

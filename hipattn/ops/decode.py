@@ -16,7 +16,7 @@ from ..catalog.targets import check_grid
 from ..device_array import DeviceArray
 from ..kvcache_problem import KvCacheCall, KvCacheProblem
 from ..problem import BSHD
-from .fields import put_absent_tensor, put_tensor
+from .fields import kernel_window_side, put_absent_tensor, put_tensor
 
 # The split heuristic (choose_splits) gives no split fewer keys than this: below it, a block's pipeline
 # start and the partials' writes and combine cost more than the parallelism gains ...
@@ -36,7 +36,7 @@ def row_chunks(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
 
 def choose_splits(problem: KvCacheProblem, tiles: decode.AttentionTiles, slots: int) -> int:
     """Splits of the KV length: ``num_splits`` when the caller chose, else from host facts (batch,
-    KV heads, query rows, the cache's capacity) and the device's ``slots`` (blocks it runs at once:
+    KV heads, query rows, the keys the rows can see) and the device's ``slots`` (blocks it runs at once:
     compute units x blocks per unit). Every split of a sequence does equal work, so the grid runs in
     waves of ``slots`` blocks: the count is the fewest splits whose last wave is nearly as full as
     the best count's (FlashAttention-2's rule), each split keeping MIN_KEYS_PER_SPLIT keys."""
@@ -45,7 +45,7 @@ def choose_splits(problem: KvCacheProblem, tiles: decode.AttentionTiles, slots: 
     blocks = problem.batch * problem.heads_kv * row_chunks(problem, tiles)
     if blocks == 0 or blocks >= FILLED * slots:
         return 1
-    most = max(1, min(MAX_SPLITS, problem.capacity // MIN_KEYS_PER_SPLIT))
+    most = max(1, min(MAX_SPLITS, problem.keys_bound // MIN_KEYS_PER_SPLIT))
     efficiency = []
     for splits in range(1, most + 1):
         waves = blocks * splits / slots
@@ -105,7 +105,8 @@ def append(call: KvCacheCall, q_rotated: DeviceArray | None, stream: int) -> Non
                   rotary_sin=call.rotary_sin.ptr if cos is not None else 0,
                   rotary_stride=cos.strides[0] if cos is not None else 0, rotary_dim=p.rotary_dim,
                   rotary_positions=p.rotary_positions, rotary_interleaved=int(p.rotary_interleaved),
-                  rotate_q=int(q_rotated is not None), q_positions_advance=int(p.causal), head_dim=p.head_dim)
+                  rotate_q=int(q_rotated is not None), q_positions_advance=int(p.causal or p.windowed),
+                  head_dim=p.head_dim)
     kernel.launch((blocks, 1, 1), (decode.DECODE_BLOCK_THREADS, 1, 1), 0, stream, kernel.params.from_dict(fields))
 
 
@@ -156,7 +157,9 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
                   o_partial=o_partial.ptr if o_partial is not None else 0,
                   lse_partial=lse_partial.ptr if lse_partial is not None else 0,
                   cache_leftpad=call.cache_leftpad.ptr if call.cache_leftpad is not None else 0,
-                  splits=splits, softmax_scale=p.softmax_scale, causal=int(p.causal))
+                  splits=splits, softmax_scale=p.softmax_scale,
+                  window_left=kernel_window_side(p.window_left, p.capacity),
+                  window_right=kernel_window_side(p.window_right, p.seqlen_q))
     kernel.launch((blocks, splits, chunks), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
     if splits == 1:
         return

@@ -25,8 +25,16 @@ def sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
         "total_q": problem.total_q,
         "total_k": problem.total_k,
         "softmax_scale": problem.softmax_scale,
-        "causal": int(problem.causal),
+        "window_left": kernel_window_side(problem.window_left, problem.max_seqlen_k),
+        "window_right": kernel_window_side(problem.window_right, problem.max_seqlen_q),
     }
+
+
+def kernel_window_side(side: int, max_seqlen: int) -> int:
+    """One side of a window as kernels/common/key_window.h takes it: no bound (-1) becomes
+    ``max_seqlen``, and a wider bound is cut to it (the same keys: a row's window can reach no
+    further than its sequence). The left side takes max_seqlen_k, the right max_seqlen_q."""
+    return max_seqlen if side < 0 or side > max_seqlen else side
 
 
 # A tensor's four field names (catalog.fields.strided), spelled once rather than formatted per launch.

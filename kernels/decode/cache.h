@@ -4,7 +4,7 @@
 // (cache batch entries or pages, the block table's width, the capacity), so a bad cache_seqlens,
 // block table or batch index gives wrong numbers but never an access out of bounds.
 #pragma once
-#include "common/sequence.h"
+#include "common/key_window.h"
 #include "common/types.h"
 
 namespace hipattn {
@@ -72,8 +72,11 @@ HIPATTN_DEVICE long long token_offset(const Params& p, const CacheAddress& a, in
 }
 
 // The keys a sequence's rows may see: [start, total), total = the cache's tokens after the append.
+// The window (common/key_window.h, aligned with the cache's end) cuts the start to the first key
+// its first query token sees: the later tokens' windows start no earlier, so the splits share out
+// only keys some row sees.
 struct KeyRange {
-  int start;  // cache_leftpad[b], or 0
+  int start;  // cache_leftpad[b] or the window's first key, whichever is later
   int total;
 };
 
@@ -82,16 +85,23 @@ HIPATTN_DEVICE KeyRange key_range(const Params& p, int b) {
   const long long appended = static_cast<long long>(cache_length(p, b)) + p.seqlen_new;
   const int total = static_cast<int>(appended < p.cache_capacity ? appended : p.cache_capacity);
   const int* leftpad = static_cast<const int*>(p.cache_leftpad);
-  return {leftpad != nullptr ? clamp_int(leftpad[b], 0, total) : 0, total};
+  const int padding = leftpad != nullptr ? clamp_int(leftpad[b], 0, total) : 0;
+  const int window_start = first_visible_key(0, total - p.seqlen_q, key_window(p), total);
+  return {padding > window_start ? padding : window_start, total};
 }
 
-// Keys below the returned limit (and from range.start) are visible to query token `token` of
-// seqlen_q: the mask. Causal aligns the last query with the last key (bottom-right).
+// The keys [first, end) query token `token` of seqlen_q sees: the mask. The window's diagonal
+// aligns the last query token with the last key (bottom-right); leftpad only moves the start.
+struct TokenKeys {
+  int first;
+  int end;
+};
+
 template <typename Params>
-HIPATTN_DEVICE int visible_keys(const Params& p, const KeyRange& range, int token) {
-  if (!p.causal) return range.total;
-  const int diagonal = range.total - p.seqlen_q + token + 1;
-  return diagonal < range.total ? diagonal : range.total;
+HIPATTN_DEVICE TokenKeys token_keys(const Params& p, const KeyRange& range, int token) {
+  const int diagonal = range.total - p.seqlen_q;
+  const int first = first_visible_key(token, diagonal, key_window(p), range.total);
+  return {first > range.start ? first : range.start, visible_key_end(token, diagonal, key_window(p), range.total)};
 }
 
 }  // namespace decode

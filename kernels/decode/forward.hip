@@ -16,9 +16,10 @@
 //
 // Where keys live (paged or contiguous, with clamped indices) is decode/cache.h's.
 //
-// Which keys a row sees: [leftpad, total), total = cache_seqlens[b] + the new tokens the append kernel
-// wrote (at most the capacity); causal rows see keys up to their bottom-right aligned diagonal.
-// `visible_keys` is the one place a mask enters; score modifiers would go where `score` is formed.
+// Which keys a row sees: those of [leftpad, total) in its window, total = cache_seqlens[b] + the new
+// tokens the append kernel wrote (at most the capacity), the window bottom-right aligned (causal is
+// its right side at 0). `token_keys` is the one place a mask enters; score modifiers would go where
+// `score` is formed.
 #pragma once
 #include "decode/cache.h"
 #include "decode/merge.h"
@@ -83,12 +84,12 @@ __global__ void __launch_bounds__(128) decode_forward(const DecodeForwardParams 
   // Q rows in registers, scaled into the base-2 domain; rows past the block's are zeros.
   const float scale_log2 = p.softmax_scale * kLog2e;
   float q[ROWS][E];
-  int limit[ROWS];
+  decode::TokenKeys seen[ROWS];  // the keys each row's query token sees
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int token = (row0 + r) / group;
     const int head = kv_head * group + (row0 + r) % group;
-    limit[r] = r < rows ? decode::visible_keys(p, range, token) : 0;
+    seen[r] = r < rows ? decode::token_keys(p, range, token) : decode::TokenKeys{0, 0};
 #pragma unroll
     for (int e = 0; e < E; ++e) q[r][e] = 0.0f;
     if (r < rows && holds) {
@@ -166,7 +167,7 @@ __global__ void __launch_bounds__(128) decode_forward(const DecodeForwardParams 
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int j = j0 + u;
-        if (j < range.start || j >= key_end || j >= limit[r]) score[r][u] = -infinity();
+        if (j < seen[r].first || j >= key_end || j >= seen[r].end) score[r][u] = -infinity();
         step_max = score[r][u] > step_max ? score[r][u] : step_max;
       }
       const float new_max = step_max > row_max[r] ? step_max : row_max[r];

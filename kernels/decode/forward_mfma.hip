@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(64 * WAVES) decode_forward_mfma(const DecodeFo
       q[j] = mfma::load_operand_pair<T>(static_cast<const T*>(p.q) + b * p.q_batch_stride + token * p.q_token_stride +
                                         head * p.q_head_stride + 32 * j + 8 * quarter);
   }
-  const int key_limit = column < rows ? decode::visible_keys(p, range, token) : 0;
+  const decode::TokenKeys seen = column < rows ? decode::token_keys(p, range, token) : decode::TokenKeys{0, 0};
   const float scale_log2 = p.softmax_scale * kLog2e;
   const mfma::Operand identity = mfma::shifted_identity<T>(0);
 
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(64 * WAVES) decode_forward_mfma(const DecodeFo
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int key = j0 + 4 * quarter + e;
-      s[e] = key >= range.start && key < key_end && key < key_limit ? s[e] * scale_log2 : -infinity();
+      s[e] = key >= seen.first && key < key_end && key < seen.end ? s[e] * scale_log2 : -infinity();
       run_max = fmaxf(run_max, s[e]);
     }
     // A row's 16 scores live in the four quarters of the lanes with its column.

@@ -13,7 +13,7 @@
 // Rows are copied one token at a time (decode/cache.h's slots), so paged and contiguous caches, and
 // any page size, take the same path. Q rows past the block's and V rows past the split's keys are
 // zero-filled (a zero weight times stale shared memory could be NaN); scores past the keys, before
-// cache_leftpad and above the causal diagonal are masked by selection.
+// cache_leftpad and outside the window are masked by selection.
 #pragma once
 #include "common/mma_nvidia.h"
 #include "decode/cache.h"
@@ -136,12 +136,15 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
 #pragma unroll
   for (int s = 0; s < (STAGES > 1 ? STAGES - 1 : 1); ++s) load_tile(s);
 
-  // Per accumulator row (g, g + 8): its query token's visible keys end here.
-  int key_limit[2];
+  // Per accumulator row (g, g + 8): the keys its query token sees (none past the block's rows).
+  flash::RowKeys keys;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = g + 8 * r;
-    key_limit[r] = row < rows ? decode::visible_keys(p, range, (row0 + row) / group) : 0;
+    const decode::TokenKeys seen = row < rows ? decode::token_keys(p, range, (row0 + row) / group)
+                                              : decode::TokenKeys{0, 0};
+    keys.first[r] = seen.first;
+    keys.end[r] = seen.end < key_end ? seen.end : key_end;
   }
   const float scale_log2 = p.softmax_scale * kLog2e;
   float o[kDTiles][4];
@@ -185,12 +188,12 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = n0 + 8 * n + 2 * t + (e & 1);
-        const bool visible = key >= range.start && key < key_end && key < key_limit[e / 2];
+        const bool visible = key >= keys.first[e / 2] && key < keys.end[e / 2];
         s[n][e] = visible ? s[n][e] * scale_log2 : -infinity();
       }
     unsigned int p_packed[2][2];
     float correction[2];
-    flash::online_softmax<T, 2>(s, row_max, row_sum, p_packed, correction, false, 0, key_limit, 1.0f, t);
+    flash::online_softmax<T, 2>(s, row_max, row_sum, p_packed, correction, false, 0, keys, 1.0f, t);
     flash::rescale(o, correction);
 
     // ---- O += P V: P's two n-tiles are the A operand of one k-step ----

@@ -2,7 +2,7 @@
 // backward_mfma.hip: AMD's MFMA) share: which (key tile, sequence, KV head) a dK/dV block owns and
 // which query tiles see its keys, and which (query tile, sequence, head) a dQ block owns.
 #pragma once
-#include "common/sequence.h"
+#include "common/key_window.h"
 
 namespace hipattn {
 namespace flash {
@@ -65,18 +65,18 @@ HIPATTN_DEVICE QueryBlock query_block_of(unsigned int block, int m_blocks, int h
           static_cast<int>(problem % static_cast<unsigned int>(heads_q))};
 }
 
-// The query tiles of BLOCK_M rows, [first, first + count), whose rows see some of the keys from n0 on:
-// causal, the first such row is the one whose diagonal reaches n0 (query i sees key j <= i + diagonal).
+// The query tiles of BLOCK_M rows, [first, first + count), whose rows see some of the keys
+// [n0, n0 + keys): the rows of common/key_window.h's rows_seeing.
 struct QueryTiles {
   int first;
   int count;
 };
 
 template <int BLOCK_M>
-HIPATTN_DEVICE QueryTiles query_tiles_seeing(int n0, int len_q, int diagonal, bool causal) {
-  const int first_row = causal ? clamp_int(n0 - diagonal, 0, len_q) : 0;
-  const int first = first_row / BLOCK_M;
-  return {first, first_row < len_q ? (len_q + BLOCK_M - 1) / BLOCK_M - first : 0};
+HIPATTN_DEVICE QueryTiles query_tiles_seeing(int n0, int keys, int len_q, int diagonal, KeyWindow window) {
+  const RowRange rows = rows_seeing(n0, n0 + keys, diagonal, window, len_q);
+  const int first = rows.first / BLOCK_M;
+  return {first, rows.end > rows.first ? (rows.end + BLOCK_M - 1) / BLOCK_M - first : 0};
 }
 
 }  // namespace flash

@@ -56,9 +56,9 @@ struct MfmaKeyBlockTiles {
   static_assert(kBytes <= 64 * 1024, "the tiles must fit 64 KiB of LDS");
 };
 
-// Which of a sequence's keys query `query` sees (causal: bottom-right aligned).
-HIPATTN_DEVICE bool key_visible_to(int query, int key, int len_q, int len_k, int diagonal, bool causal) {
-  return query < len_q && key < len_k && (!causal || key <= query + diagonal);
+// Which of a sequence's keys query `query` sees (common/key_window.h's window).
+HIPATTN_DEVICE bool key_visible_to(int query, int key, int len_q, int len_k, int diagonal, KeyWindow window) {
+  return query < len_q && key < len_k && key_in_window(query, key, diagonal, window);
 }
 
 // The forward's LSE (base 2) and Delta of one query row: the lane's, in both kernels' frame.
@@ -82,12 +82,12 @@ HIPATTN_DEVICE RowStatistics row_statistics(const FlashBackwardParams& p, int ba
 // in place, and dSᵀ = Pᵀ (dPᵀ - Delta), returned. LSE = +inf (a row that saw no key) gives P = 0.
 HIPATTN_DEVICE mfma::Accumulator probabilities_and_dscores(mfma::Accumulator& s, const mfma::Accumulator& dp,
                                                            int query, int first_key, int len_q, int len_k,
-                                                           int diagonal, bool causal, float scale_log2,
+                                                           int diagonal, KeyWindow window, float scale_log2,
                                                            RowStatistics row) {
   mfma::Accumulator ds;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    s[e] = key_visible_to(query, first_key + e, len_q, len_k, diagonal, causal)
+    s[e] = key_visible_to(query, first_key + e, len_q, len_k, diagonal, window)
                ? fast_exp2(s[e] * scale_log2 - row.lse_log2)
                : 0.0f;
     ds[e] = s[e] * (dp[e] - row.delta);
@@ -139,7 +139,9 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
   if (n0 >= len_k) return;  // uniform over the block, before any barrier
 
   const int diagonal = len_k - len_q;
-  const flash::QueryTiles seeing = flash::query_tiles_seeing<kQueries>(n0, len_q, diagonal, p.causal);
+  const KeyWindow window = key_window(p);
+  const int keys = len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N;
+  const flash::QueryTiles seeing = flash::query_tiles_seeing<kQueries>(n0, keys, len_q, diagonal, window);
   const int group = p.heads_q / p.heads_kv;
   const int first_head = block.head_kv * group;
   const int tiles = group * seeing.count;  // zero: no query sees these keys, and dK = dV = 0 is written
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
     // ---- Pᵀ = exp(scale Sᵀ - LSE), dSᵀ = Pᵀ (dPᵀ - Delta): the lane's query, four keys ----
     const long long row_token = seq_q.start + (query_in ? query : 0);
     const mfma::Accumulator ds = flash::probabilities_and_dscores(
-        s, dp, query, wave_key0 + 4 * quarter, len_q, len_k, diagonal, p.causal, scale_log2,
+        s, dp, query, wave_key0 + 4 * quarter, len_q, len_k, diagonal, window, scale_log2,
         flash::row_statistics(p, batch_index, head, row_token, query_in));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -293,10 +295,12 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
   const int m0 = block.m_block * BLOCK_M + 16 * wave;  // the wave's first row; waves share nothing
   if (m0 >= len_q) return;  // uniform over the wave
 
-  // Keys the wave's rows see: [0, key_end). Causal: its last row sees up to row_end - 1 + diagonal.
+  // Keys the wave's rows see: from its first row's first key to its last row's last.
   const int diagonal = len_k - len_q;
+  const KeyWindow window = key_window(p);
   const int row_end = len_q < m0 + 16 ? len_q : m0 + 16;
-  const int key_end = p.causal ? clamp_int(row_end + diagonal, 0, len_k) : len_k;
+  const int key_begin = first_visible_key(m0, diagonal, window, len_k);
+  const int key_end = visible_key_end(row_end - 1, diagonal, window, len_k);
 
   const int query = m0 + column;
   const bool query_in = query < len_q;
@@ -321,7 +325,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
   mfma::Accumulator dq[kDSteps];  // dQᵀ: columns 16 d + 4 quarter + e of query `column`
 #pragma unroll
   for (int d = 0; d < kDSteps; ++d) dq[d] = mfma::zero_accumulator();
-  for (int n0 = 0; n0 < key_end; n0 += kKeys) {
+  for (int n0 = key_begin / kKeys * kKeys; n0 < key_end; n0 += kKeys) {
     // Sᵀ and dPᵀ of keys [n0, n0 + 16): A is key n0 + column's row, zero past the sequence.
     const bool key_in = n0 + column < len_k;
     mfma::Accumulator s = mfma::zero_accumulator(), dp = mfma::zero_accumulator();
@@ -337,7 +341,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
       dp = mfma::mfma_two_steps<T>(v0, v1, do_fragment[d], do_fragment[d + 1], dp);
     }
     const mfma::Accumulator ds = flash::probabilities_and_dscores(s, dp, query, n0 + 4 * quarter, len_q, len_k,
-                                                                  diagonal, p.causal, scale_log2, row);
+                                                                  diagonal, window, scale_log2, row);
     // dQᵀ += Kᵀ dSᵀ: the dSᵀ accumulator, rounded to T, is the B operand as it stands.
     const mfma::Operand ds_operand = mfma::to_operand<T>(ds);
     const int keys_here = len_k - (n0 + 4 * quarter);

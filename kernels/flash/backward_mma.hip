@@ -21,8 +21,8 @@
 // warp per 16 rows, walking the key tiles its rows see: S, dP, dS in registers, dQ += dS K with dS
 // reused in registers as the A operand; dQ written once, times softmax_scale. No atomics.
 //
-// Conventions are the forward's (forward_mma.hip): causal is bottom-right aligned, query i sees key
-// j when j <= i + len_k - len_q; lengths read from the device are clamped (sequence_bounds) and the
+// Conventions are the forward's (forward_mma.hip): the keys a row sees are common/key_window.h's
+// bottom-right aligned window; lengths read from the device are clamped (sequence_bounds) and the
 // grid is sized from host facts (max_seqlen, or the work list's bound), so blocks past a sequence's
 // real length, or past the work list, return at once.
 // Keys of a sequence that no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
@@ -125,11 +125,12 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   if (n0 >= len_k) return;  // no key of this sequence here; uniform over the block, before any barrier
   const int keys = len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N;
 
-  // Query tiles whose rows see some of keys [n0, n0 + keys): causal, the first such row is the one
-  // whose diagonal reaches n0. Every query head of the KV head's group walks the same tiles; the
-  // block's work list is (group head, query tile) flattened, so the copies run ahead across heads.
-  const int diagonal = len_k - len_q;  // query i sees key j <= i + diagonal when causal
-  const flash::QueryTiles seeing = flash::query_tiles_seeing<BLOCK_M>(n0, len_q, diagonal, p.causal);
+  // Query tiles whose rows see some of keys [n0, n0 + keys). Every query head of the KV head's group
+  // walks the same tiles; the block's work list is (group head, query tile) flattened, so the copies
+  // run ahead across heads.
+  const int diagonal = len_k - len_q;  // the window's alignment (common/key_window.h)
+  const KeyWindow window = key_window(p);
+  const flash::QueryTiles seeing = flash::query_tiles_seeing<BLOCK_M>(n0, keys, len_q, diagonal, window);
   const int group = p.heads_q / p.heads_kv;
   const int first_head = block.head_kv * group;
   const int tiles = group * seeing.count;  // zero: no query sees these keys, and dK = dV = 0 is written
@@ -266,10 +267,11 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
     }
 
     // ---- Pᵀ and dSᵀ = Pᵀ (dPᵀ - Delta); masked entries are 0 by selection (a stale NaN is discarded,
-    // never multiplied). A tile needs the mask when it reaches past either sequence or, causal, when
-    // its last key lies beyond its first row's diagonal. ----
-    const bool masked =
-        m0 + BLOCK_M > len_q || n0 + BLOCK_N > len_k || (p.causal && n0 + BLOCK_N - 1 > m0 + diagonal);
+    // never multiplied). A tile needs the mask when it reaches past either sequence or past a side
+    // of the window: its first row's last key or its last row's first key lies outside. ----
+    const bool masked = m0 + BLOCK_M > len_q || n0 + BLOCK_N > len_k ||
+                        !key_in_window(m0, n0 + BLOCK_N - 1, diagonal, window) ||
+                        !key_in_window(m0 + BLOCK_M - 1, n0, diagonal, window);
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
       const int column = query_base + 8 * n + 2 * t;  // this lane's queries: column, column + 1
@@ -280,7 +282,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
         const int query = m0 + column + (e & 1);
         const int key = n0 + slice_row + g + 8 * (e / 2);
         const bool visible =
-            !masked || (query < len_q && key < len_k && (!p.causal || key <= query + diagonal));
+            !masked || (query < len_q && key < len_k && key_in_window(query, key, diagonal, window));
         const float probability = visible ? fast_exp2(s[n][e] * scale_log2 - lse_log2[e & 1]) : 0.0f;
         s[n][e] = probability;
         dp[n][e] = probability * (dp[n][e] - delta[e & 1]);
@@ -408,11 +410,15 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
   const int m0 = block.m_block * BLOCK_M;
   if (m0 >= len_q) return;  // uniform over the block, before any barrier
 
-  // Keys this block's rows can see: [0, key_end). Causal: its last row sees up to row_end - 1 + diagonal.
+  // Keys this block's rows see: from its first row's first key to its last row's last.
   const int diagonal = len_k - len_q;
+  const KeyWindow window = key_window(p);
   const int row_end = len_q < m0 + BLOCK_M ? len_q : m0 + BLOCK_M;
-  const int key_end = p.causal ? clamp_int(row_end + diagonal, 0, len_k) : len_k;
-  const int n_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;  // zero: the rows see nothing, and dQ = 0 is written
+  const int key_begin = first_visible_key(m0, diagonal, window, len_k);
+  const int key_end = visible_key_end(row_end - 1, diagonal, window, len_k);
+  const int tile_begin = key_begin / BLOCK_N;
+  // Zero: the rows see nothing, and dQ = 0 is written.
+  const int n_tiles = key_end > key_begin ? (key_end + BLOCK_N - 1) / BLOCK_N - tile_begin : 0;
 
   const long long q_token = seq_q.start + m0;
   T* const q_tile = shared + Tiles::kQOffset;
@@ -440,7 +446,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
   // in dQ and V rows feed dP entries met by P = 0, and 0 x stale NaN would be NaN.
   auto load_keys = [&](int i) {
     if (i < n_tiles) {
-      const int n0 = i * BLOCK_N;
+      const int n0 = (tile_begin + i) * BLOCK_N;
       const int rows = len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N;
       flash::stage_tile<T, HEAD_DIM, kThreads, true>(k_slots + (i % 2) * Tiles::kSlotElements,
                                                      k_rows + n0 * p.k_token_stride, p.k_token_stride, rows, BLOCK_N);
@@ -456,9 +462,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
   const int g = lane / 4;
   const int t = lane % 4;
   const float scale_log2 = p.softmax_scale * kLog2e;
-  // Per accumulator row r (g, g + 8): LSE in base 2, Delta, and the keys [0, key_limit) it sees.
+  // Per accumulator row r (g, g + 8): LSE in base 2, Delta, and the keys [key_first, key_limit) it sees.
   float lse_log2[2], delta[2];
-  int key_limit[2];
+  int key_first[2], key_limit[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = m0 + 16 * warp + g + 8 * r;
@@ -470,10 +476,14 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
     delta[r] = stored ? static_cast<const float*>(p.softmax_d)[batch_index * p.softmax_d_batch_stride +
                                                                head * p.softmax_d_head_stride + seq_q.start + row]
                       : 0.0f;
-    key_limit[r] = !stored ? 0 : (p.causal ? clamp_int(row + diagonal + 1, 0, len_k) : len_k);
+    key_first[r] = first_visible_key(row, diagonal, window, len_k);
+    key_limit[r] = !stored ? 0 : visible_key_end(row, diagonal, window, len_k);
   }
-  // A tile needs masking when it reaches past the sequence or past the first row's diagonal.
-  const int unmasked_end = p.causal ? clamp_int(m0 + diagonal + 1, 0, len_k) : len_k;
+  // A tile needs masking when it reaches past the sequence or past a side of some row's window: it
+  // starts before the last row's first key or ends after the first row's last. (Rows past the
+  // sequence have LSE +inf: their P is 0 in any tile.)
+  const int unmasked_begin = first_visible_key(row_end - 1, diagonal, window, len_k);
+  const int unmasked_end = visible_key_end(m0, diagonal, window, len_k);
 
   float dq[kDTiles][4];
 #pragma unroll
@@ -482,7 +492,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
   const T* const q_warp = q_tile + 16 * warp * kPitch;
   const T* const do_warp = do_tile + 16 * warp * kPitch;
   for (int i = 0; i < n_tiles; ++i) {
-    const int n0 = i * BLOCK_N;
+    const int n0 = (tile_begin + i) * BLOCK_N;
     const T* const k_tile = k_slots + (i % 2) * Tiles::kSlotElements;
     const T* const v_tile = v_slots + (i % 2) * Tiles::kSlotElements;
 
@@ -517,13 +527,14 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
     }
 
     // ---- P and dS = P (dP - Delta); masked entries are 0 by selection ----
-    const bool masked = n0 + BLOCK_N > unmasked_end;
+    const bool masked = n0 < unmasked_begin || n0 + BLOCK_N > unmasked_end;
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2;
-        const bool visible = !masked || n0 + 8 * n + 2 * t + (e & 1) < key_limit[r];
+        const int key = n0 + 8 * n + 2 * t + (e & 1);
+        const bool visible = !masked || (key >= key_first[r] && key < key_limit[r]);
         const float probability = visible ? fast_exp2(s[n][e] * scale_log2 - lse_log2[r]) : 0.0f;
         dp[n][e] = probability * (dp[n][e] - delta[r]);
       }

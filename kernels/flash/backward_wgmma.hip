@@ -20,8 +20,8 @@
 // so no product waits for a register shuffle, and no tile passes through ldmatrix. Shared tiles are in
 // wgmma's 128-byte swizzled layout (common/wgmma_nvidia.h).
 //
-// Conventions are the forward's: causal is bottom-right aligned, query i sees key j when
-// j <= i + len_k - len_q; keys no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
+// Conventions are the forward's: the keys a row sees are common/key_window.h's bottom-right aligned
+// window; keys no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
 #pragma once
 #include "flash/backward_common.h"
 #include "flash/stage_swizzled_cp_async.h"
@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
 
   // Every query head of the KV head's group walks the same query tiles; the work list is (group head,
   // query tile) flattened, so the copies run ahead across heads.
-  const int diagonal = len_k - len_q;  // query i sees key j <= i + diagonal when causal
-  const flash::QueryTiles seeing = flash::query_tiles_seeing<kBlockM>(n0, len_q, diagonal, p.causal);
+  const int diagonal = len_k - len_q;  // the window's alignment (common/key_window.h)
+  const KeyWindow window = key_window(p);
+  const flash::QueryTiles seeing = flash::query_tiles_seeing<kBlockM>(n0, keys, len_q, diagonal, window);
   const int group = p.heads_q / p.heads_kv;
   const int first_head = block.head_kv * group;
   const int tiles = group * seeing.count;  // zero: no query sees these keys, and dK = dV = 0 is written
@@ -236,11 +237,13 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     wgmma::commit();
 
     // ---- Pᵀ, while dPᵀ is in flight; masked entries are 0 by selection (a stale NaN is discarded,
-    // never multiplied). The warpgroup's tile needs the mask when it reaches past either sequence or,
-    // causal, when its last key lies beyond its first row's diagonal. ----
+    // never multiplied). The warpgroup's tile needs the mask when it reaches past either sequence or
+    // past a side of the window: its first row's last key or its last row's first key lies outside. ----
     wgmma::wait<1>();
     wgmma::pin(s);
-    const bool masked = m0 + kBlockM > len_q || own_n0 + 64 > len_k || (p.causal && own_n0 + 63 > m0 + diagonal);
+    const bool masked = m0 + kBlockM > len_q || own_n0 + 64 > len_k ||
+                        !key_in_window(m0, own_n0 + 63, diagonal, window) ||
+                        !key_in_window(m0 + kBlockM - 1, own_n0, diagonal, window);
     const int key = own_n0 + 16 * warp + g;  // this lane's keys: key, key + 8
     unsigned int p_packed[kQTiles][2];       // Pᵀ in T: the A operand of dV += Pᵀ dO
 #pragma unroll
@@ -253,7 +256,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
         const int query = m0 + column + (e & 1);
         const int row_key = key + 8 * (e / 2);
         const bool visible =
-            !masked || (query < len_q && row_key < len_k && (!p.causal || row_key <= query + diagonal));
+            !masked || (query < len_q && row_key < len_k && key_in_window(query, row_key, diagonal, window));
         s[n][e] = visible ? fast_exp2(s[n][e] * scale_log2 - lse_log2[e & 1]) : 0.0f;
       }
       p_packed[n][0] = mma::pack2<T>(s[n][0], s[n][1]);  // key row g

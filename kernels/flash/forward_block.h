@@ -2,14 +2,15 @@
 // by the three forwards (forward_mma.hip: mma.sync; forward_wgmma.hip: Hopper's wgmma;
 // forward_mfma.hip: AMD's MFMA), written without any vendor's instructions.
 //
-// Conventions (flash-attn's): causal is bottom-right aligned, query i sees key j when
-// j <= i + len_k - len_q; a row that sees no key gets O = 0 and LSE = +inf. Sequence lengths read
-// from the device are clamped to the host's max_seqlen and total (sequence_bounds), and the grid
-// covers ceil(max_seqlen_q / BLOCK_M) query tiles per (sequence, head): blocks whose tile lies past
-// their sequence's real length return at once. Key tiles are visited last first: the tiles that need
-// masking come first, the rest run unmasked.
+// Conventions (flash-attn's): the keys a row sees are common/key_window.h's bottom-right aligned
+// window (causal is its right side at 0); a row that sees no key gets O = 0 and LSE = +inf. Sequence
+// lengths read from the device are clamped to the host's max_seqlen and total (sequence_bounds), and
+// the grid covers ceil(max_seqlen_q / BLOCK_M) query tiles per (sequence, head): blocks whose tile
+// lies past their sequence's real length return at once. A block visits the key tiles its rows' windows
+// reach, last first: the tiles that need masking at the window's right edge come first, then the
+// unmasked middle, then the left edge's.
 #pragma once
-#include "common/sequence.h"
+#include "common/key_window.h"
 
 namespace hipattn {
 namespace flash {
@@ -19,9 +20,12 @@ struct ForwardBlock {
   Sequence seq_q, seq_k;
   int m0;            // the block's first query row in its sequence
   int row_end;       // one past its last: the block computes and stores rows [m0, row_end)
-  int diagonal;      // query i sees key j <= i + diagonal when causal
-  int n_tiles;       // key tiles of BLOCK_N the block's rows can see
-  int unmasked_end;  // key tiles ending at or before this need no mask
+  int diagonal;        // len_k - len_q: the window's alignment (common/key_window.h)
+  KeyWindow window;
+  int tile_end;        // one past the last key tile of BLOCK_N the block's rows see
+  int n_tiles;         // key tiles the block visits: tile_end - n_tiles is the first
+  int unmasked_begin;  // tiles starting at or after this, and ending at or before
+  int unmasked_end;    // this, need no mask
   const void* q;     // row m0 of Q, and row 0 of K and V, for this (sequence, head)
   const void* k;
   const void* v;
@@ -57,13 +61,17 @@ HIPATTN_DEVICE ForwardBlock forward_block(const FlashForwardParams& p, bool& emp
     b.row_end = len_q < b.m0 + BLOCK_M ? len_q : b.m0 + BLOCK_M;
     empty = b.m0 >= len_q;
   }
-  // Keys the block's stored rows can see: [0, key_end). Causal: its last row, row_end - 1, sees keys
-  // up to row_end - 1 + diagonal.
+  // Keys the block's stored rows see: from its first row's first key to its last row's last.
   b.diagonal = len_k - len_q;
-  const int key_end = p.causal ? clamp_int(b.row_end + b.diagonal, 0, len_k) : len_k;
-  b.n_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
-  // A tile needs masking when it reaches past the sequence or past the first row's diagonal.
-  b.unmasked_end = p.causal ? clamp_int(b.m0 + b.diagonal + 1, 0, len_k) : len_k;
+  b.window = key_window(p);
+  const int key_begin = first_visible_key(b.m0, b.diagonal, b.window, len_k);
+  const int key_end = b.row_end > b.m0 ? visible_key_end(b.row_end - 1, b.diagonal, b.window, len_k) : 0;
+  b.tile_end = (key_end + BLOCK_N - 1) / BLOCK_N;
+  b.n_tiles = key_end > key_begin ? b.tile_end - key_begin / BLOCK_N : 0;
+  // A tile needs no mask when every row sees all of it: it starts at or after the last row's first
+  // key and ends at or before the first row's last (and the sequence's end).
+  b.unmasked_begin = first_visible_key(b.row_end - 1, b.diagonal, b.window, len_k);
+  b.unmasked_end = visible_key_end(b.m0, b.diagonal, b.window, len_k);
   b.q = static_cast<const T*>(p.q) + b.batch_index * p.q_batch_stride +
         static_cast<long long>(b.seq_q.start + b.m0) * p.q_token_stride + b.head * p.q_head_stride;
   b.k = static_cast<const T*>(p.k) + b.batch_index * p.k_batch_stride +

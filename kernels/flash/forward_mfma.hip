@@ -4,8 +4,8 @@
 // The algorithm, the grid and every convention are forward_mma.hip's: a block owns BLOCK_M query rows
 // of one (sequence, query head), one wave per 16 of them; it walks the visible key tiles last first;
 // per tile, scores on the matrix cores, an online softmax in base 2 on the accumulators, and the
-// probabilities reused in registers for the product with V; causal is bottom-right aligned, masked
-// scores become -inf by selection, a row that sees no key gets O = 0 and LSE = +inf, and a block
+// probabilities reused in registers for the product with V; the keys a row sees are
+// common/key_window.h's window, masked scores become -inf by selection, a row that sees no key gets O = 0 and LSE = +inf, and a block
 // finds its (query tile, sequence, head) and its keys with the same flash/forward_block.h. What differs is what the hardware forces:
 //
 // - Transposed products. A wave computes Sᵀ = K Qᵀ and Oᵀ = Vᵀ Pᵀ. With the 16x16x16 layouts
@@ -180,14 +180,15 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   const int quarter = lane / 16;  // it holds keys (Sᵀ rows) and O columns (Oᵀ rows) 4 quarter .. + 3 of each 16
   const int row = b.m0 + 16 * wave + column;  // within the sequence
   const float scale_log2 = p.softmax_scale * kLog2e;
-  // Keys [0, key_limit) are visible to this lane's row.
-  const int key_limit = p.causal ? clamp_int(row + b.diagonal + 1, 0, len_k) : len_k;
+  // Keys [key_first, key_limit) are visible to this lane's row.
+  const int key_first = first_visible_key(row, b.diagonal, b.window, len_k);
+  const int key_limit = visible_key_end(row, b.diagonal, b.window, len_k);
 
   // ---- K of the first tile on its way to LDS; Q's B fragments (Qᵀ, k = head_dim) into registers ----
   flash::KTileStage<T, HEAD_DIM, BLOCK_N, kThreads> k_stage;
   flash::VTileStage<T, HEAD_DIM, BLOCK_N, kThreads> v_stage;
   if (b.n_tiles > 0) {
-    const int n0 = (b.n_tiles - 1) * BLOCK_N;
+    const int n0 = (b.tile_end - 1) * BLOCK_N;
     k_stage.fetch(k_rows + n0 * p.k_token_stride, p.k_token_stride, tile_rows(n0));
   }
   // Q rows past the sequence are zeros: they only feed rows that are never stored, but zeros keep
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   float row_sum = 0.0f;         // this lane's share of the row; summed over the quarters at the end
 
   for (int i = 0; i < b.n_tiles; ++i) {
-    const int n0 = (b.n_tiles - 1 - i) * BLOCK_N;
+    const int n0 = (b.tile_end - 1 - i) * BLOCK_N;
     v_stage.fetch(v_rows + n0 * p.v_token_stride, p.v_token_stride, tile_rows(n0));
     __syncthreads();  // K[i] is in LDS for every wave, and every wave is done with Vᵀ[i - 1]
 
@@ -234,13 +235,13 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
 
     // ---- online softmax, base 2; masked scores become -inf by selection (a NaN from a bad K row is
     // discarded, not multiplied) ----
-    if (n0 + BLOCK_N > b.unmasked_end) {
+    if (n0 < b.unmasked_begin || n0 + BLOCK_N > b.unmasked_end) {
 #pragma unroll
       for (int n = 0; n < kKeySteps; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + 16 * n + 4 * quarter + e;
-          s[n][e] = key < key_limit ? s[n][e] * scale_log2 : -infinity();
+          s[n][e] = key >= key_first && key < key_limit ? s[n][e] * scale_log2 : -infinity();
         }
     } else {
 #pragma unroll

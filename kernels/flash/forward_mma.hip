@@ -3,8 +3,8 @@
 // A block owns BLOCK_M query rows of one (sequence, query head); each of its warps owns M_TILES
 // 16-row tiles of them (16 * M_TILES rows) from start to end. With M_TILES = 2 every K and V
 // fragment a warp loads from shared memory feeds two MMAs, halving the shared-memory traffic per
-// FLOP (ldmatrix bandwidth, not the tensor cores, limits a 16-row warp). The block walks the key tiles of BLOCK_N keys that its rows
-// can see, last tile first (the tiles that need masking come first; the rest run unmasked). Per tile:
+// FLOP (ldmatrix bandwidth, not the tensor cores, limits a 16-row warp). The block walks the key tiles of BLOCK_N keys that its rows'
+// windows reach, last tile first (flash/forward_block.h says which need masking). Per tile:
 // S = Q Kᵀ on the tensor cores, an online softmax on the accumulators in base 2 (softmax_scale·log2 e
 // folded into one multiply), and O += P V with the probabilities reused in registers as the A
 // operand (the m16n8 accumulator layout of two adjacent n-tiles is the m16k16 A layout). O stays in
@@ -78,6 +78,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   const int len_k = b.seq_k.length;
   const int m0 = b.m0;
   const int n_tiles = b.n_tiles;
+  const int tile_end = b.tile_end;
   const T* const q_rows = static_cast<const T*>(b.q);
   const T* const k_rows = static_cast<const T*>(b.k);
   const T* const v_rows = static_cast<const T*>(b.v);
@@ -85,11 +86,11 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   T* const k_slots = shared + Tiles::kKOffset;
   T* const v_slots = shared + Tiles::kVOffset;
 
-  // Iteration i handles key tile n_tiles - 1 - i; these issue its K or V copies (or nothing past
+  // Iteration i handles key tile tile_end - 1 - i; these issue its K or V copies (or nothing past
   // the last iteration) and always commit, so that the group count stays uniform.
   auto load_k = [&](int i) {
     if (i < n_tiles) {
-      const int n0 = (n_tiles - 1 - i) * BLOCK_N;
+      const int n0 = (tile_end - 1 - i) * BLOCK_N;
       const int rows = len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N;
       flash::stage_tile<T, HEAD_DIM, kThreads, false>(k_slots + (i % STAGES) * Tiles::kSlotElements,
                                                       k_rows + n0 * p.k_token_stride, p.k_token_stride, rows,
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   };
   auto load_v = [&](int i) {
     if (i < n_tiles) {
-      const int n0 = (n_tiles - 1 - i) * BLOCK_N;
+      const int n0 = (tile_end - 1 - i) * BLOCK_N;
       const int rows = len_k - n0 < BLOCK_N ? len_k - n0 : BLOCK_N;
       flash::stage_tile<T, HEAD_DIM, kThreads, true>(v_slots + (i % STAGES) * Tiles::kSlotElements,
                                                      v_rows + n0 * p.v_token_stride, p.v_token_stride, rows,
@@ -128,9 +129,9 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
   const float scale_log2 = p.softmax_scale * kLog2e;
   const int warp_first = m0 + Tiles::kWarpRows * warp;  // the warp's first query row in the sequence
-  int key_limit[M_TILES][2];  // per m-tile and accumulator row: keys [0, key_limit) are visible
+  flash::RowKeys keys[M_TILES];  // per m-tile: the keys each accumulator row sees
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt) flash::key_limits(p, b, warp_first + 16 * mt + g, key_limit[mt]);
+  for (int mt = 0; mt < M_TILES; ++mt) keys[mt] = flash::row_keys(b, warp_first + 16 * mt + g);
 
   float o[M_TILES][kDTiles][4];
 #pragma unroll
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
 
   const T* const q_warp = q_tile + Tiles::kWarpRows * warp * kPitch;
   for (int i = 0; i < n_tiles; ++i) {
-    const int n0 = (n_tiles - 1 - i) * BLOCK_N;
+    const int n0 = (tile_end - 1 - i) * BLOCK_N;
     const T* const k_tile = k_slots + (i % STAGES) * Tiles::kSlotElements;
     const T* const v_tile = v_slots + (i % STAGES) * Tiles::kSlotElements;
 
@@ -190,12 +191,12 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
     }
 
     // ---- online softmax ----
-    const bool masked = n0 + BLOCK_N > b.unmasked_end;
+    const bool masked = n0 < b.unmasked_begin || n0 + BLOCK_N > b.unmasked_end;
     unsigned int p_packed[M_TILES][kNTiles][2];  // P in T, the A operand of P V
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       float correction[2];
-      flash::online_softmax<T>(s[mt], row_max[mt], row_sum[mt], p_packed[mt], correction, masked, n0, key_limit[mt],
+      flash::online_softmax<T>(s[mt], row_max[mt], row_sum[mt], p_packed[mt], correction, masked, n0, keys[mt],
                                scale_log2, t);
       flash::rescale(o[mt], correction);
     }

@@ -76,11 +76,11 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   T* const k_slots = shared + Tiles::kKOffset;
   T* const v_slots = shared + Tiles::kVOffset;
 
-  // Iteration i handles key tile n_tiles - 1 - i, in slot i % STAGES. V rows past the sequence are
+  // Iteration i handles key tile tile_end - 1 - i, in slot i % STAGES. V rows past the sequence are
   // zeroed (P is 0 there, and 0 x NaN is NaN); K rows are left alone (their scores are masked by
   // selection). Two lambdas, not one generic one: NVRTC 13.0 (the H200 image's) rejects a
   // lambda with an `auto` parameter in device code as a host function.
-  auto key_start = [&](int i) { return (b.n_tiles - 1 - i) * BLOCK_N; };  // iteration i's first key
+  auto key_start = [&](int i) { return (b.tile_end - 1 - i) * BLOCK_N; };  // iteration i's first key
   auto tile_rows = [&](int i) { return len_k - key_start(i) < BLOCK_N ? len_k - key_start(i) : BLOCK_N; };
   auto stage_k = [&](int i) {
     flash::stage_swizzled_tile<T, HEAD_DIM, BLOCK_N, kThreads, false>(
@@ -118,8 +118,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   const float scale_log2 = p.softmax_scale * kLog2e;
   const int warpgroup_first = b.m0 + 64 * warpgroup;  // the warpgroup's first query row in the sequence
   const int warp_first = warpgroup_first + 16 * warp;
-  int key_limit[2];
-  flash::key_limits(p, b, warp_first + g, key_limit);
+  const flash::RowKeys keys = flash::row_keys(b, warp_first + g);
 
   float o[kDTiles][4];
 #pragma unroll
@@ -165,8 +164,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   };
   auto softmax = [&](float(&s)[kNTiles][4], int i, unsigned int(&p_packed)[kNTiles][2], float(&correction)[2]) {
     const int n0 = key_start(i);
-    flash::online_softmax<T>(s, row_max, row_sum, p_packed, correction, n0 + BLOCK_N > b.unmasked_end, n0,
-                             key_limit, scale_log2, t);
+    flash::online_softmax<T>(s, row_max, row_sum, p_packed, correction,
+                             n0 < b.unmasked_begin || n0 + BLOCK_N > b.unmasked_end, n0, keys, scale_log2, t);
   };
 
   // Software pipeline, one key tile deep: while the tensor cores compute P V of tile i, they also

@@ -14,17 +14,23 @@ namespace flash {
 // A operand of P V (the m16n8 layout of n-tiles 2kk and 2kk + 1 is the m16k16 A layout of k-step kk)
 // and the factor O's rows must be multiplied by (rescale), which the caller applies once no tensor-core
 // product into O is in flight. row_sum is this lane's share of its rows' sums.
+// The keys [first[r], end[r]) accumulator row r (0: row g, 1: row g + 8) sees.
+struct RowKeys {
+  int first[2];
+  int end[2];
+};
+
 template <typename T, int N_TILES>
 HIPATTN_DEVICE void online_softmax(float (&s)[N_TILES][4], float (&row_max)[2], float (&row_sum)[2],
                                    unsigned int (&p_packed)[N_TILES][2], float (&correction)[2], bool masked, int n0,
-                                   const int (&key_limit)[2], float scale_log2, int t) {
+                                   const RowKeys& keys, float scale_log2, int t) {
   if (masked) {
 #pragma unroll
     for (int n = 0; n < N_TILES; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = n0 + 8 * n + 2 * t + (e & 1);
-        s[n][e] = key < key_limit[e / 2] ? s[n][e] * scale_log2 : -infinity();
+        s[n][e] = key >= keys.first[e / 2] && key < keys.end[e / 2] ? s[n][e] * scale_log2 : -infinity();
       }
   } else {
 #pragma unroll

@@ -10,12 +10,16 @@
 namespace hipattn {
 namespace flash {
 
-// Keys [0, key_limit[r]) are visible to accumulator row r (0: row g, 1: row g + 8) of the 16-row
-// tile whose row g is `row_g` (in the sequence).
-HIPATTN_DEVICE void key_limits(const FlashForwardParams& p, const ForwardBlock& b, int row_g, int (&key_limit)[2]) {
+// The keys accumulator row r (0: row g, 1: row g + 8) of the 16-row tile whose row g is `row_g` (in
+// the sequence) sees.
+HIPATTN_DEVICE RowKeys row_keys(const ForwardBlock& b, int row_g) {
+  RowKeys keys;
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
-    key_limit[r] = p.causal ? clamp_int(row_g + 8 * r + b.diagonal + 1, 0, b.seq_k.length) : b.seq_k.length;
+  for (int r = 0; r < 2; ++r) {
+    keys.first[r] = first_visible_key(row_g + 8 * r, b.diagonal, b.window, b.seq_k.length);
+    keys.end[r] = visible_key_end(row_g + 8 * r, b.diagonal, b.window, b.seq_k.length);
+  }
+  return keys;
 }
 
 // The end of a warp's 16-row tile: sums each row over its quad, writes LSE (natural log) for the

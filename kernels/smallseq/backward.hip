@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
 
   const float scale = p.softmax_scale;
   const float scale_log2 = scale * 1.4426950408889634f;
+  const KeyWindow window = key_window(p);
   float* probs = scores[team][0];
   float* dz = dprobs[team][0];
   float* dz_t = dscores_t[team];
@@ -125,6 +126,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
 
     // ---- P and dZ, one lane per query row ----
     for (int i = team_lane; i < len_q; i += G::kTeamLanes) {
+      const smallseq::RowKeys keys = smallseq::row_keys(i, len_q, len_k, window);
       const float lse_log2 = static_cast<const float*>(p.lse)[batch_index * p.lse_batch_stride +
                                                                head * p.lse_head_stride + seq_q.start + i] *
                              1.4426950408889634f;
@@ -137,8 +139,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
           dp += dprobs[team][sl][j * G::kTilePad + i];
         }
         // LSE = +inf (a row that saw no key) gives P = 0 and so zero gradients.
-        const float pij =
-            smallseq::key_visible(i, j, len_q, len_k, p.causal) ? fast_exp2(s * scale_log2 - lse_log2) : 0.0f;
+        const float pij = keys.contains(j) ? fast_exp2(s * scale_log2 - lse_log2) : 0.0f;
         probs[j * G::kTilePad + i] = pij;
         dz[j * G::kTilePad + i] = dp;
         d_row += pij * dp;

@@ -287,12 +287,13 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
     const float scale_log2 = scale * kLog2e;
     const float* const lse_rows =
         reinterpret_cast<const float*>(places.team_bytes(Team::kStatsOffset) + slot * Team::kStatsBytes);
+    const KeyWindow window = key_window(p);
     unsigned int visible_keys[2];
     float lse_log2[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = first + g + 8 * r;
-      visible_keys[r] = key_bits(last_visible_key(row, stacked.query(row), stacked, len_q, len_k, p.causal), t);
+      visible_keys[r] = key_bits(stacked_row_keys(row, stacked.query(row), stacked, len_q, len_k, window), t);
       lse_log2[r] = lse_rows[g + 8 * r] * kLog2e;  // past the rows: unused (nothing visible)
     }
     float d_row[2] = {0.0f, 0.0f};

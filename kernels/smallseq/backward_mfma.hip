@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
   Operand q_fragment[kSteps], do_fragment[kSteps];
   load_query_rows(row, q_fragment, do_fragment);
   const float scale_log2 = p.softmax_scale * kLog2e;
+  const KeyWindow window = key_window(p);
 
   for (int m = 0; m < query_tiles; ++m) {
     // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ over the wave's columns: sd[0] is Sᵀ, sd[1] dPᵀ ----
@@ -127,7 +128,8 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
         row.in ? static_cast<const float*>(p.lse)[batch_index * p.lse_batch_stride + row.head * p.lse_head_stride + token] *
                      kLog2e
                : 0.0f;
-    const int key_limit = !row.in ? 0 : p.causal ? clamp_int(row.token + len_k - len_q + 1, 0, len_k) : len_k;
+    const smallseq::RowKeys keys =
+        row.in ? smallseq::row_keys(row.token, len_q, len_k, window) : smallseq::RowKeys{0, 0};
     Accumulator probs[kKeyTiles], dscores[kKeyTiles];
     float d_row = 0.0f;
 #pragma unroll
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = 16 * n + 4 * quarter + e;
-        probs[n][e] = key < key_limit ? fast_exp2(sd[0][n][e] * scale_log2 - lse_log2) : 0.0f;
+        probs[n][e] = keys.contains(key) ? fast_exp2(sd[0][n][e] * scale_log2 - lse_log2) : 0.0f;
         d_row += probs[n][e] * sd[1][n][e];
       }
     d_row += shfl_xor(d_row, 16, kWarpSize, group_mask(kWarpSize));

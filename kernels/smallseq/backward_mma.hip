@@ -128,6 +128,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
   const int k_steps = (len_k + 15) / 16;
   const float scale = p.softmax_scale;
   const float scale_log2 = scale * 1.4426950408889634f;
+  const KeyWindow window = key_window(p);
   // Key rows this lane addresses for the B operands of S and dP (keys 0..15, then 16..23).
   const int key01 = 8 * (lane / 16) + lane % 8;
   const int key2 = 16 + lane % 8;
@@ -185,6 +186,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
     for (int mt = 0; mt < 2; ++mt) {
       if (mt >= m_tiles) continue;
       const int row[2] = {16 * mt + g, 16 * mt + g + 8};
+      const RowKeys keys[2] = {row_keys(row[0], len_q, len_k, window), row_keys(row[1], len_q, len_k, window)};
       float lse_log2[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r)  // rows past the sequence: LSE = +inf, so P = 0
@@ -196,7 +198,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
         for (int e = 0; e < 4; ++e) {
           const int r = e / 2;
           const int j = 8 * nt + 2 * t + (e & 1);
-          const bool visible = j < len_k && key_visible(row[r], j, len_q, len_k, p.causal);
+          const bool visible = keys[r].contains(j);
           // LSE = +inf (a row that saw no key, or a row past the sequence) gives P = 0.
           s[mt][nt][e] = visible ? fast_exp2(s[mt][nt][e] * scale_log2 - lse_log2[r]) : 0.0f;
           dp[mt][nt][e] = visible ? dp[mt][nt][e] : 0.0f;

@@ -1,10 +1,12 @@
-// Shared by the small-sequence forward and backward kernels: team geometry and sequence bounds.
+// Shared by the small-sequence forward and backward kernels: team geometry, sequence bounds and the
+// keys a row sees.
 //
 // One attention problem is one (sequence, head) pair of at most TILE query and TILE key tokens. A
 // team of HEAD_DIM/4 lanes owns a problem: each lane holds 4 consecutive elements of every row, so
 // a row is read with one 8-byte access per lane, coalesced across the team. Q·Kᵀ dot products are
 // summed across the team with reduce_scatter; P·V style products need no communication at all.
 #pragma once
+#include "common/key_window.h"
 #include "common/sequence.h"
 #include "common/team.h"
 #include "common/types.h"
@@ -31,10 +33,19 @@ struct Geometry {
 using hipattn::Sequence;
 using hipattn::sequence_bounds;
 
-// Bottom-right aligned causal mask (flash-attn's convention for unequal lengths): query i sees key j
-// when j <= i + length_k - length_q.
-HIPATTN_DEVICE bool key_visible(int i, int j, int length_q, int length_k, bool causal) {
-  return !causal || j <= i + length_k - length_q;
+// The keys query row i sees, [first, end) (common/key_window.h's rule: flash-attn's window,
+// bottom-right aligned for unequal lengths; causal is right = 0). Found once per row, so that each
+// score's test is two 32-bit compares. first <= end always, and end <= length_k, so contains(j)
+// also keeps keys past the sequence out.
+struct RowKeys {
+  int first;
+  int end;
+  HIPATTN_DEVICE bool contains(int j) const { return j >= first && j < end; }
+};
+
+HIPATTN_DEVICE RowKeys row_keys(int i, int length_q, int length_k, KeyWindow w) {
+  const int diagonal = length_k - length_q;
+  return {first_visible_key(i, diagonal, w, length_k), visible_key_end(i, diagonal, w, length_k)};
 }
 
 // Address of this lane's 4 elements of row `token` of a [batch, token, head, dim] tensor.

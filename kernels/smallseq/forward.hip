@@ -92,13 +92,15 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeq
   // ---- softmax over keys, one lane per query row; probabilities overwrite slice 0 ----
   float* probs = scores[team][0];
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  const KeyWindow window = key_window(p);
   for (int i = team_lane; i < len_q; i += G::kTeamLanes) {
+    const smallseq::RowKeys keys = smallseq::row_keys(i, len_q, len_k, window);
     float row_max = -infinity();
     for (int j = 0; j < len_k; ++j) {
       float s = 0.0f;
 #pragma unroll
       for (int sl = 0; sl < G::kSlices; ++sl) s += scores[team][sl][j * G::kTilePad + i];
-      s = smallseq::key_visible(i, j, len_q, len_k, p.causal) ? s * scale_log2 : -infinity();
+      s = keys.contains(j) ? s * scale_log2 : -infinity();
       probs[j * G::kTilePad + i] = s;
       row_max = s > row_max ? s : row_max;
     }
@@ -108,7 +110,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeq
       probs[j * G::kTilePad + i] = e;
       row_sum += e;
     }
-    // A row that sees no key (no keys at all, or all masked) gets O = 0 and LSE = +inf, as in
+    // A row that sees no key (no keys at all, or none in its window) gets O = 0 and LSE = +inf, as in
     // flash-attn: the backward then recomputes P = exp(S - inf) = 0, so its gradients are zero.
     const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
     for (int j = 0; j < len_k; ++j) probs[j * G::kTilePad + i] *= inv_sum;

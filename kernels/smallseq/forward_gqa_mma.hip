@@ -121,13 +121,15 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
 
   // ---- softmax on the accumulators: a row's 24 scores live in the 4 lanes of one quad ----
   const float scale_log2 = p.softmax_scale * kLog2e;
-  int query[2], head[2], last_key[2];
+  const KeyWindow window = key_window(p);
+  int query[2], head[2];
+  RowKeys keys[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = first + g + 8 * r;
     query[r] = stacked.query(row);
     head[r] = row - query[r] * stacked.group;
-    last_key[r] = last_visible_key(row, query[r], stacked, len_q, len_k, p.causal);
+    keys[r] = stacked_row_keys(row, query[r], stacked, len_q, len_k, window);
   }
   float row_max[2] = {-infinity(), -infinity()};
 #pragma unroll
@@ -135,7 +137,7 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int j = 8 * nt + 2 * t + (e & 1);
-      scores[nt][e] = j <= last_key[e / 2] ? scores[nt][e] * scale_log2 : -infinity();
+      scores[nt][e] = keys[e / 2].contains(j) ? scores[nt][e] * scale_log2 : -infinity();
       row_max[e / 2] = fmaxf(row_max[e / 2], scores[nt][e]);
     }
 #pragma unroll

@@ -17,7 +17,7 @@
 // With WAVES > 1 the waves split head_dim and add their shares of Sᵀ through LDS (mfma_tiles.h);
 // every wave then runs the same softmax and writes its own O columns, and wave 0 writes the LSE.
 //
-// Conventions are forward.hip's: causal is bottom-right aligned, masked scores become -inf by
+// Conventions are forward.hip's: the key window is bottom-right aligned, masked scores become -inf by
 // selection, a row that sees no key gets O = 0 and LSE = +inf, rows past a sequence are not written.
 // What this file has not had: a run on AMD hardware. tests/test_smallseq_mfma_emulation.py runs it on
 // a gfx90a emulated on the CPU against float64.
@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
   Operand q_fragment[kSteps];
   smallseq::load_row<T, kSteps>(q_row(row), row.in, quarter, q_fragment);
   const float scale_log2 = p.softmax_scale * kLog2e;
+  const KeyWindow window = key_window(p);
 
   for (int m = 0; m < query_tiles; ++m) {
     // ---- Sᵀ = K Qᵀ over the wave's columns: s[0][n][e] is S[row][16 n + 4 quarter + e] ----
@@ -106,14 +107,14 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
     smallseq::sum_over_waves<WAVES, 1, kKeyTiles>(exchange, m, wave, lane, s);
 
     // ---- softmax over the row's keys, base 2; a row's keys live in its four lanes column + 16 quarter ----
-    const int key_limit = p.causal ? clamp_int(row.token + len_k - len_q + 1, 0, len_k) : len_k;
+    const smallseq::RowKeys keys = smallseq::row_keys(row.token, len_q, len_k, window);
     float row_max = -infinity();
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = 16 * n + 4 * quarter + e;
-        s[0][n][e] = key < key_limit ? s[0][n][e] * scale_log2 : -infinity();
+        s[0][n][e] = keys.contains(key) ? s[0][n][e] * scale_log2 : -infinity();
         row_max = fmaxf(row_max, s[0][n][e]);
       }
     row_max = fmaxf(row_max, shfl_xor(row_max, 16, kWarpSize, group_mask(kWarpSize)));

@@ -70,6 +70,7 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
   const int k_steps = (len_k + 15) / 16;
   const int m_tiles = (len_q + 15) / 16;
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  const KeyWindow window = key_window(p);
   // The key rows this lane addresses for the B operands of S (three 8-key tiles).
   const unsigned int k_rows01 = row_or_zero(k_tile, zero, 8 * (lane / 16) + lane % 8, len_k, kPitchBytes) +
                                 16 * ((lane / 8) % 2);
@@ -121,14 +122,14 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
     }
     // ---- softmax on the accumulators: a row's 24 scores live in the 4 lanes of one quad ----
     const int row[2] = {16 * mt + g, 16 * mt + g + 8};
+    const RowKeys keys[2] = {row_keys(row[0], len_q, len_k, window), row_keys(row[1], len_q, len_k, window)};
     float row_max[2] = {-infinity(), -infinity()};
 #pragma unroll
     for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = 8 * nt + 2 * t + (e & 1);
-        const bool visible = j < len_k && key_visible(row[e / 2], j, len_q, len_k, p.causal);
-        scores[nt][e] = visible ? scores[nt][e] * scale_log2 : -infinity();
+        scores[nt][e] = keys[e / 2].contains(j) ? scores[nt][e] * scale_log2 : -infinity();
         row_max[e / 2] = fmaxf(row_max[e / 2], scores[nt][e]);
       }
     float row_sum[2] = {0.0f, 0.0f};

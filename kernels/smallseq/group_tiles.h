@@ -312,23 +312,21 @@ HIPATTN_DEVICE void add_chunk_scores(const unsigned char* slot, int tensor, floa
   }
 }
 
-// The last key a stacked row sees (bottom-right causal alignment, key_visible's rule), or -1 for a
-// row past the group's rows: key j is visible when j <= the result.
-HIPATTN_DEVICE int last_visible_key(int row, int query, const StackedRows& stacked, int len_q, int len_k,
-                                    bool causal) {
-  if (row >= stacked.count) return -1;
-  const int last = len_k - 1;
-  if (!causal) return last;
-  const int diagonal = query + len_k - len_q;
-  return diagonal < last ? diagonal : last;
+// The keys a stacked row sees, [first, end) (row_keys' rule, for the row's query), or none for a row
+// past the group's rows.
+HIPATTN_DEVICE RowKeys stacked_row_keys(int row, int query, const StackedRows& stacked, int len_q, int len_k,
+                                        KeyWindow w) {
+  if (row >= stacked.count) return RowKeys{0, 0};
+  return row_keys(query, len_q, len_k, w);
 }
 
-// Keys [0, 24) as a bit mask, shifted right by 2 t (t = lane % 4): the key of a lane's accumulator
-// element (nt, e) of three 8-key tiles is 8 nt + 2 t + (e & 1), so its bit is the compile-time
-// 8 nt + (e & 1). One shift per row, where comparing keys would hold 8 nt + 2 t + (e & 1) for every
-// (nt, e) in registers of its own. `last` is the last key set, or negative for none.
-HIPATTN_DEVICE unsigned int key_bits(int last, int t) {
-  return last < 0 ? 0u : ((2u << last) - 1u) >> (2 * t);
+// Keys [first, end) of [0, 24) as a bit mask, shifted right by 2 t (t = lane % 4): the key of a lane's
+// accumulator element (nt, e) of three 8-key tiles is 8 nt + 2 t + (e & 1), so its bit is the
+// compile-time 8 nt + (e & 1). One mask per row, where comparing keys would hold 8 nt + 2 t + (e & 1)
+// for every (nt, e) in registers of its own. (1 << end) - (1 << first) sets bits first .. end - 1:
+// row_keys gives first <= end <= len_k <= 24 (and first = end for none).
+HIPATTN_DEVICE unsigned int key_bits(RowKeys keys, int t) {
+  return ((1u << keys.end) - (1u << keys.first)) >> (2 * t);
 }
 
 HIPATTN_DEVICE bool key_bit(unsigned int bits, int nt, int e) { return ((bits >> (8 * nt + (e & 1))) & 1u) != 0; }

@@ -80,7 +80,7 @@ def device_array_or_none(t, name: str):
 
 
 def describe_call(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-                  max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None):
+                  max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None, window_size=(-1, -1)):
     """attention.forward's first step, for tests that call an ops launcher directly: returns
     ((q, k, v) as DeviceArrays, the sequence DeviceArrays as the launchers' keyword arguments, the Problem)."""
     from hipattn import arrays
@@ -91,7 +91,7 @@ def describe_call(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=No
         ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q),
         ("seqused_k", seqused_k))}
     problem = problem_mod.describe(*qkv, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   causal=causal, softmax_scale=softmax_scale)
+                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size)
     return qkv, sequences, problem
 
 

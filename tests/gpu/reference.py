@@ -1,7 +1,8 @@
 """A float64 attention reference for varlen (THD) problems, with flash-attn's conventions.
 
-Per sequence: S = scale * q kᵀ, causal masks bottom-right aligned (query i sees key j when
-j <= i + len_k - len_q), a row that sees no key gives O = 0 and LSE = +inf. GQA repeats each KV head
+Per sequence: S = scale * q kᵀ, causal masks and flash-attn's sliding windows bottom-right aligned
+(query i sees key j when i + d - left <= j <= i + d + right, d = len_k - len_q; causal is right = 0),
+a row that sees no key gives O = 0 and LSE = +inf. GQA repeats each KV head
 for its group of query heads. Gradients come from torch autograd on the float64 graph.
 """
 
@@ -10,7 +11,20 @@ from __future__ import annotations
 import torch
 
 
-def attention_reference(q, k, v, cu_q, cu_k, *, causal: bool, scale: float, dout=None):
+def visible_keys(len_q: int, len_k: int, causal: bool, window=(-1, -1), device=None):
+    """[len_q, len_k] bool: which keys each query sees (window sides < 0 have no bound)."""
+    left, right = window[0], 0 if causal else window[1]
+    offset = (torch.arange(len_k, device=device)[None, :] - torch.arange(len_q, device=device)[:, None]
+              - (len_k - len_q))
+    visible = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= offset >= -left
+    if right >= 0:
+        visible &= offset <= right
+    return visible
+
+
+def attention_reference(q, k, v, cu_q, cu_k, *, causal: bool, scale: float, dout=None, window=(-1, -1)):
     """Returns (out, lse[, dq, dk, dv]) in float64 for THD inputs and host lists cu_q, cu_k."""
     q64, k64, v64 = (t.detach().double().requires_grad_(dout is not None) for t in (q, k, v))
     heads_q, heads_kv = q.shape[1], k.shape[1]
@@ -22,11 +36,7 @@ def attention_reference(q, k, v, cu_q, cu_k, *, causal: bool, scale: float, dout
         vs = v64[cu_k[b]:cu_k[b + 1]].repeat_interleave(group, dim=1)
         len_q, len_k = qs.shape[0], ks.shape[0]
         scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
-        visible = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
-        if causal:
-            i = torch.arange(len_q, device=q.device)[:, None]
-            j = torch.arange(len_k, device=q.device)[None, :]
-            visible = j <= i + len_k - len_q
+        visible = visible_keys(len_q, len_k, causal, window, q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where a row sees nothing
         empty = torch.isinf(lse)

@@ -50,7 +50,7 @@ LENGTHS_K = [9, 1, 18, 17, 65, 63, 200, 129, 0, 0, 31]
 
 def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                            seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
-                           deterministic=False, out=None, lse=None, work_list=True, tiles=None):
+                           deterministic=False, out=None, lse=None, work_list=True, tiles=None, window_size=(-1, -1)):
     """The flash forward (O, LSE), then the flash backward into dq, dk, dv; returns (out, lse,
     softmax_d), the last the backward's Delta = rowsum(dout * out).
 
@@ -60,7 +60,8 @@ def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_s
     (dK/dV, dQ) rows, and with the dK/dV row's type the kernel."""
     (qa, ka, va), sequences, problem = describe_call(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale)
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+        window_size=window_size)
     run_forward = out is None
     if run_forward:
         out = poisoned(q.shape, q.dtype)
@@ -85,14 +86,14 @@ def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_s
 
 
 def _check_gradients(dq, dk, dv, q, k, v, dout, cu_q, cu_k, *, causal, scale, dtype, case, out=None,
-                     softmax_d=None):
+                     softmax_d=None, window=(-1, -1)):
     """Compare the written rows (THD, exactly the sequences' rows) with float64 autograd.
 
     Given the forward's ``out`` and the backward's ``softmax_d`` (THD, [Hq, total_q]), those are
     checked too: O against float64, Delta against rowsum(dout * out) of that O, so that a wrong
     gradient is traced to the stage that went wrong."""
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale,
-                                                                   dout=dout)
+                                                                   dout=dout, window=window)
     stages = {}
     if out is not None:
         stages["out"] = relative_error(out, ref_out)
@@ -130,7 +131,7 @@ def _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case):
 
 
 def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, deterministic=False,
-                 bound_slack=0, tail_rows=0, work_list=True, tiles=None, case=""):
+                 bound_slack=0, tail_rows=0, work_list=True, tiles=None, case="", window=(-1, -1)):
     """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
     cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
     t = TORCH_DTYPE[dtype]
@@ -144,12 +145,13 @@ def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causa
         q, k, v, dout, dq, dk, dv, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
         cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
         max_seqlen_q=max(lengths_q, default=0) + bound_slack, max_seqlen_k=max(lengths_k, default=0) + bound_slack,
-        causal=causal, deterministic=deterministic, work_list=work_list, tiles=tiles)
+        causal=causal, deterministic=deterministic, work_list=work_list, tiles=tiles, window_size=window)
     torch.cuda.synchronize()
     nq, nk = cu_q[-1], cu_k[-1]
     _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case)
     return _check_gradients(dq[:nq], dk[:nk], dv[:nk], q[:nq], k[:nk], v[:nk], dout[:nq], cu_q, cu_k, causal=causal,
-                            scale=scale, dtype=dtype, case=case, out=out[:nq], softmax_d=softmax_d[:, :nq])
+                            scale=scale, dtype=dtype, case=case, out=out[:nq], softmax_d=softmax_d[:, :nq],
+                            window=window)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -170,6 +172,22 @@ def test_the_mma_sync_dkdv_kernel_matches_float64(dtype, causal, deterministic, 
     tiles = mma_tiles_for(128, runtime.active().target(0))
     _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, 128, dtype, causal, rng, deterministic=deterministic, tail_rows=3,
                  tiles=tiles, case=f"mma.sync {dtype} d128 causal={causal} deterministic={deterministic}")
+
+
+@pytest.mark.parametrize("window,causal", [((256, -1), False), ((100, 37), False), ((31, 31), False),
+                                           ((200, 0), True)])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_sliding_windows_match_float64(head_dim, deterministic, window, causal, rng):
+    """flash-attn's windows (-1: no bound on that side) through both dQ schedules: the dK/dV kernels'
+    query-tile range (rows_seeing) and masks, the dQ kernel's key-tile range; GQA; keys no query sees
+    get dK = dV = 0. On sm_90a head_dim 128 also runs its mma.sync dK/dV row."""
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, "bf16", causal, rng, deterministic=deterministic, tail_rows=3,
+                 window=window, case=f"d{head_dim} window={window} causal={causal} deterministic={deterministic}")
+    if head_dim == 128:
+        _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, 128, "bf16", causal, rng, deterministic=deterministic, tail_rows=3,
+                     window=window, tiles=mma_tiles_for(128, runtime.active().target(0)),
+                     case=f"mma.sync d128 window={window} causal={causal} deterministic={deterministic}")
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (6, 1)])

@@ -18,7 +18,7 @@ from hipattn.ops import flash
 from hipattn.streams import on_device, resolve_stream
 
 from . import conftest as gpu
-from .reference import attention_reference
+from .reference import attention_reference, visible_keys
 
 # Lengths that hit every edge: empty, one token, the small-seq tile (17) and one past it, a long
 # sequence, and lengths that are not multiples of any tile (63, 65, 129, 200, 333). Q shorter and
@@ -39,8 +39,9 @@ def flash_forward(q, k, v, out, lse, *, stream=None, tiles=None, **call):
     return problem
 
 
-def sdpa_reference(q, k, v, cu_q, cu_k, *, causal, scale):
-    """torch SDPA per sequence in the inputs' dtype, bottom-right causal mask; rows seeing no key are NaN."""
+def sdpa_reference(q, k, v, cu_q, cu_k, *, causal, scale, window=(-1, -1)):
+    """torch SDPA per sequence in the inputs' dtype, bottom-right causal mask or window; rows seeing no
+    key are NaN."""
     group = q.shape[1] // k.shape[1]
     outs = []
     for b in range(len(cu_q) - 1):
@@ -53,19 +54,15 @@ def sdpa_reference(q, k, v, cu_q, cu_k, *, causal, scale):
         if len_k == 0:
             outs.append(torch.full((len_q, q.shape[1], q.shape[2]), float("nan"), dtype=q.dtype, device=q.device))
             continue
-        mask = None
-        if causal:
-            i = torch.arange(len_q, device=q.device)[:, None]
-            j = torch.arange(len_k, device=q.device)[None, :]
-            mask = j <= i + len_k - len_q
+        mask = visible_keys(len_q, len_k, causal, window, q.device) if causal or window != (-1, -1) else None
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs) if outs else q[:0]
 
 
-def _check(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, case):
+def _check(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, case, window=(-1, -1)):
     """Compare the written rows with both references; return the errors."""
-    ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
+    ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale, window=window)
     assert not torch.isnan(out).any(), f"{case}: out has unwritten (NaN) elements"
     assert not torch.isnan(lse).any(), f"{case}: lse has unwritten (NaN) elements"
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), f"{case}: lse is +inf on the wrong rows"
@@ -76,7 +73,7 @@ def _check(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, case):
     errors = {"out": gpu.relative_error(out, ref_out), "lse": gpu.relative_error(lse[finite], ref_lse[finite])}
     # Second, independent reference: SDPA in the same precision. hipattn may be at most about twice
     # as far from the float64 answer as SDPA is (flash-attn's criterion).
-    sdpa = sdpa_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
+    sdpa = sdpa_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale, window=window)
     seen = ~empty_rows
     sdpa_error = gpu.relative_error(sdpa[seen], ref_out[seen])
     errors["out_vs_sdpa"] = gpu.relative_error(out[seen], sdpa[seen])
@@ -87,7 +84,7 @@ def _check(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, case):
 
 
 def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, bound_slack=0,
-                 tail_rows=0, tiles=None, case=""):
+                 tail_rows=0, tiles=None, case="", window=(-1, -1)):
     """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
     cu_q, cu_k = gpu.cumulative(lengths_q), gpu.cumulative(lengths_k)
     t = gpu.TORCH_DTYPE[dtype]
@@ -100,12 +97,12 @@ def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causa
     flash_forward(q, k, v, out, lse, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                   cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
                   max_seqlen_q=max(lengths_q, default=0) + bound_slack,
-                  max_seqlen_k=max(lengths_k, default=0) + bound_slack, causal=causal, tiles=tiles)
+                  max_seqlen_k=max(lengths_k, default=0) + bound_slack, causal=causal, tiles=tiles, window_size=window)
     torch.cuda.synchronize()
     nq, nk = cu_q[-1], cu_k[-1]
     assert torch.isnan(out[nq:]).all() and torch.isnan(lse[:, nq:]).all(), f"{case}: rows past the last sequence written"
     return _check(out[:nq], lse[:, :nq], q[:nq], k[:nk], v[:nk], cu_q, cu_k, causal=causal, scale=scale,
-                  dtype=dtype, case=case)
+                  dtype=dtype, case=case, window=window)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -123,6 +120,23 @@ def test_the_mma_sync_kernel_matches_float64_and_sdpa(dtype, head_dim, causal, r
     """The sm_80+ kernel that H100/H200 do not pick (they run wgmma), through its table row."""
     _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, dtype, causal, rng, tail_rows=3,
                  tiles=FLASH_FORWARD_MMA_TILES[head_dim], case=f"mma.sync {dtype} d{head_dim} causal={causal}")
+
+
+# flash-attn's sliding windows (-1: no bound on that side): a long left side with none on the right,
+# both sides bounded (rows of the short-KV sequences see nothing, long rows skip key tiles at both
+# ends), a one-tile band, and causal with a left side (a band under the diagonal).
+WINDOWS = [((256, -1), False), ((100, 37), False), ((31, 31), False), ((200, 0), True), ((0, 0), True)]
+
+
+@pytest.mark.parametrize("window,causal", WINDOWS)
+@pytest.mark.parametrize("kernel", ["device's", "mma.sync"])
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_sliding_windows_match_float64_and_sdpa(head_dim, kernel, window, causal, rng):
+    """The window's key-tile range and its masks at both edges, on the kernel the device runs (wgmma on
+    sm_90a) and on the mma.sync one, GQA, varlen with Q longer and shorter than KV."""
+    tiles = FLASH_FORWARD_MMA_TILES[head_dim] if kernel == "mma.sync" else None
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, "bf16", causal, rng, tail_rows=3, tiles=tiles, window=window,
+                 case=f"{kernel} d{head_dim} window={window} causal={causal}")
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (6, 1), (12, 4)])

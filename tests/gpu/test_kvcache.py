@@ -33,7 +33,7 @@ class Call:
     """One call's tensors on the GPU and the same values as a KvCacheCase."""
 
     def __init__(self, rng, dtype, *, batch, seqlen_q, heads_q, heads_kv, head_dim, capacity, seqlen_new=0,
-                 rotary_dim=0, interleaved=True, page_size=None, causal=False, lengths=None):
+                 rotary_dim=0, interleaved=True, page_size=None, causal=False, lengths=None, window=(-1, -1)):
         t = gpu.TORCH_DTYPE[dtype]
         self.dtype = dtype
 
@@ -61,19 +61,20 @@ class Call:
         if lengths is None:
             lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=rng, device="cuda").tolist()
         self.cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-        self.interleaved, self.causal = interleaved, causal
+        self.interleaved, self.causal, self.window = interleaved, causal, window
 
     def case(self) -> KvCacheCase:
         return KvCacheCase(q=_numpy(self.q), k_cache=_numpy(self.k_cache), v_cache=_numpy(self.v_cache),
                            cache_seqlens=self.cache_seqlens.cpu().numpy(), k=_numpy(self.k), v=_numpy(self.v),
                            cos=_numpy(self.cos), sin=_numpy(self.sin), interleaved=self.interleaved,
                            block_table=None if self.block_table is None else self.block_table.cpu().numpy(),
-                           causal=self.causal)
+                           causal=self.causal, window=self.window)
 
     def run(self, function=hipattn.flash_attn_with_kvcache, **options):
         return function(self.q, self.k_cache, self.v_cache, self.k, self.v, rotary_cos=self.cos, rotary_sin=self.sin,
                         cache_seqlens=self.cache_seqlens, block_table=self.block_table, causal=self.causal,
-                        rotary_interleaved=self.interleaved, return_softmax_lse=True, **options)
+                        window_size=self.window, rotary_interleaved=self.interleaved, return_softmax_lse=True,
+                        **options)
 
 
 def check(call: Call, out, lse, want, what: str) -> None:
@@ -129,6 +130,18 @@ def test_long_context_split_kv_matches_float64(rng, num_splits):
     call = Call(rng, "bf16", batch=1, seqlen_q=1, heads_q=32, heads_kv=8, head_dim=128, capacity=32768,
                 lengths=[32768 - 5])
     run_and_check(call, f"32k num_splits={num_splits}", num_splits=num_splits)
+
+
+@pytest.mark.parametrize("window,causal", [((1000, -1), False), ((4096, 0), True), ((64, 3), False)])
+@pytest.mark.parametrize("page_size,num_splits", [(None, 0), (256, 0), (16, 5)])
+def test_sliding_windows_match_float64(rng, window, causal, page_size, num_splits):
+    """flash-attn's window_size against the cache, aligned with its end: a left side shorter than the
+    cache (the splits share out only the window's keys), a band under the causal diagonal, and a right
+    side that matters with 4 query tokens; rotary (windowed calls rotate q at advancing positions);
+    lengths 0, within the window, and past it."""
+    call = Call(rng, "bf16", batch=4, seqlen_q=4, heads_q=16, heads_kv=4, head_dim=128, capacity=8192, seqlen_new=2,
+                rotary_dim=64, page_size=page_size, causal=causal, window=window, lengths=[0, 50, 3000, 8186])
+    run_and_check(call, f"window={window} causal={causal} page_size={page_size}", num_splits=num_splits)
 
 
 def test_the_torch_function_matches_and_refuses_other_arrays(rng):

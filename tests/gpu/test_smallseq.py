@@ -41,7 +41,8 @@ def _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, rng):
     return q, k, v, cu_q, cu_k
 
 
-def _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, bound=SMALLSEQ_TILE):
+def _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, bound=SMALLSEQ_TILE,
+                   window=(-1, -1)):
     q, k, v, cu_q, cu_k = _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, rng)
     cu_q_dev = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
     cu_k_dev = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
@@ -50,13 +51,13 @@ def _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, cau
     out = poisoned(q.shape, q.dtype)
     lse = poisoned((heads_q, q.shape[0]), torch.float32)
     hipattn.forward(q, k, v, out=out, lse=lse, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev, max_seqlen_q=bound,
-                    max_seqlen_k=bound, causal=causal)
+                    max_seqlen_k=bound, causal=causal, window_size=window)
     dq, dk, dv = (poisoned(t.shape, t.dtype) for t in (q, k, v))
     hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev,
-                     max_seqlen_q=bound, max_seqlen_k=bound, causal=causal)
+                     max_seqlen_q=bound, max_seqlen_k=bound, causal=causal, window_size=window)
     torch.cuda.synchronize()
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale,
-                                                                   dout=dout)
+                                                                   dout=dout, window=window)
     # Every element written: no NaN left from the poison anywhere.
     for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not torch.isnan(t).any(), f"{name} has unwritten (NaN) elements"
@@ -102,6 +103,19 @@ def test_every_shipped_instantiation_matches_float64(dtype, head_dim, heads, for
         errors = _run_and_check(lengths_q, lengths_k, heads, heads, head_dim, dtype, causal, rng)
         record_errors(f"{dtype} d{head_dim} h{heads} causal={causal} {forward_kernel}", **errors)
         assert max(errors.values()) < TOLERANCE[dtype], errors
+
+
+@pytest.mark.parametrize("window,causal", [((3, -1), False), ((2, 5), False), ((1, 1), False), ((4, 0), True)])
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (16, 4)])
+@pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
+def test_sliding_windows_match_float64(head_dim, heads_q, heads_kv, window, causal, forward_kernel, rng):
+    """flash-attn's windows (-1: no bound on that side) on every small-seq kernel: the per-head and the
+    grouped tensor-core ones and the portable ones; rows whose window holds no key get O = 0."""
+    lengths_q = [17, 9, 0, 4, 1, 13, 17, 2, 17]
+    lengths_k = [17, 17, 5, 0, 9, 3, 12, 17, 1]
+    errors = _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, "bf16", causal, rng, window=window)
+    record_errors(f"window={window} causal={causal} d{head_dim} {heads_q}/{heads_kv} {forward_kernel}", **errors)
+    assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(16, 4), (32, 1), (8, 2)])

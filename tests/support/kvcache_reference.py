@@ -48,6 +48,7 @@ class KvCacheCase:
     leftpad: np.ndarray | None = None
     block_table: np.ndarray | None = None  # [B, pages per sequence]
     causal: bool = False
+    window: tuple = (-1, -1)  # flash-attn's window_size; -1: no bound on that side
 
     def sequence_rows(self, b):
         """(cache array index, token index) arrays of sequence b's cache positions 0 .. capacity-1."""
@@ -81,7 +82,10 @@ def expected(case: KvCacheCase, scale: float, round16):
             k_cache[entries[new_positions], tokens[new_positions]] = k_new
             v_cache[entries[new_positions], tokens[new_positions]] = case.v[b]
         if case.cos is not None:
-            q_positions = length + (np.arange(seqlen_q) if case.causal else np.zeros(seqlen_q, int))
+            # Causal and windowed calls rotate query token t at cache_seqlens + t, as flash-attn does.
+            advancing = case.causal or any(0 <= side < case.k_cache.shape[1] * (
+                1 if case.block_table is None else case.block_table.shape[1]) for side in case.window)
+            q_positions = length + (np.arange(seqlen_q) if advancing else np.zeros(seqlen_q, int))
             q = round16(rotate(q, case.cos, case.sin, q_positions, case.interleaved))
         total = length + seqlen_new
         start = int(case.leftpad[b]) if case.leftpad is not None else 0
@@ -89,8 +93,13 @@ def expected(case: KvCacheCase, scale: float, round16):
         values = v_cache[entries[:total], tokens[:total]]
         visible = np.zeros((seqlen_q, total), bool)
         visible[:, start:] = True
-        if case.causal:
-            visible &= np.arange(total)[None, :] <= np.arange(seqlen_q)[:, None] + (total - seqlen_q)
+        # The window, bottom-right aligned with the cache's end; causal makes its right side 0.
+        left, right = case.window[0], 0 if case.causal else case.window[1]
+        offset = np.arange(total)[None, :] - np.arange(seqlen_q)[:, None] - (total - seqlen_q)
+        if left >= 0:
+            visible &= offset >= -left
+        if right >= 0:
+            visible &= offset <= right
         for h in range(heads_q):
             s = scale * q[:, h] @ keys[:, h // group].T
             for i in range(seqlen_q):

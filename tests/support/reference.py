@@ -1,6 +1,6 @@
 """float64 attention references for the emulated-device tests, in flash-attn's conventions: THD inputs
-(rows of all sequences packed, cu_seqlens boundaries), bottom-right aligned causal masks, and a row
-that sees no key gets O = 0 and LSE = +inf."""
+(rows of all sequences packed, cu_seqlens boundaries), bottom-right aligned causal masks and sliding
+windows, and a row that sees no key gets O = 0 and LSE = +inf."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import numpy as np
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3}
 
 
-def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal):
+def visible_keys(len_q, len_k, causal, window=(-1, -1)):
+    """[len_q, len_k] bool, flash-attn's window_size=(left, right), bottom-right aligned: query i sees key j
+    when i + d - left <= j <= i + d + right, d = len_k - len_q. A negative side has no bound; causal
+    makes the right side 0."""
+    left, right = window[0], 0 if causal else window[1]
+    offset = np.arange(len_k)[None, :] - np.arange(len_q)[:, None] - (len_k - len_q)
+    return ((left < 0) | (offset >= -left)) & ((right < 0) | (offset <= right))
+
+
+def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, -1)):
     """float64 O [total_q, Hq, D] and LSE [Hq, total_q] of THD inputs (flash-attn's conventions)."""
     heads_q, heads_kv = q.shape[1], k.shape[1]
     out = np.zeros(q.shape)
@@ -21,10 +30,7 @@ def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal):
             qs = q[start_q:start_q + len_q, h]
             ks = k[start_k:start_k + len_k, h // (heads_q // heads_kv)]
             vs = v[start_k:start_k + len_k, h // (heads_q // heads_kv)]
-            s = scale * qs @ ks.T
-            if causal:  # bottom-right aligned: query i sees key j <= i + len_k - len_q
-                visible = np.arange(len_k)[None, :] <= np.arange(len_q)[:, None] + (len_k - len_q)
-                s = np.where(visible, s, -np.inf)
+            s = np.where(visible_keys(len_q, len_k, causal, window), scale * qs @ ks.T, -np.inf)
             for i in range(len_q):
                 if np.isneginf(s[i]).all():
                     continue  # sees no key: O = 0, LSE = +inf
@@ -37,7 +43,7 @@ def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal):
     return out, lse
 
 
-def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal):
+def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal, window=(-1, -1)):
     """float64 dQ, dK, dV of THD inputs; dK and dV summed over each KV head's group of query heads."""
     heads_q, heads_kv = q.shape[1], k.shape[1]
     group = heads_q // heads_kv
@@ -48,9 +54,7 @@ def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal):
         for h in range(heads_q):
             qs, ks, vs, dos = q[rows, h], k[keys, h // group], v[keys, h // group], dout[rows, h]
             s = scale * qs @ ks.T
-            visible = np.ones(s.shape, bool)
-            if causal:
-                visible = np.arange(len_k)[None, :] <= np.arange(len_q)[:, None] + (len_k - len_q)
+            visible = visible_keys(len_q, len_k, causal, window)
             s = np.where(visible, s, -np.inf)
             m = np.where(visible.any(1), s.max(1, initial=-np.inf), 0.0)
             p = np.where(visible, np.exp(s - m[:, None]), 0.0)

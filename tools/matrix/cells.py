@@ -12,6 +12,19 @@ A cell is one workload in one direction with a stable name, e.g. ``smallseq/d128
 - ``decode``: one query token per sequence against a long KV cache, forward only; hipattn through
   flash_attn_with_kvcache, on a contiguous cache and (``pagedN`` cells) on pages of N tokens through
   a shuffled block table holding the same values.
+- ``window``: flash-attn's sliding window (``wL,R`` in the name: window_size=(L, R); with d = len_k -
+  len_q, query i sees key j when i + d - L <= j <= i + d + R, a negative side unbounded, causal
+  making R = 0): BSHD self-attention at BATCH_TOKENS tokens as in ``batch`` (WINDOW_SHAPES: head_dim
+  128, and 64 for one window; GQA 16:4, and MHA 16:16 for one shape; S 4096 and 16384; causal
+  (1023, 0), Mistral's (4095, 0), and a non-causal (512, 512)), ``fwd`` and ``fwdbwd``; and decode
+  cells (one query token, a contiguous cache; WINDOW_DECODE_SHAPES) whose window's left side limits
+  the keys read. Peers: FlexAttention (a window mask_mod, torch.compile'd), torch's varlen_attn (FA2)
+  with window_size, SDPA's efficient backend with an explicit boolean mask where the mask is small (a
+  reference: it computes every pair), and for decode SDPA's backends on the window's keys (a slice of
+  the cache).
+
+A cell's FLOPs count only the (query, key) pairs its mask lets through (visible_pairs), and its bytes
+only the keys some query sees (key_range): a decode window reads its window, not the cache.
 
 The floor of a cell is the larger of its FLOPs over the measured bf16 GEMM rate and its bytes over
 the measured copy bandwidth, both measured at the start of the run; which one binds is recorded
@@ -25,7 +38,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-SECTIONS = ("smallseq", "batch", "varlen", "decode")
+SECTIONS = ("smallseq", "batch", "varlen", "decode", "window")
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 ELEMENT_BYTES = 2  # bf16
 LSE_BYTES = 4  # fp32
@@ -55,6 +68,24 @@ DECODE_SHAPES = ((64, 4096, 32, 8), (8, 32768, 32, 8), (128, 1024, 32, 32), (1, 
 DECODE_PAGED_SHAPES = ((64, 4096, 32, 8), (8, 32768, 32, 8), (1, 131072, 32, 8))
 DECODE_PAGE_SIZE = 256
 
+NO_WINDOW = (-1, -1)
+WINDOW_HEAD_DIM = 128
+# (head_dim, Hq, Hkv, S, (left, right), causal): the sliding-window training shapes, at BATCH_TOKENS
+# tokens (B = BATCH_TOKENS / S). Mistral's window is (4095, 0) causal; (1023, 0) is a short one.
+WINDOW_SHAPES = (
+    *((128, 16, 4, seqlen, window, causal) for seqlen in (4096, 16384)
+      for window, causal in (((1023, 0), True), ((512, 512), False))),
+    (128, 16, 4, 16384, (4095, 0), True),
+    (64, 16, 4, 16384, (1023, 0), True),
+    (128, 16, 16, 16384, (1023, 0), True),
+)
+# (batch, KV length, Hq, Hkv, (left, right)): decode steps with a causal window (a contiguous cache of
+# KV tokens of which the last left + 1 are read).
+WINDOW_DECODE_SHAPES = ((8, 32768, 32, 8, (4095, 0)), (64, 4096, 32, 8, (1023, 0)))
+# SDPA's efficient backend with an explicit [S_q, S_k] boolean mask computes every pair (no tile is
+# skipped) and converts the mask to a bias per call: run only where the mask is at most this big.
+MASKED_PEER_MAX_MASK_BYTES = 64 * 1024**2
+
 # Backward FLOPs over forward FLOPs (the backward does 2.5 forwards' worth of matrix products).
 BACKWARD_FLOP_FACTOR = 2.5
 
@@ -80,11 +111,31 @@ class Cell:
     seqlen_q: int = 0  # BSHD: the length of every sequence (THD: 0, the lengths are drawn)
     seqlen_k: int = 0
     page_size: int = 0  # decode: tokens per page of a paged cache (0: contiguous)
+    window_left: int = -1  # flash-attn's window_size=(left, right); -1: that side unbounded
+    window_right: int = -1
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return (self.window_left, self.window_right)
+
+    @property
+    def windowed(self) -> bool:
+        return self.window != NO_WINDOW
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token per sequence against a KV cache, run through flash_attn_with_kvcache."""
+        return self.section == "decode" or (self.section == "window" and self.seqlen_q == 1)
 
     @property
     def name(self) -> str:
         heads = f"h{self.heads_q}:{self.heads_kv}"
         mask = "causal" if self.causal else "noncausal"
+        if self.section == "window":
+            window = f"w{self.window_left},{self.window_right}"
+            if self.seqlen_q == 1:
+                return f"window/d{self.head_dim}/{heads}/b{self.batch}/kv{self.seqlen_k}/{window}/{mask}/{self.direction}"
+            return f"window/d{self.head_dim}/{heads}/s{self.seqlen_q}/{window}/{mask}/{self.direction}"
         if self.section == "smallseq":
             return f"smallseq/d{self.head_dim}/{heads}/{self.direction}"
         if self.section == "batch":
@@ -128,6 +179,13 @@ def all_cells() -> list[Cell]:
     for batch, kv, heads_q, heads_kv in DECODE_PAGED_SHAPES:
         found.append(Cell("decode", "fwd", DECODE_HEAD_DIM, heads_q, heads_kv, batch=batch, seqlen_q=1, seqlen_k=kv,
                           page_size=DECODE_PAGE_SIZE))
+    for head_dim, heads_q, heads_kv, seqlen, (left, right), causal in WINDOW_SHAPES:
+        for direction in ("fwd", "fwdbwd"):
+            found.append(Cell("window", direction, head_dim, heads_q, heads_kv, causal, batch=BATCH_TOKENS // seqlen,
+                              seqlen_q=seqlen, seqlen_k=seqlen, window_left=left, window_right=right))
+    for batch, kv, heads_q, heads_kv, (left, right) in WINDOW_DECODE_SHAPES:
+        found.append(Cell("window", "fwd", WINDOW_HEAD_DIM, heads_q, heads_kv, True, batch=batch, seqlen_q=1,
+                          seqlen_k=kv, window_left=left, window_right=right))
     return found
 
 
@@ -152,6 +210,8 @@ QUICK_CELLS = (
     "decode/d128/h32:8/b64/kv4096/paged256/fwd",
     "decode/d128/h32:8/b1/kv131072/fwd",
     "decode/d128/h32:32/b128/kv1024/fwd",
+    "window/d128/h16:4/s16384/w1023,0/causal/fwd",
+    "window/d128/h16:4/s4096/w512,512/noncausal/fwdbwd",
 )
 
 
@@ -165,7 +225,7 @@ def quick_cells() -> list[Cell]:
 
 # After the quick subset, the full run measures the small sections first: a run cut short by its
 # budget then loses cells of the largest section only.
-REST_ORDER = ("varlen", "decode", "smallseq", "batch")
+REST_ORDER = ("varlen", "decode", "window", "smallseq", "batch")
 
 
 def select(quick: bool = False, only: str | None = None) -> list[Cell]:
@@ -201,10 +261,19 @@ PEERS = {
     # SDPA padded to the longest of these sequences would compute other attention, 2-3x the tokens.
     "varlen": ("varlen_attn",),
     "decode": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "varlen_attn"),
+    # SDPA's flash and cuDNN backends take no window (and an explicit mask turns them off): FlexAttention
+    # with a window mask_mod, varlen_attn (FA2) with window_size, and the efficient backend with the
+    # boolean mask as a reference (sdpa_masked).
+    "window": ("flex", "varlen_attn", "sdpa_masked"),
 }
+# A decode step's window is a run of the cache: SDPA's backends run on that slice of it (the same
+# function on the same data) instead of a mask.
+WINDOW_DECODE_PEERS = ("flex", "varlen_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
 
 
 def peers(cell: Cell) -> tuple[str, ...]:
+    if cell.section == "window" and cell.is_decode:
+        return WINDOW_DECODE_PEERS
     return PEERS[cell.section]
 
 
@@ -216,10 +285,16 @@ def padded_peer(cell: Cell, peer: str) -> bool:
 
 def prescreen(cell: Cell, peer: str) -> str | None:
     """Why ``peer`` is not run on ``cell`` at all, or None. Only for peers known to end the process's
-    CUDA context on such a cell; every other failure is found by running the peer."""
+    CUDA context on such a cell, and for the masked reference peer where its mask is large; every
+    other failure is found by running the peer."""
     if peer == "sdpa_flash" and cell.batch * cell.heads_q > SDPA_FLASH_MAX_BATCH_HEADS:
         return (f"not run: B*Hq = {cell.batch * cell.heads_q} > {SDPA_FLASH_MAX_BATCH_HEADS}, where FA2 in SDPA "
                 "fails with a device-side assert (BENCHMARKS.md small-seq runs 5-9) that would end the CUDA context")
+    if peer == "sdpa_masked" and cell.seqlen_q * cell.seqlen_k > MASKED_PEER_MAX_MASK_BYTES:
+        mask = cell.seqlen_q * cell.seqlen_k
+        return (f"not run: its [S_q, S_k] boolean mask would be {mask // 1024**2} MiB (> "
+                f"{MASKED_PEER_MAX_MASK_BYTES // 1024**2} MiB; twice that again as the bf16 bias SDPA makes of it "
+                "per call), and it computes all S_q * S_k pairs: a reference only where that is cheap")
     return None
 
 
@@ -257,14 +332,59 @@ def lengths(cell: Cell) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 # ---- work and floors -----------------------------------------------------------------------------
 
-def visible_pairs(len_q: int, len_k: int, causal: bool) -> int:
-    """(query, key) pairs a sequence computes. Causal is aligned bottom-right (query i sees key j when
-    j <= i + len_k - len_q), as in hipattn and flash-attn 2.1+."""
-    if not causal:
+def effective_window(causal: bool, window: tuple[int, int] = NO_WINDOW) -> tuple[int, int]:
+    """flash-attn's (left, right) as the kernels apply it: -1 for an unbounded side, and causal making
+    the right side 0 (a causal cell without a window is (-1, 0))."""
+    left, right = window
+    return (left if left >= 0 else -1, 0 if causal else right if right >= 0 else -1)
+
+
+def _offset_bounds(len_q: int, len_k: int, causal: bool, window: tuple[int, int]) -> tuple[int, int]:
+    """(lo, hi): query i sees key j when lo <= j - i <= hi (clipped to what the grid holds)."""
+    left, right = effective_window(causal, window)
+    shift = len_k - len_q  # bottom-right alignment
+    lo = -len_q if left < 0 else max(-len_q, shift - left)
+    hi = len_k - 1 if right < 0 else min(len_k - 1, shift + right)
+    return lo, hi
+
+
+def visible_pairs(len_q: int, len_k: int, causal: bool, window: tuple[int, int] = NO_WINDOW) -> int:
+    """(query, key) pairs a sequence computes. Aligned bottom-right as in hipattn and flash-attn 2.1+:
+    with d = len_k - len_q, query i sees key j when i + d - left <= j <= i + d + right, a negative
+    side having no bound and causal setting right = 0 (causal alone: j <= i + d).
+
+    Counted exactly in O(1): the pairs with j - i <= c number F(c) = sum over rows i of
+    clamp(i + c + 1, 0, len_k), a difference of two sums of clamp(x, 0, len_k) over x <= n."""
+    if not causal and window == NO_WINDOW:
         return len_q * len_k
-    if len_q <= len_k:  # every row sees at least one key; row i sees len_k - len_q + i + 1
-        return len_q * len_k - len_q * (len_q - 1) // 2
-    return len_k * (len_k + 1) // 2  # the first len_q - len_k rows see nothing
+    lo, hi = _offset_bounds(len_q, len_k, causal, window)
+    if hi < lo:
+        return 0
+
+    def clamped_sum(n: int) -> int:  # sum of clamp(x, 0, len_k) for x = 1..n
+        if n <= 0:
+            return 0
+        if n <= len_k:
+            return n * (n + 1) // 2
+        return len_k * (len_k + 1) // 2 + (n - len_k) * len_k
+
+    def at_most(c: int) -> int:  # pairs with j - i <= c
+        return clamped_sum(c + len_q) - clamped_sum(c)
+
+    return at_most(hi) - at_most(lo - 1)
+
+
+def key_range(len_q: int, len_k: int, causal: bool, window: tuple[int, int] = NO_WINDOW) -> tuple[int, int]:
+    """[first, end) of the keys some query of the sequence sees (each row's keys are a run, and the runs
+    of consecutive rows overlap, so together they are one run); (0, 0) when no query sees any."""
+    lo, hi = _offset_bounds(len_q, len_k, causal, window)
+    first, last = max(0, lo), min(len_k - 1, len_q - 1 + hi)
+    return (first, last + 1) if hi >= lo and last >= first else (0, 0)
+
+
+def visible_keys(len_q: int, len_k: int, causal: bool, window: tuple[int, int] = NO_WINDOW) -> int:
+    first, end = key_range(len_q, len_k, causal, window)
+    return end - first
 
 
 @dataclass(frozen=True)
@@ -291,14 +411,23 @@ def thd_bytes(total_q: int, total_k: int, heads_q: int, heads_kv: int, head_dim:
 
 def work(cell: Cell) -> Work:
     """FLOPs (4 * Hq * D per visible pair forward; 2.5x that backward, 3.5x forward + backward) and
-    bytes (thd_bytes) of a cell. A decode forward writes no LSE (inference keeps none)."""
+    bytes (thd_bytes over the keys some query sees: all of them but in a decode window) of a cell. A
+    decode forward writes no LSE (inference keeps none)."""
     lengths_q, lengths_k = lengths(cell)
-    pairs = sum(visible_pairs(lq, lk, cell.causal) for lq, lk in zip(lengths_q, lengths_k, strict=True))
+    pairs = sum(visible_pairs(lq, lk, cell.causal, cell.window) for lq, lk in zip(lengths_q, lengths_k, strict=True))
     forward_flops = 4.0 * cell.heads_q * cell.head_dim * pairs
     factor = {"fwd": 1.0, "bwd": BACKWARD_FLOP_FACTOR, "fwdbwd": 1.0 + BACKWARD_FLOP_FACTOR}[cell.direction]
-    total_bytes = thd_bytes(sum(lengths_q), sum(lengths_k), cell.heads_q, cell.heads_kv, cell.head_dim,
-                            cell.direction, lse=cell.section != "decode")
+    total_bytes = thd_bytes(sum(lengths_q), _keys_read(cell), cell.heads_q, cell.heads_kv, cell.head_dim,
+                            cell.direction, lse=not cell.is_decode)
     return Work(flops=forward_flops * factor, bytes=float(total_bytes))
+
+
+def _keys_read(cell: Cell) -> int:
+    """Keys summed over the sequences that some query sees (the others need not be read)."""
+    lengths_q, lengths_k = lengths(cell)
+    if not cell.windowed:  # every key is seen (causal: by the last row)
+        return sum(lengths_k)
+    return sum(visible_keys(lq, lk, cell.causal, cell.window) for lq, lk in zip(lengths_q, lengths_k, strict=True))
 
 
 @dataclass(frozen=True)
@@ -321,10 +450,11 @@ def floor(cell_work: Work, ceilings: Ceilings) -> dict:
 
 
 def set_bytes(cell: Cell) -> int:
-    """Bytes of one input set (q, k, v, and dout where the direction reads it)."""
-    lengths_q, lengths_k = lengths(cell)
+    """Bytes of one input set that a call touches (q, the k and v some query sees, and dout where the
+    direction reads it)."""
+    lengths_q, _ = lengths(cell)
     q_side = sum(lengths_q) * cell.heads_q * cell.head_dim * ELEMENT_BYTES
-    kv_side = sum(lengths_k) * cell.heads_kv * cell.head_dim * ELEMENT_BYTES
+    kv_side = _keys_read(cell) * cell.heads_kv * cell.head_dim * ELEMENT_BYTES
     return q_side * (1 if cell.direction == "fwd" else 2) + 2 * kv_side
 
 
@@ -358,7 +488,17 @@ EXPECTED_FLOOR_RATIO = {
     ("varlen", "fwd"): {"hipattn": 2.5, "varlen_attn": 3.0},
     ("varlen", "fwdbwd"): {"hipattn": 3.0, "varlen_attn": 3.5},
     ("decode", "fwd"): {"hipattn": 15, "sdpa_flash": 4, "sdpa_cudnn": 4, "sdpa_efficient": 6, "varlen_attn": 4},
+    # Guesses: windowed tiles are partly masked; sdpa_masked's is per computed pair (estimate_seconds
+    # scales it by all pairs over the visible ones).
+    ("window", "fwd"): {"hipattn": 3.0, "flex": 4.0, "varlen_attn": 3.0, "sdpa_masked": 6.0},
+    ("window", "fwdbwd"): {"hipattn": 3.5, "flex": 5.0, "varlen_attn": 3.5, "sdpa_masked": 7.0},
+    ("window", "decode"): {"hipattn": 15, "flex": 8, "varlen_attn": 4, "sdpa_flash": 4, "sdpa_cudnn": 4,
+                           "sdpa_efficient": 6},
 }
+# FlexAttention compiles (Dynamo + Inductor + Triton) on its first call in a cell: every cell has other
+# shapes, block mask or autograd mode. Guessed seconds per direction; the records' setup_s say what it
+# took.
+FLEX_COMPILE_S = {"fwd": 6.0, "bwd": 12.0, "fwdbwd": 15.0}
 SMALLSEQ_PORTABLE_BACKWARD_RATIO = 15
 CELL_OVERHEAD_S = 0.3  # inputs, autograd graphs, the numeric check, freeing memory
 RUNNER_OVERHEAD_S = 0.05  # set-up and first call (cuDNN plans, module loads)
@@ -375,13 +515,19 @@ def runner_seconds(call_ms: float, rounds: int = ROUNDS) -> float:
 def estimate_seconds(cell: Cell, ceilings: Ceilings = NOMINAL_CEILINGS, rounds: int = ROUNDS) -> float:
     """Expected wall time of one cell, every runner included."""
     floor_ms = floor(work(cell), ceilings)["ms"]
-    ratios = dict(EXPECTED_FLOOR_RATIO[(cell.section, cell.direction)])
+    kind = "decode" if cell.section == "window" and cell.is_decode else cell.direction
+    ratios = dict(EXPECTED_FLOOR_RATIO[(cell.section, kind)])
     if cell.section == "smallseq" and cell.direction == "bwd" and cell.heads_q != cell.heads_kv:
         ratios["hipattn"] = SMALLSEQ_PORTABLE_BACKWARD_RATIO
+    if "sdpa_masked" in ratios:  # it computes every pair
+        lengths_q, lengths_k = lengths(cell)
+        visible = sum(visible_pairs(q, k, cell.causal, cell.window) for q, k in zip(lengths_q, lengths_k, strict=True))
+        ratios["sdpa_masked"] *= sum(q * k for q, k in zip(lengths_q, lengths_k, strict=True)) / max(visible, 1)
     seconds = CELL_OVERHEAD_S
     for runner in ("hipattn", *peers(cell)):
         if prescreen(cell, runner) is None:
             seconds += runner_seconds(floor_ms * ratios.get(runner, 5.0), rounds)
+            seconds += FLEX_COMPILE_S[cell.direction] if runner == "flex" else 0.0
     return seconds
 
 

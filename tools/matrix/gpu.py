@@ -10,10 +10,19 @@ data (enable_gqa when Hkv < Hq), on a padded [B, H, 17, D] batch for small-seq; 
 THD data (window_size=(-1, 0) for causal, as tools/bench_flash.py calls it; enable_gqa where this
 torch's varlen_attn takes it). Backward peers time torch.autograd.grad over a graph built once per
 input set; forward + backward peers build the graph in every call.
+
+Window cells: hipattn gets window_size; SDPA's flash and cuDNN backends take no window, so the peers
+are FlexAttention (flex_attention through torch.compile(dynamic=False), with a block mask built once
+per cell from a mask_mod of the window), varlen_attn with window_size (FA2) on THD views of the BSHD
+data, and SDPA's efficient backend with the window as an explicit [S_q, S_k] boolean mask
+(``sdpa_masked``, K/V heads repeated inside the call for GQA, which that backend lacks; not run where
+cells.prescreen finds the mask large). A decode step's window is a run of the cache, so SDPA's
+backends run there on that slice of the cache (not causal: the slice is exactly the visible keys).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import shutil
@@ -28,6 +37,9 @@ import torch
 
 from . import cells
 
+# What sdpa_masked runs on (an SDPBackend name); the CPU tests set MATH, which the CPU has.
+MASKED_SDPA_BACKEND = "EFFICIENT_ATTENTION"
+FLEX_RECOMPILE_LIMIT = 64  # every window cell compiles flex_attention anew (its shapes, mask or autograd mode)
 REL_L2_TOLERANCE = 2e-2  # bf16 against bf16: each about 2-4e-3 from float64 (BENCHMARKS.md error tables)
 MAX_ABS_TOLERANCE = 5e-2  # of the reference's largest magnitude
 SPIN_CYCLES = 1_000_000  # about 0.5 ms at 2 GHz: the host queues a sample's calls meanwhile
@@ -137,18 +149,19 @@ def _hipattn(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
     import hipattn
 
     sets, count = data.sets, len(data.sets)
-    if cell.section == "decode":
+    window = {"window_size": cell.window} if cell.windowed else {}  # other cells call as they always have
+    if cell.is_decode:
         caches = [decode_cache(cell, s, data.generator) for s in sets]
         outs = [torch.full_like(s["q"], float("nan")) for s in sets]
 
         def run_decode(i: int) -> tuple:
             s, cache, out = sets[i % count], caches[i % count], outs[i % count]
             hipattn.flash_attn_with_kvcache(s["q"], cache["k"], cache["v"], cache_seqlens=cache["seqlens"],
-                                            block_table=cache["block_table"], causal=cell.causal, out=out)
+                                            block_table=cache["block_table"], causal=cell.causal, out=out, **window)
             return (out,)
         return run_decode
 
-    arguments = dict(data.sequence_args, causal=cell.causal)
+    arguments = dict(data.sequence_args, causal=cell.causal, **window)
     state = []
     for s in sets:  # first calls allocate the outputs (and compile or load the kernels)
         out, lse = hipattn.forward(s["q"], s["k"], s["v"], **arguments)
@@ -246,31 +259,117 @@ def _sdpa(name: str, cell: cells.Cell, data: CellData) -> Callable[[int], tuple]
     extra = {"enable_gqa": True} if cell.heads_q != cell.heads_kv else {}
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
+    # Top-left causal = bottom-right where S_q == S_k; a decode window's slice is its visible keys.
+    causal = cell.causal and not cell.windowed
+    if cell.windowed and not cell.is_decode:
+        raise ValueError(f"{name} takes no sliding window (window cells run sdpa_masked)")
+
     def attend(q, k, v):
         with sdpa_kernel(backend):
-            return sdpa(q, k, v, is_causal=cell.causal, **extra)  # top-left causal = bottom-right: S_q == S_k
+            return sdpa(q, k, v, is_causal=causal, **extra)
 
     if cells.padded_peer(cell, name):
         return _autograd(cell.direction, _padded(cell, data), attend, lambda t: t)
     views = [{n: t.transpose(1, 2) for n, t in s.items()} for s in data.sets]  # [B, S, H, D] -> [B, H, S, D]
+    if cell.windowed:  # decode: the window's keys, a run of the cache
+        first, end = cells.key_range(cell.seqlen_q, cell.seqlen_k, cell.causal, cell.window)
+        for view in views:
+            view["k"], view["v"] = view["k"][:, :, first:end], view["v"][:, :, first:end]
+    return _autograd(cell.direction, views, attend, lambda t: t.transpose(1, 2))
+
+
+def window_mask(cell: cells.Cell, device) -> torch.Tensor:
+    """The window of a BSHD cell as a [S_q, S_k] boolean mask (True: attended), written straight from
+    flash-attn's rule: with d = S_k - S_q, query i sees key j when i + d - left <= j <= i + d + right
+    (a negative side unbounded; causal makes right 0)."""
+    left, right = cells.effective_window(cell.causal, cell.window)
+    rows = torch.arange(cell.seqlen_q, device=device)[:, None] + (cell.seqlen_k - cell.seqlen_q)
+    keys = torch.arange(cell.seqlen_k, device=device)[None, :]
+    keep = torch.ones(cell.seqlen_q, cell.seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= keys >= rows - left
+    if right >= 0:
+        keep &= keys <= rows + right
+    return keep
+
+
+def _sdpa_masked(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
+    """SDPA (MASKED_SDPA_BACKEND) with the window as an explicit boolean mask, built once; the K/V
+    heads repeated inside the call for GQA (the efficient backend has no enable_gqa)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, MASKED_SDPA_BACKEND)
+    mask = window_mask(cell, data.sets[0]["q"].device)
+    group = cell.heads_q // cell.heads_kv
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def attend(q, k, v):
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        with sdpa_kernel(backend):
+            return sdpa(q, k, v, attn_mask=mask)
+
+    views = [{n: t.transpose(1, 2) for n, t in s.items()} for s in data.sets]
+    return _autograd(cell.direction, views, attend, lambda t: t.transpose(1, 2))
+
+
+@functools.cache
+def _flex_function() -> Callable:
+    """flex_attention through torch.compile, once per process (the CPU tests replace this with the
+    eager function). Static shapes: no cell should get a dynamic-shape kernel because an earlier cell
+    had other sizes; and a recompile limit above the default 8, since every window cell recompiles."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
+    """FlexAttention on [B, H, S, D] views, the window as a mask_mod whose block mask is built here,
+    outside the timed calls (the same for every batch entry and head: B = H = None)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    left, right = cells.effective_window(cell.causal, cell.window)
+    shift = cell.seqlen_k - cell.seqlen_q  # bottom-right alignment
+    lowest = -left if left >= 0 else -(cell.seqlen_q + cell.seqlen_k)  # bounds of j - i - shift
+    highest = right if right >= 0 else cell.seqlen_q + cell.seqlen_k
+
+    def window_mod(b, h, q_idx, kv_idx):
+        offset = kv_idx - q_idx - shift
+        return (offset >= lowest) & (offset <= highest)
+
+    device = data.sets[0]["q"].device
+    block_mask = create_block_mask(window_mod, None, None, cell.seqlen_q, cell.seqlen_k, device=device)
+    flex = _flex_function()
+    extra = {"enable_gqa": True} if cell.heads_q != cell.heads_kv else {}
+
+    def attend(q, k, v):
+        return flex(q, k, v, block_mask=block_mask, **extra)
+
+    views = [{n: t.transpose(1, 2) for n, t in s.items()} for s in data.sets]
     return _autograd(cell.direction, views, attend, lambda t: t.transpose(1, 2))
 
 
 def _varlen(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
     from torch.nn.attention.varlen import varlen_attn
 
-    extra = {"window_size": (-1, 0)} if cell.causal else {}
+    if cell.windowed:  # flash-attn's window, which varlen_attn passes to FA2
+        extra = {"window_size": cells.effective_window(cell.causal, cell.window)}
+    else:
+        extra = {"window_size": (-1, 0)} if cell.causal else {}
     if cell.heads_q != cell.heads_kv and "enable_gqa" in inspect.signature(varlen_attn).parameters:
         extra["enable_gqa"] = True
-    if cell.section == "decode":  # [B, 1, H, D] and [B, KV, H, D] as THD, one query per sequence
-        batch, kv, device = cell.batch, cell.seqlen_k, data.sets[0]["q"].device
-        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        sequence = (cu_q, cu_q * kv, 1, kv)
-        views = [{"q": s["q"].view(batch, cell.heads_q, cell.head_dim),
-                  "k": s["k"].view(batch * kv, cell.heads_kv, cell.head_dim),
-                  "v": s["v"].view(batch * kv, cell.heads_kv, cell.head_dim)} for s in data.sets]
-        shape = tuple(data.sets[0]["q"].shape)
-        to_hipattn = lambda t: t.view(shape)  # noqa: E731
+    if cell.layout == "bshd":  # [B, S_q, H, D] and [B, S_k, H, D] as THD, sequences of S_q and S_k rows
+        batch, length_q, length_k = cell.batch, cell.seqlen_q, cell.seqlen_k
+        steps = torch.arange(batch + 1, dtype=torch.int32, device=data.sets[0]["q"].device)
+        sequence = (steps * length_q, steps * length_k, length_q, length_k)
+        views = [{n: t.view(-1, *t.shape[2:]) for n, t in s.items()} for s in data.sets]
+
+        def to_hipattn(t):
+            return t.view(batch, -1, *t.shape[1:])
     else:
         a = data.sequence_args
         sequence = (a["cu_seqlens_q"], a["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"])
@@ -327,10 +426,14 @@ def build(name: str, cell: cells.Cell, data: CellData) -> Runner:
     """hipattn or a peer on the cell's data; raises when it cannot run it."""
     if name == "hipattn":
         run = _hipattn(cell, data)
-    elif name.startswith("sdpa_"):
+    elif name.startswith("sdpa_") and name != "sdpa_masked":
         run = _sdpa(name, cell, data)
     elif name == "varlen_attn":
         run = _varlen(cell, data)
+    elif name == "flex":
+        run = _flex(cell, data)
+    elif name == "sdpa_masked":
+        run = _sdpa_masked(cell, data)
     else:
         raise ValueError(f"unknown runner {name!r}")
     return Runner(name, run)

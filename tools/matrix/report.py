@@ -18,6 +18,8 @@ SECTION_TITLES = {
     "batch": "General batch (BSHD, 16384 tokens: B = 16384 / S)",
     "varlen": "Varlen (THD, 16384 tokens in sequences of 128..4096, head_dim 128)",
     "decode": "Decode (one query token per sequence, flash_attn_with_kvcache, head_dim 128; paged: pages of 256)",
+    "window": "Sliding window (flash-attn's window_size=(left, right), wL,R; BSHD at 16384 tokens, and decode steps "
+              "whose window limits the keys read; floors count the visible pairs and keys only)",
 }
 SECTION_PEERS = {
     "smallseq": "torch's varlen_attn on the same THD data (the numeric check's reference); SDPA cuDNN and "
@@ -27,9 +29,15 @@ SECTION_PEERS = {
     "varlen": "torch's varlen_attn on the same data (SDPA padded to the longest sequence would compute other "
               "attention on 2-3x the tokens, so it is not a peer)",
     "decode": "SDPA flash, cuDNN and efficient on [B, H, 1, D] views, and varlen_attn on THD views, of the same data",
+    "window": "FlexAttention (torch.compile'd, a window mask_mod, its block mask built outside the timed calls) and "
+              "varlen_attn (FA2) with window_size on views of the same data; SDPA efficient with the window as an "
+              "explicit boolean mask (a reference that computes every pair, K/V heads repeated for GQA; not run where "
+              "the mask exceeds 64 MiB); decode steps: SDPA flash, cuDNN and efficient on the window's slice of the cache. "
+              "SDPA flash and cuDNN take no window (an explicit mask turns them off)",
 }
 PEER_NAMES = {"sdpa_flash": "FA2 (SDPA)", "sdpa_cudnn": "cuDNN (SDPA)", "sdpa_efficient": "efficient (SDPA)",
-              "varlen_attn": "varlen_attn", "hipattn": "hipattn"}
+              "varlen_attn": "varlen_attn", "hipattn": "hipattn", "flex": "FlexAttention",
+              "sdpa_masked": "efficient (SDPA, bool mask)"}
 
 
 # ---- per cell ------------------------------------------------------------------------------------
@@ -272,6 +280,11 @@ def panel_position(params: dict) -> tuple[str, str]:
         return f"d{params['head_dim']} {heads} {mask}", f"s{params['seqlen_q']}\n{direction}"
     if section == "varlen":
         return mask, f"{heads}\n{direction}"
+    if section == "window":
+        window = f"w{params.get('window_left', -1)},{params.get('window_right', -1)}"
+        if params["seqlen_q"] == 1:
+            return f"decode {window} {mask}", f"b{params['batch']} kv{params['seqlen_k']}\n{heads}"
+        return f"d{params['head_dim']} {heads} {window} {mask}", f"s{params['seqlen_q']}\n{direction}"
     return direction, f"b{params['batch']} kv{params['seqlen_k']}\n{heads}"
 
 
@@ -380,7 +393,7 @@ def compare_text(old: dict, new: dict, threshold: float = 0.03) -> str:
     new_records = {r["name"]: r for r in records(new)}
     lines = [f"old: {old.get('command', '?')} ({_source_text(old)}, {old.get('date', '?')})",
              f"new: {new.get('command', '?')} ({_source_text(new)}, {new.get('date', '?')})",
-             f"{'cell':<46} {'old ms':>9} {'new ms':>9} {'new/old':>8} {'old÷peer':>9} {'new÷peer':>9} {'MHz old/new':>12}"]
+             f"{'cell':<52} {'old ms':>9} {'new ms':>9} {'new/old':>8} {'old÷peer':>9} {'new÷peer':>9} {'MHz old/new':>12}"]
     ratios = []
     for name, after in new_records.items():
         before = old_records.get(name)
@@ -393,7 +406,7 @@ def compare_text(old: dict, new: dict, threshold: float = 0.03) -> str:
             ratios.append(ratio)
         clocks = "/".join(f"{r.get('runners', {}).get('hipattn', {}).get('clock_mhz_median', 0):.0f}"
                           for r in (before, after))
-        lines.append(f"{name:<46} {_ms(old_ms):>9} {_ms(new_ms):>9} {_ratio(ratio):>8} "
+        lines.append(f"{name:<52} {_ms(old_ms):>9} {_ms(new_ms):>9} {_ratio(ratio):>8} "
                      f"{_ratio(before.get('vs_best_peer')):>9} {_ratio(after.get('vs_best_peer')):>9} {clocks:>12}")
     if ratios:
         faster = sum(1 for r in ratios if r < 1 - threshold)

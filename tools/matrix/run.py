@@ -49,8 +49,9 @@ TIMING = ("per cell, every runner in one process on the same inputs: one check c
           "queued the calls when the first event fires), rotating among input sets; median over the "
           "samples; SM clock read after every sample")
 FLOORS = ("max(FLOPs / bf16 GEMM rate, bytes / copy bandwidth), both measured at the start of the run. FLOPs: "
-          "4*Hq*D per visible (query, key) pair forward (causal aligned bottom-right, counted exactly), 2.5x "
-          "backward, 3.5x forward + backward. Bytes, each tensor once, real tokens, K/V once per KV head: "
+          "4*Hq*D per visible (query, key) pair forward (causal masks and sliding windows aligned bottom-right as "
+          "in flash-attn, counted exactly), 2.5x backward, 3.5x forward + backward. Bytes, each tensor once, real "
+          "tokens, K/V once per KV head and only for keys some query sees (a decode window reads its window): "
           "forward q, k, v, out, lse (decode: no lse); backward q, k, v, dout, lse, dq, dk, dv; forward + "
           "backward both")
 
@@ -239,11 +240,11 @@ def measure_cell(cell: cells.Cell, measurer, ceilings: cells.Ceilings, rounds: i
 def cell_line(record: dict) -> str:
     """One progress line per cell."""
     if "error" in record:
-        return f"{record['name']:<46} failed: {record['error'][:80]}"
+        return f"{record['name']:<52} failed: {record['error'][:80]}"
     hipattn = record["runners"].get("hipattn", {})
     if "median_ms" not in hipattn:
-        return f"{record['name']:<46} hipattn: {hipattn.get('error', 'no time')[:80]}"
-    text = f"{record['name']:<46} {hipattn['median_ms']:9.4f} ms  x{record['vs_floor']:.2f} floor"
+        return f"{record['name']:<52} hipattn: {hipattn.get('error', 'no time')[:80]}"
+    text = f"{record['name']:<52} {hipattn['median_ms']:9.4f} ms  x{record['vs_floor']:.2f} floor"
     if record.get("best_peer"):
         text += f"  x{record['vs_best_peer']:.2f} {record['best_peer']} ({record['best_peer_ms']:.4f} ms)"
     check = record.get("check")
