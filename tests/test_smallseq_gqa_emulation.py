@@ -1,16 +1,14 @@
 """The grouped-heads (GQA/MQA) tensor-core small-seq kernels on an emulated sm_80 (tests/support/emulation.py),
 through hipattn's own launch path, against a float64 reference: every head_dim, both dtypes, groups of
-2, 3, 4, 8 (MQA) and 16 query heads, causal and not, sequences of 0, 1 and 17 tokens on either side,
-THD and BSHD with seqused, batch 0 and 1, and teams that walk runs of groups. Outputs are poisoned with
-NaN first; every element is compared, and rows past a sequence must stay unwritten."""
+2, 3, 4, 8 (MQA) and 16 query heads, causal and not, sliding windows (with the one-problem-per-head
+kernels too), sequences of 0, 1 and 17 tokens on either side, THD and BSHD with seqused, batch 0 and 1,
+and teams that walk runs of groups. Outputs are poisoned with NaN first; every element is compared, and
+rows past a sequence must stay unwritten."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
-from support import raw_calls, reference
 from support.emulation import EmulatedDevice, from_16bit, needs_compiler, to_16bit
 from support.raw_calls import (
     check_bshd_forward_and_backward,
@@ -26,7 +24,6 @@ from support.reference import (
     reference_forward,
 )
 
-import hipattn
 from hipattn.catalog import smallseq
 from hipattn.catalog.smallseq import SmallSeqBackwardGqaMmaTiles, SmallSeqForwardGqaMmaTiles, SmallSeqMmaTiles
 
@@ -74,17 +71,6 @@ WINDOWS = [((2, 0), False), ((0, 3), False), ((1, 1), False), ((3, -1), False), 
 def _window_id(window_causal) -> str:
     (left, right), causal = window_causal
     return f"window{left},{right}" + ("-causal" if causal else "")
-
-
-@pytest.fixture
-def windowed(monkeypatch):
-    """raw_calls' checks with a window: hipattn's calls and the float64 reference both take it."""
-    def use(window):
-        for name in ("forward", "backward"):
-            monkeypatch.setattr(hipattn, name, functools.partial(getattr(hipattn, name), window_size=window))
-        for name in ("reference_forward", "reference_backward"):
-            monkeypatch.setattr(raw_calls, name, functools.partial(getattr(reference, name), window=window))
-    return use
 
 
 @pytest.mark.parametrize("window_causal", WINDOWS, ids=_window_id)

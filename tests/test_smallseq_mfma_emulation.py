@@ -6,19 +6,18 @@ Each case is one instantiation (dtype, head_dim, query heads) of both kernels, s
 head_dim's waves-per-workgroup (1, 2 and 4 in the backward, the partial scores summed through LDS)
 meets both dtypes, and the group sizes 1, 2, 3, 4 and 8 (MQA) are spread over them. Lengths cover 0, 1,
 16 and 17 on each side (17: the second key tile of one row, the 17th query row of a tile), queries
-longer and shorter than keys (causal rows that see no key), THD with cu_seqlens and BSHD with seqused.
+longer and shorter than keys (causal rows that see no key), THD with cu_seqlens and BSHD with seqused,
+and sliding windows (flash-attn's window_size), also through the portable kernels.
 Outputs are poisoned with NaN and every element is compared; rows past a sequence must stay NaN."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from support import raw_calls, reference
 from support.emulation import (
     EMULATED_ARCH,
     EmulatedDevice,
@@ -148,17 +147,6 @@ WINDOW_CASES = [dataclasses.replace(case, causal=False) for case in CASES[:4]]
 def _window_id(window_causal) -> str:
     (left, right), causal = window_causal
     return f"window{left},{right}" + ("-causal" if causal else "")
-
-
-@pytest.fixture
-def windowed(monkeypatch):
-    """raw_calls' checks with a window: hipattn's calls and the float64 reference both take it."""
-    def use(window):
-        for name in ("forward", "backward"):
-            monkeypatch.setattr(hipattn, name, functools.partial(getattr(hipattn, name), window_size=window))
-        for name in ("reference_forward", "reference_backward"):
-            monkeypatch.setattr(raw_calls, name, functools.partial(getattr(reference, name), window=window))
-    return use
 
 
 @pytest.mark.parametrize("window_causal", WINDOWS, ids=_window_id)
