@@ -20,6 +20,9 @@ through the ``hipattn::kvcache`` custom op, which declares that it appends to th
 ``torch.nn.functional.scaled_dot_product_attention`` runs hipattn's kernels (hipattn.torch_sdpa);
 ``disable()`` gives the ops back to torch.
 
+``ring_flash_attn_varlen_func`` (hipattn.ring) splits packed varlen sequences
+over the ranks of a torch.distributed group: ring attention, with its own autograd.
+
 Importing this module needs torch; ``import hipattn`` alone never imports it.
 """
 
@@ -33,11 +36,12 @@ from . import attention, kvcache, torch_sdpa
 from .api import reject_unsupported
 from .packed import KV_BATCH, KV_VARLEN, QKV_BATCH, QKV_VARLEN, Packing
 from .problem import check_bool, check_max_seqlen, check_window, resolve_softmax_scale
+from .ring import ring_flash_attn_varlen_func
 from .torch_sdpa import disable, enable, enabled, is_enabled
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "enable", "disable", "enabled",
            "is_enabled", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
-           "flash_attn_varlen_kvpacked_func"]
+           "flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_func"]
 
 Tensor = torch.Tensor
 
