@@ -221,7 +221,7 @@ def describe(
         check_alignment(a, name, layout)
     if type(causal) is not bool:  # the common case costs one comparison: this runs on every call
         causal = check_bool(causal, "causal")
-    window_left, window_right = (-1, 0 if causal else -1) if window_size is NO_WINDOW else check_window(window_size, causal)
+    window_left, window_right = check_window(window_size, causal)
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)
 
     if layout == THD:

@@ -292,10 +292,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
              "block_table": block_table}
     if not isinstance(cache_seqlens, int):
         given["cache_seqlens"] = cache_seqlens
-    for name, value in given.items():
-        if value is not None and not isinstance(value, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; hipattn.flash_attn_with_kvcache "
-                            "takes other array kinds")
+    _check_tensors("flash_attn_with_kvcache", **{name: value for name, value in given.items() if value is not None})
     if (type(q) is _TENSOR and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled()):
         return kvcache.flash_attn_with_kvcache(
@@ -313,6 +310,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 
 
 def _check_tensors(function: str, **given) -> None:
+    """TypeError naming the first of ``given`` that is not a torch tensor (hipattn.``function`` is the
+    entry point for other array kinds)."""
     for name, value in given.items():
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; hipattn.{function} takes "

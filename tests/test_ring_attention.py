@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import time
 from collections import defaultdict
 from itertools import pairwise
 
 import pytest
+from support.processes import run_spawned
 
 torch = pytest.importorskip("torch")
 
@@ -423,22 +423,9 @@ def _gloo_worker(rank: int, init_file: str, results_dir: str) -> None:
 
 def test_two_gloo_processes_match_unsharded_attention_and_its_gradients(tmp_path):
     """Spawns two CPU processes (each imports torch: some seconds on a busy machine), held to 90 s."""
-    import torch.multiprocessing as mp
-
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch has no gloo backend")
-    context = mp.start_processes(_gloo_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=GLOO_WORLD,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + 90
-    finished = False
-    try:
-        # join returns as soon as any one process ends (False while others still run): loop to the deadline.
-        while not finished and time.monotonic() < deadline:
-            finished = context.join(timeout=max(deadline - time.monotonic(), 0.1))
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+    finished = run_spawned(_gloo_worker, (str(tmp_path / "init"), str(tmp_path)), GLOO_WORLD, 90)
     assert finished, "the gloo ranks did not finish within 90 s"
     per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(GLOO_WORLD)]
     q, k, v, dout, cu = _problem(GLOO_LENGTHS, seed=11)

@@ -9,19 +9,12 @@ for its group of query heads. Gradients come from torch autograd on the float64 
 from __future__ import annotations
 
 import torch
+from support import reference
 
 
 def visible_keys(len_q: int, len_k: int, causal: bool, window=(-1, -1), device=None):
-    """[len_q, len_k] bool: which keys each query sees (window sides < 0 have no bound)."""
-    left, right = window[0], 0 if causal else window[1]
-    offset = (torch.arange(len_k, device=device)[None, :] - torch.arange(len_q, device=device)[:, None]
-              - (len_k - len_q))
-    visible = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
-    if left >= 0:
-        visible &= offset >= -left
-    if right >= 0:
-        visible &= offset <= right
-    return visible
+    """[len_q, len_k] bool on ``device``: which keys each query sees (support.reference's rule)."""
+    return torch.from_numpy(reference.visible_keys(len_q, len_k, causal, window)).to(device)
 
 
 def attention_reference(q, k, v, cu_q, cu_k, *, causal: bool, scale: float, dout=None, window=(-1, -1)):

@@ -11,11 +11,11 @@ Written without a GPU at hand: these tests have not been run yet.
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from support.processes import run_spawned
 
 import hipattn.torch as hat
 from hipattn import ring
@@ -109,18 +109,5 @@ def _nccl_worker(rank: int, world_size: int, init_file: str) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
 def test_two_gpus_over_nccl_match_the_unsharded_call_and_float64(tmp_path):
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_nccl_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + 300
-    finished = False
-    try:
-        # join returns as soon as any one process ends (False while others still run): loop to the deadline.
-        while not finished and time.monotonic() < deadline:
-            finished = context.join(timeout=max(deadline - time.monotonic(), 0.1))
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+    finished = run_spawned(_nccl_worker, (2, str(tmp_path / "init")), 2, 300)
     assert finished, "the two ranks did not finish within 300 s"

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from support.reference import visible_keys
+
 
 def rotate(x, cos, sin, positions, interleaved):
     """x [T, H, D] with rotary at ``positions`` [T] (cos/sin [P, R/2]): GPT-J pairs (2i, 2i+1) when
@@ -91,15 +93,9 @@ def expected(case: KvCacheCase, scale: float, round16):
         start = int(case.leftpad[b]) if case.leftpad is not None else 0
         keys = k_cache[entries[:total], tokens[:total]]  # [total, Hkv, D]
         values = v_cache[entries[:total], tokens[:total]]
-        visible = np.zeros((seqlen_q, total), bool)
-        visible[:, start:] = True
-        # The window, bottom-right aligned with the cache's end; causal makes its right side 0.
-        left, right = case.window[0], 0 if case.causal else case.window[1]
-        offset = np.arange(total)[None, :] - np.arange(seqlen_q)[:, None] - (total - seqlen_q)
-        if left >= 0:
-            visible &= offset >= -left
-        if right >= 0:
-            visible &= offset <= right
+        # The window, bottom-right aligned with the cache's end, and no key before leftpad.
+        visible = visible_keys(seqlen_q, total, case.causal, case.window)
+        visible[:, :start] = False
         for h in range(heads_q):
             s = scale * q[:, h] @ keys[:, h // group].T
             for i in range(seqlen_q):

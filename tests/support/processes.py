@@ -1,0 +1,25 @@
+"""Worker processes for the multi-process tests (torch.distributed over gloo or NCCL)."""
+
+from __future__ import annotations
+
+import time
+
+
+def run_spawned(worker, args: tuple, processes: int, seconds: float) -> bool:
+    """Run ``worker(rank, *args)`` in ``processes`` spawned processes; True when every one ended in
+    time (a failing one raises ProcessRaisedException). Processes still alive at the deadline are
+    terminated, so a hung rank cannot outlive the test."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=args, nprocs=processes, join=False, start_method="spawn")
+    deadline = time.monotonic() + seconds
+    finished = False
+    try:
+        # join returns as soon as any one process ends (False while others still run): loop to the deadline.
+        while not finished and time.monotonic() < deadline:
+            finished = context.join(timeout=max(deadline - time.monotonic(), 0.1))
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+    return finished
