@@ -4,8 +4,9 @@ Argument names and order follow flash-attn 2's ``flash_attn_func`` and ``flash_a
 Given torch tensors that require grad (with grad mode on), the calls record autograd through
 ``hipattn.torch``, so ``import hipattn as flash_attn`` trains unchanged; every other
 input kind takes the raw-array path, which records nothing. Arguments hipattn does not support
-raise ValueError naming them: dropout, softcap and ALiBi, and paged KV (``block_table``) here
-(``hipattn.flash_attn_with_kvcache`` takes it). ``window_size`` is flash-attn's sliding window.
+raise ValueError naming them: dropout, and paged KV (``block_table``) here
+(``hipattn.flash_attn_with_kvcache`` takes it). ``window_size`` is flash-attn's sliding window,
+``softcap`` and ``alibi_slopes`` its score modifiers.
 """
 
 from __future__ import annotations
@@ -18,26 +19,20 @@ from . import attention
 _PLAIN_NUMBERS = (float, int)
 
 
-def all_defaults(dropout_p, softcap, alibi_slopes, block_table=None) -> bool:
+def all_defaults(dropout_p, block_table=None) -> bool:
     """Whether the unsupported feature arguments are all their defaults, told by exact types: this
     runs on every call, where the checks of reject_unsupported (abstract-base-class isinstance tests)
     cost microseconds. False is no verdict: reject_unsupported decides."""
-    return (type(dropout_p) in _PLAIN_NUMBERS and type(softcap) in _PLAIN_NUMBERS and not dropout_p and not softcap
-            and alibi_slopes is None and block_table is None)
+    return type(dropout_p) in _PLAIN_NUMBERS and not dropout_p and block_table is None
 
 
-def reject_unsupported(dropout_p, softcap, alibi_slopes, block_table=None) -> None:
-    if all_defaults(dropout_p, softcap, alibi_slopes, block_table):
+def reject_unsupported(dropout_p, block_table=None) -> None:
+    if all_defaults(dropout_p, block_table):
         return
     _check_number(dropout_p, "dropout_p", "0.0")
-    _check_number(softcap, "softcap", "0.0")
     unsupported = []
     if dropout_p != 0.0:
         unsupported.append(f"dropout_p={dropout_p} (hipattn has no dropout; pass 0.0)")
-    if softcap != 0.0:
-        unsupported.append(f"softcap={softcap} (only 0.0)")
-    if alibi_slopes is not None:
-        unsupported.append("alibi_slopes (ALiBi is not supported)")
     if block_table is not None:
         unsupported.append("block_table (paged KV is not supported)")
     if unsupported:
@@ -100,12 +95,15 @@ def flash_attn_varlen_func(
     window_size=(left, right) is a sliding window aligned the same way: query i sees keys
     [i + len_k - len_q - left, i + len_k - len_q + right]; a negative side has no bound, and causal
     sets right to 0.
+    softcap > 0 caps the scores, s = softmax_scale q·k becoming softcap * tanh(s / softcap) (Gemma 2);
+    alibi_slopes, fp32 [nheads] or [batch, nheads], adds -slope * |i + len_k - len_q - j| to the score
+    of query i and key j (ALiBi: BLOOM, MPT), after the softcap, as flash-attn does.
     Returns out [total_q, nheads, headdim]; with return_attn_probs=True, (out, softmax_lse, None)
     where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key). Torch tensors
     that require grad record autograd (see the module docstring); for other inputs
     hipattn.backward computes the gradients from out and softmax_lse.
     """
-    reject_unsupported(dropout_p, softcap, alibi_slopes, block_table)
+    reject_unsupported(dropout_p, block_table)
     if _records_gradients(stream, q, k, v):
         from . import torch as autograd_api
 
@@ -114,7 +112,8 @@ def flash_attn_varlen_func(
                                                    alibi_slopes, deterministic, return_attn_probs, block_table)
     out, lse = attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                                 causal=causal, window_size=window_size, stream=stream)
+                                 causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                 stream=stream)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -136,12 +135,12 @@ def flash_attn_func(
     """Batch attention forward, as flash-attn's: q [batch, seqlen_q, nheads, headdim], k, v
     [batch, seqlen_k, nheads_k, headdim]. Returns out (and (out, softmax_lse [batch, nheads,
     seqlen_q], None) with return_attn_probs=True). Records autograd as flash_attn_varlen_func does."""
-    reject_unsupported(dropout_p, softcap, alibi_slopes)
+    reject_unsupported(dropout_p)
     if _records_gradients(stream, q, k, v):
         from . import torch as autograd_api
 
         return autograd_api.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                             alibi_slopes, deterministic, return_attn_probs)
     out, lse = attention.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                 stream=stream)
+                                 softcap=softcap, alibi_slopes=alibi_slopes, stream=stream)
     return (out, lse, None) if return_attn_probs else out

@@ -81,6 +81,8 @@ def _named_inputs(call: _Inputs, more: tuple = ()) -> list:
     for name, a in call.sequences.items():
         if a is not None:
             named.append((a, name))
+    if call.alibi_slopes is not None:
+        named.append((call.alibi_slopes, "alibi_slopes"))
     return named
 
 
@@ -114,11 +116,13 @@ class _Inputs(NamedTuple):
     k: DeviceArray
     v: DeviceArray
     sequences: dict  # cu_seqlens_q/k, seqused_q/k as DeviceArray or None, by keyword
+    alibi_slopes: DeviceArray | None
     problem: problem_mod.Problem
 
 
 def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                     causal, softmax_scale, stream, window_size=problem_mod.NO_WINDOW) -> _Inputs:
+                     causal, softmax_scale, stream, window_size=problem_mod.NO_WINDOW, softcap=0.0,
+                     alibi_slopes=None) -> _Inputs:
     # A DLPack producer orders its pending writes before the consumer's stream, which must be named
     # at export: known here only when the caller passed a raw handle (otherwise the protocol's
     # default, the legacy stream, is what the producer syncs with).
@@ -131,22 +135,27 @@ def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     cu_k = _array(cu_seqlens_k, "cu_seqlens_k", consumer)
     used_q = _array(seqused_q, "seqused_q", consumer)
     used_k = _array(seqused_k, "seqused_k", consumer)
+    slopes = _array(alibi_slopes, "alibi_slopes", consumer)
     # Unknown devices (UNKNOWN_DEVICE, the only negative one a DeviceArray holds) are settled before
     # the devices are compared; spelled out, as this runs on every launch.
     if (qa.device < 0 or ka.device < 0 or va.device < 0 or (cu_q is not None and cu_q.device < 0)
             or (cu_k is not None and cu_k.device < 0) or (used_q is not None and used_q.device < 0)
-            or (used_k is not None and used_k.device < 0)):
-        qa, ka, va, cu_q, cu_k, used_q, used_k = settle_devices((qa, ka, va, cu_q, cu_k, used_q, used_k))
+            or (used_k is not None and used_k.device < 0) or (slopes is not None and slopes.device < 0)):
+        qa, ka, va, cu_q, cu_k, used_q, used_k, slopes = settle_devices((qa, ka, va, cu_q, cu_k, used_q, used_k,
+                                                                         slopes))
     sequences = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_q": used_q, "seqused_k": used_k}
     problem = problem_mod.describe(qa, ka, va, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size)
-    return _Inputs(qa, ka, va, sequences, problem)
+                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                   softcap=softcap, alibi_slopes=slopes)
+    return _Inputs(qa, ka, va, sequences, slopes, problem)
 
 
 def _order_after_inputs(backend, stream: int, call: _Inputs, *more: DeviceArray) -> None:
     """Before anything reads the inputs: wait for CAI v3 producers' streams, then (HIPATTN_CHECK=1)
     read the device-side sequence description back on the launch stream."""
     inputs = (call.q, call.k, call.v, *more, *(a for a in call.sequences.values() if a is not None))
+    if call.alibi_slopes is not None:
+        inputs += (call.alibi_slopes,)
     wait_for_producers(backend, inputs, stream)
     if checks.enabled():
         checks.check_sequences(backend, stream, call.problem, call.sequences)
@@ -161,8 +170,9 @@ def window_scalars(window_size: Any) -> tuple:
 
 
 # A forward call's array slots, by the kernel fields they fill (launch_plans): q, k, v, out, lse,
-# cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k; out and lse are its outputs.
-_FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+# cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes; out and lse are its outputs.
+_FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
+                  "alibi_slopes")
 _FORWARD_OUTPUTS = (3, 4)
 
 
@@ -182,6 +192,8 @@ def forward(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = problem_mod.NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
     stream: Any = None,
 ) -> tuple[Any, Any]:
     """Attention forward. Returns ``(out, lse)``: out like q, lse fp32 in flash-attn's layout.
@@ -191,14 +203,16 @@ def forward(
     q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D], optional int32 seqused_q/k [B] (per-sequence lengths
     of a padded batch). Rows beyond a sequence's length are not written. ``window_size=(left,
     right)``: flash-attn's sliding window (hipattn.flash_attn_varlen_func says how it aligns).
+    ``softcap`` and ``alibi_slopes``: flash-attn's score modifiers (hipattn.flash_attn_varlen_func).
 
     A repeat call with torch tensors of the same signature replays the launch the first one
     validated, checking only what depends on the pointers (launch_plans).
     """
-    given = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    given = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes)
     active = runtime.active()
     key = launch_plans.signature("forward", given,
-                                 (max_seqlen_q, max_seqlen_k, softmax_scale, causal, *window_scalars(window_size)),
+                                 (max_seqlen_q, max_seqlen_k, softmax_scale, causal, *window_scalars(window_size),
+                                  softcap),
                                  stream, _FORWARD_OUTPUTS)
     if key is not None:
         plan = active.launch_plans.get(key)
@@ -207,7 +221,7 @@ def forward(
             if replayed is not None:
                 return replayed[3], replayed[4]
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                            max_seqlen_k, causal, softmax_scale, stream, window_size)
+                            max_seqlen_k, causal, softmax_scale, stream, window_size, softcap, alibi_slopes)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     path = dispatch.choose_path(problem, "forward")
     backend = active.backend
@@ -225,10 +239,11 @@ def forward(
         check_outputs_disjoint((out_span, lse_span))
         run = smallseq.forward if path == dispatch.SMALLSEQ else flash.forward
         with recording_launches() as launches:
-            run(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences)
+            run(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences, alibi_slopes=call.alibi_slopes)
     if key is not None and len(active.launch_plans) < launch_plans.MAX_PLANS:
         made = {slot: obj for slot, obj in zip(_FORWARD_OUTPUTS, (out_obj, lse_obj), strict=True) if given[slot] is None}
-        plan = launch_plans.record(launches, given, (qa, ka, va, out_a, lse_a, *call.sequences.values()),
+        plan = launch_plans.record(launches, given,
+                                   (qa, ka, va, out_a, lse_a, *call.sequences.values(), call.alibi_slopes),
                                    _FORWARD_SLOTS, made, _FORWARD_OUTPUTS)
         if plan is not None:
             active.launch_plans[key] = plan
@@ -255,13 +270,16 @@ def backward(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = problem_mod.NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
     deterministic: bool = False,
     workspace: Any = None,
     stream: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Attention backward: ``(dq, dk, dv)`` from the forward's inputs, ``out``, ``lse`` and ``dout``.
 
-    Same layouts and arguments as ``forward``. dK and dV are summed over the query heads of each
+    Same layouts and arguments as ``forward`` (the same ``softcap`` and ``alibi_slopes`` as the forward
+    that made ``out`` and ``lse``). dK and dV are summed over the query heads of each
     KV group (GQA/MQA). The small-seq path is deterministic whatever ``deterministic`` says; the flash
     path is bit-identical run to run with ``deterministic=True`` (a separate dQ pass, no atomics).
 
@@ -271,7 +289,7 @@ def backward(
     framework, on the launch stream.
     """
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                            max_seqlen_k, causal, softmax_scale, stream, window_size)
+                            max_seqlen_k, causal, softmax_scale, stream, window_size, softcap, alibi_slopes)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     consumer = stream if type(stream) is int else None
     douta = arrays.as_device_array(dout, "dout", stream=consumer)
@@ -295,7 +313,8 @@ def backward(
             problem_mod.check_alignment(a, name, problem.layout)
         check_outputs_disjoint((dq_span, dk_span, dv_span))
         if path == dispatch.SMALLSEQ:
-            smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, **call.sequences)
+            smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, **call.sequences,
+                              alibi_slopes=call.alibi_slopes)
         else:
             plan = backward_workspace(problem, deterministic)
             # An allocation made here is freed on return: the frameworks' allocators are stream-
@@ -304,7 +323,8 @@ def backward(
             sections, _ = workspace_sections(workspace, plan, qa, launch_stream,
                                               (*_named_inputs(call, more_inputs), (dqa, "dq"), (dka, "dk"), (dva, "dv")))
             flash_backward.backward(problem, qa, ka, va, outa, douta, lsea, dqa, dka, dva, launch_stream,
-                                    deterministic=deterministic, **sections, **call.sequences)
+                                    deterministic=deterministic, **sections, **call.sequences,
+                                    alibi_slopes=call.alibi_slopes)
     return dq_obj, dk_obj, dv_obj
 
 

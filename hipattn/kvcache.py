@@ -13,7 +13,6 @@ from typing import Any
 
 from . import checks, kvcache_problem, launch_plans, runtime
 from . import problem as problem_mod
-from .api import all_defaults, reject_unsupported
 from .attention import check_outputs_disjoint, output, window_scalars, workspace_sections
 from .jit.registry import recording_launches
 from .ops import decode
@@ -21,10 +20,10 @@ from .streams import on_device, resolve_stream, wait_for_producers
 from .workspace import kvcache_workspace
 
 # A call's array slots, in the order launch_plans indexes them (q, k_cache, v_cache, k, v, rotary_cos,
-# rotary_sin, cache_seqlens as an array, cache_batch_idx, cache_leftpad, block_table, out, lse), by
-# the kernel fields they fill; out and lse are its outputs.
+# rotary_sin, cache_seqlens as an array, cache_batch_idx, cache_leftpad, block_table, out, lse,
+# alibi_slopes), by the kernel fields they fill; out and lse are its outputs.
 _SLOTS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
-          "cache_leftpad", "block_table", "o", "lse")
+          "cache_leftpad", "block_table", "o", "lse", "alibi_slopes")
 _OUTPUTS = (11, 12)
 
 
@@ -68,6 +67,10 @@ def flash_attn_with_kvcache(
       [B]): where each sequence's keys start.
     - ``causal`` and ``window_size=(left, right)`` (flash-attn's sliding window): bottom-right
       aligned with the cache's end; ``num_splits``: 0 chooses from host-known sizes.
+    - ``softcap`` > 0 caps the scores (s = softmax_scale q·k becomes softcap * tanh(s / softcap));
+      ``alibi_slopes``, fp32 [Hq] or [B, Hq], then adds -slope * |i + len_k - len_q - j| to the score of
+      query token i and key j, positions counted from cache_leftpad (len_k: the sequence's keys from
+      there, the new ones included), as flash-attn does.
 
     The low-level keywords take caller buffers and a stream: ``out``, ``lse`` (needs
     ``return_softmax_lse``), ``workspace`` (``kvcache_workspace_bytes`` bytes; needed only with raw
@@ -78,24 +81,24 @@ def flash_attn_with_kvcache(
     """
     given = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
              None if cache_seqlens is None or type(cache_seqlens) is int else cache_seqlens, cache_batch_idx,
-             cache_leftpad, block_table, out, lse)
+             cache_leftpad, block_table, out, lse, alibi_slopes)
     active = runtime.active()
     key = None
-    if workspace is None and all_defaults(0.0, softcap, alibi_slopes):
+    if workspace is None:
         host_length = cache_seqlens if type(cache_seqlens) is int else None
         key = launch_plans.signature(
             "kvcache", given, (host_length, cache_seqlens is None, softmax_scale, causal, rotary_interleaved, num_splits,
-                               return_softmax_lse, *window_scalars(window_size)), stream,
+                               return_softmax_lse, *window_scalars(window_size), softcap), stream,
             _OUTPUTS if return_softmax_lse else _OUTPUTS[:1])
         plan = active.launch_plans.get(key) if key is not None else None
         if plan is not None:
             replayed = launch_plans.replay(plan, active.backend, given, stream)
             if replayed is not None:
                 return (replayed[11], replayed[12]) if return_softmax_lse else replayed[11]
-    reject_unsupported(0.0, softcap, alibi_slopes)
     call = kvcache_problem.describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                    rotary_interleaved, num_splits, return_softmax_lse, stream, window_size)
+                                    rotary_interleaved, num_splits, return_softmax_lse, stream, window_size,
+                                    softcap, alibi_slopes)
     p = call.problem
     if lse is not None and not p.return_lse:
         raise ValueError("lse= was given but return_softmax_lse is False; pass return_softmax_lse=True")
@@ -130,7 +133,7 @@ def flash_attn_with_kvcache(
         decode.attend(call, q_rotated if q_rotated is not None else call.q, out_a, lse_a, splits,
                       sections.get("o_partial"), sections.get("lse_partial"), launch_stream, tiles)
     if key is not None and len(active.launch_plans) < launch_plans.MAX_PLANS:
-        described = (*call[:11], out_a, lse_a)
+        described = (*call[:11], out_a, lse_a, call.alibi_slopes)
         made = {slot: obj for slot, obj in zip(_OUTPUTS, (out_obj, lse_obj), strict=True)
                 if given[slot] is None and obj is not None}
         written_slots = _OUTPUTS + ((1, 2) if p.seqlen_new else ())

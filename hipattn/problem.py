@@ -42,6 +42,15 @@ class Problem:
     # bound on that side. (-1, -1) is plain attention.
     window_left: int = -1
     window_right: int = -1
+    # flash-attn's score modifiers (kernels/common/score_mods.h): softcap (0.0: none), and whether
+    # ALiBi slopes were given (the array itself travels beside the problem, as the other inputs do).
+    softcap: float = 0.0
+    alibi: bool = False
+
+    @property
+    def score_mods(self) -> bool:
+        """Whether the kernels' modified scores (softcap or ALiBi) serve this call, or the plain ones."""
+        return self.softcap != 0.0 or self.alibi
 
 
 def dims(a: DeviceArray, name: str, layout: str) -> tuple[int, int, int, int]:
@@ -138,6 +147,47 @@ def check_window(window_size: object, causal: bool) -> tuple[int, int]:
     return (left, 0 if causal else right)
 
 
+def check_softcap(softcap: object) -> float:
+    """flash-attn's ``softcap``: a host number, 0 for none, else positive and finite (scores become
+    softcap * tanh(score / softcap))."""
+    if type(softcap) is float and softcap == 0.0:  # the common case: one comparison per call
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        # An array is named by its type: its repr could be large, or read device memory to print it.
+        given = repr(softcap) if isinstance(softcap, (str, bool)) or softcap is None else type(softcap).__qualname__
+        raise TypeError(f"softcap must be a host number (0.0 for none), got {given}")
+    value = float(softcap)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"softcap is {softcap!r}; it must be 0.0 (no capping) or a positive finite number")
+    if value and value <= _FLOAT32_ROUNDS_TO_ZERO:
+        raise ValueError(f"softcap {softcap!r} rounds to 0 in float32, which the kernels take")
+    return min(value, FLOAT32_MAX)
+
+
+def check_alibi_slopes(slopes: DeviceArray | None, batch: int, heads_q: int, device: int) -> None:
+    """flash-attn's ``alibi_slopes``: fp32 of shape [Hq] (one slope per query head) or [batch, Hq],
+    the head dimension contiguous, on q's device. Query i then adds -slope * |i + len_k - len_q - j| to
+    its score for key j."""
+    if slopes is None:
+        return
+    if slopes.dtype != "fp32":
+        raise TypeError(f"alibi_slopes has dtype {slopes.dtype}; expected fp32 (flash-attn's)")
+    if tuple(slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes has shape {tuple(slopes.shape)}; expected ({heads_q},) or ({batch}, {heads_q}): "
+                         "one slope per query head, optionally per sequence")
+    if slopes.shape[-1] > 1 and slopes.strides[-1] != 1:
+        raise ValueError(f"alibi_slopes has strides {slopes.strides}; its last dimension (heads) must be contiguous")
+    if slopes.ptr % 4:
+        raise ValueError(f"alibi_slopes's data pointer 0x{slopes.ptr:x} is not aligned to its 4-byte fp32 elements")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes is on device {slopes.device} but q is on device {device}; move it to device {device}")
+
+
+def alibi_batch_stride(slopes: DeviceArray) -> int:
+    """Elements between two sequences' slopes: 0 for [Hq] slopes, which every sequence shares."""
+    return slopes.strides[0] if len(slopes.shape) == 2 else 0
+
+
 # The kernels take softmax_scale as a float32: a double beyond its range would become inf (and the
 # output NaN), and one below half its smallest subnormal would become 0 (a uniform average).
 FLOAT32_MAX = 3.4028234663852886e38
@@ -186,8 +236,11 @@ def describe(
     causal: bool = False,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: DeviceArray | None = None,
 ) -> Problem:
-    """Check q, k, v and the sequence description; the layout follows from cu_seqlens being given."""
+    """Check q, k, v, the sequence description and the score modifiers; the layout follows from
+    cu_seqlens being given."""
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k (varlen) or neither (batch)")
     layout = THD if cu_seqlens_q is not None else BSHD
@@ -223,6 +276,7 @@ def describe(
         causal = check_bool(causal, "causal")
     window_left, window_right = check_window(window_size, causal)
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)
+    softcap = check_softcap(softcap)
 
     if layout == THD:
         if cu_seqlens_q.shape != cu_seqlens_k.shape or len(cu_seqlens_q.shape) != 1 or cu_seqlens_q.shape[0] < 1:
@@ -245,11 +299,12 @@ def describe(
         total_q, total_k = q_tokens, k_tokens
     check_index_array(seqused_q, "seqused_q", batch, device)
     check_index_array(seqused_k, "seqused_k", batch, device)
+    check_alibi_slopes(alibi_slopes, batch, heads_q, device)
     if max(total_q, total_k, batch, max_q, max_k, heads_q, heads_kv) > _INT32_MAX:
         check_fits_int32(total_q=total_q, total_k=total_k, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k,
                           heads_q=heads_q, heads_kv=heads_kv)
     return _problem(layout, q.dtype, batch, heads_q, heads_kv, head_dim, max_q, max_k, total_q, total_k,
-                    causal, softmax_scale, device, window_left, window_right)
+                    causal, softmax_scale, device, window_left, window_right, softcap, alibi_slopes is not None)
 
 
 # The kernels take token counts, batch and bounds as 32-bit ints (ctypes would wrap larger values
@@ -290,15 +345,16 @@ _new_object = object.__new__
 
 
 def _problem(layout, dtype, batch, heads_q, heads_kv, head_dim, max_seqlen_q, max_seqlen_k, total_q, total_k,
-             causal, softmax_scale, device, window_left, window_right) -> Problem:
+             causal, softmax_scale, device, window_left, window_right, softcap, alibi) -> Problem:
     # The hot-path constructor (as device_array.unchecked_device_array): the frozen dataclass __init__
-    # sets its 13 fields one object.__setattr__ at a time (~2 us); filling __dict__ builds the same
+    # sets its fields one object.__setattr__ at a time (~2 us); filling __dict__ builds the same
     # object in a third.
     problem = _new_object(Problem)
     problem.__dict__.update(
         layout=layout, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, total_q=total_q, total_k=total_k, causal=causal,
         softmax_scale=softmax_scale, device=device, window_left=window_left, window_right=window_right,
+        softcap=softcap, alibi=alibi,
     )  # fmt: skip
     return problem
 

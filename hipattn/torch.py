@@ -34,8 +34,10 @@ import torch
 
 from . import attention, kvcache, torch_sdpa
 from .api import reject_unsupported
+from .catalog.common import FLASH_HEAD_DIMS
+from .catalog.decode import DECODE_HEAD_DIMS
 from .packed import KV_BATCH, KV_VARLEN, QKV_BATCH, QKV_VARLEN, Packing
-from .problem import check_bool, check_max_seqlen, check_window, resolve_softmax_scale
+from .problem import check_bool, check_max_seqlen, check_softcap, check_window, resolve_softmax_scale
 from .ring import ring_flash_attn_varlen_func
 from .torch_sdpa import disable, enable, enabled, is_enabled
 
@@ -54,11 +56,12 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
 
 
 def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                 window_left, window_right):
+                 window_left, window_right, softcap, alibi_slopes):
     """hipattn's forward kernels on the op's arguments: (out, lse)."""
     return attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                             causal=causal, window_size=(window_left, window_right))
+                             causal=causal, window_size=(window_left, window_right), softcap=softcap,
+                             alibi_slopes=alibi_slopes)
 
 
 @torch.library.custom_op("hipattn::forward", mutates_args=())
@@ -74,16 +77,18 @@ def _forward_op(
     causal: bool,
     window_left: int,
     window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     del deterministic  # a forward is deterministic; the flag is kept for the backward (_setup_context)
     return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                        window_left, window_right)
+                        window_left, window_right, softcap, alibi_slopes)
 
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                  window_left, window_right, deterministic):
+                  window_left, window_right, softcap, alibi_slopes, deterministic):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
@@ -103,37 +108,42 @@ def _backward_op(
     causal: bool,
     window_left: int,
     window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return attention.backward(dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                              causal=causal, window_size=(window_left, window_right), deterministic=deterministic)
+                              causal=causal, window_size=(window_left, window_right), softcap=softcap,
+                              alibi_slopes=alibi_slopes, deterministic=deterministic)
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   causal, window_left, window_right, deterministic):
+                   causal, window_left, window_right, softcap, alibi_slopes, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-     deterministic) = inputs
+     softcap, alibi_slopes, deterministic) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.window = (window_left, window_right)
+    ctx.softcap = softcap
 
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
     # The kernels read rows with 16-byte accesses: a gradient that autograd hands over expanded or
     # transposed is made contiguous first.
     dq, dk, dv = _backward_op(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                               ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, *ctx.window,
-                              ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                              ctx.softcap, alibi_slopes, ctx.deterministic)
+    # No gradient for the ALiBi slopes, as flash-attn: they are fixed by the model, not learned.
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -146,9 +156,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_left, window_right, deterministic):
+                window_left, window_right, softcap, alibi_slopes, deterministic):
         inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                  window_right, deterministic)
+                  window_right, softcap, alibi_slopes, deterministic)
         output = _run_forward(*inputs[:-1])
         ctx.mark_non_differentiable(output[1])
         _setup_context(ctx, inputs, output)
@@ -163,18 +173,18 @@ _TENSOR = torch.Tensor
 
 
 def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
-            deterministic):
+            softcap, alibi_slopes, deterministic):
     """hipattn's forward with autograd: for plain tensors in eager mode, the autograd Function (or,
     when nothing needs a gradient, the forward alone); the custom op for everything traced."""
     if (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not torch.compiler.is_compiling()
             and not torch._C._len_torch_dispatch_stack() and not torch._C._is_torch_function_mode_enabled()):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, causal, *window, deterministic)
+                                         softmax_scale, causal, *window, softcap, alibi_slopes, deterministic)
         return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                            *window)
+                            *window, softcap, alibi_slopes)
     return _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       *window, deterministic)
+                       *window, softcap, alibi_slopes, deterministic)
 
 
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
@@ -214,10 +224,15 @@ def flash_attn_varlen_func(
     Returns out, or (out, softmax_lse, None) with return_attn_probs=True; out.backward() runs
     hipattn's backward, bit-identical run to run with ``deterministic=True``.
     """
-    reject_unsupported(dropout_p, softcap, alibi_slopes, block_table)
+    reject_unsupported(dropout_p, block_table)
     causal, deterministic = _host_arguments(max_seqlen_q, max_seqlen_k, causal, deterministic)
-    out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale),
-                       causal, check_window(window_size, causal), deterministic)
+    _check_slopes(alibi_slopes)
+    scale = _scale(q, softmax_scale)
+    (q, k, v), head_dim = _padded(FLASH_HEAD_DIMS, q, k, v)
+    out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                       check_window(window_size, causal), check_softcap(softcap), alibi_slopes, deterministic)
+    if head_dim is not None:
+        out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -235,10 +250,15 @@ def flash_attn_func(
     return_attn_probs: bool = False,
 ):
     """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd."""
-    reject_unsupported(dropout_p, softcap, alibi_slopes)
+    reject_unsupported(dropout_p)
     causal, deterministic = _host_arguments(None, None, causal, deterministic)
-    out, lse = _attend(q, k, v, None, None, None, None, _scale(q, softmax_scale), causal,
-                       check_window(window_size, causal), deterministic)
+    _check_slopes(alibi_slopes)
+    scale = _scale(q, softmax_scale)
+    (q, k, v), head_dim = _padded(FLASH_HEAD_DIMS, q, k, v)
+    out, lse = _attend(q, k, v, None, None, None, None, scale, causal, check_window(window_size, causal),
+                       check_softcap(softcap), alibi_slopes, deterministic)
+    if head_dim is not None:
+        out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -260,19 +280,21 @@ def _kvcache_op(
     causal: bool,
     window_left: int,
     window_right: int,
+    softcap: float,
     rotary_interleaved: bool,
+    alibi_slopes: Optional[Tensor],
     num_splits: int,
 ) -> tuple[Tensor, Tensor]:
     return kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if cache_seqlens is not None else cache_seqlen,
-        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), 0.0,
-        rotary_interleaved, None, num_splits, True)
+        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
+        rotary_interleaved, alibi_slopes, num_splits, True)
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx,
-                  cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, rotary_interleaved,
-                  num_splits):
+                  cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                  rotary_interleaved, alibi_slopes, num_splits):
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
@@ -289,24 +311,62 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     the ``hipattn::kvcache`` custom op, which declares that it mutates the caches."""
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
              "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
-             "block_table": block_table}
+             "block_table": block_table, "alibi_slopes": alibi_slopes}
     if not isinstance(cache_seqlens, int):
         given["cache_seqlens"] = cache_seqlens
     _check_tensors("flash_attn_with_kvcache", **{name: value for name, value in given.items() if value is not None})
+    padded, head_dim = _padded(DECODE_HEAD_DIMS, q, k_cache, v_cache, k, v)
+    if head_dim is not None:
+        # The call on zero-padded copies, at the real head_dim's scale; the appended rows go back into
+        # the caller's caches.
+        result = flash_attn_with_kvcache(*padded, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                         cache_leftpad, block_table, resolve_softmax_scale(softmax_scale, head_dim),
+                                         causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                         return_softmax_lse)
+        if k is not None:
+            k_cache.copy_(padded[1][..., :head_dim])
+            v_cache.copy_(padded[2][..., :head_dim])
+        return (result[0][..., :head_dim], result[1]) if isinstance(result, tuple) else result[..., :head_dim]
     if (type(q) is _TENSOR and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled()):
         return kvcache.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
             return_softmax_lse)
-    reject_unsupported(0.0, softcap, alibi_slopes)
     host_length = cache_seqlens if isinstance(cache_seqlens, int) else None
     causal = check_bool(causal, "causal")
     out, lse = _kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                            None if host_length is not None else cache_seqlens, host_length, cache_batch_idx,
                            cache_leftpad, block_table, softmax_scale, causal, *check_window(window_size, causal),
-                           check_bool(rotary_interleaved, "rotary_interleaved"), num_splits)
+                           check_softcap(softcap), check_bool(rotary_interleaved, "rotary_interleaved"), alibi_slopes,
+                           num_splits)
     return (out, lse) if check_bool(return_softmax_lse, "return_softmax_lse") else out
+
+
+def _padded(shipped: tuple[int, ...], q, *others) -> tuple[tuple, int | None]:
+    """((q, *others), None) where the kernels have q's head_dim (``shipped``); else (copies of them padded
+    with zero columns to the next head_dim the kernels have, the head_dim to slice the output back to).
+    The caller takes the softmax scale from the unpadded q.
+
+    Zero columns add nothing to a score or an output, and the gradients of the padding are dropped by
+    the slice that undoes it: flash-attn pads head dims that are not a multiple of 8 the same way.
+    Tensors of unequal head dims, or beyond the largest kernel, are left for the core checks to refuse.
+    ``others`` may hold None (a KV-cache call without new keys)."""
+    tensors = (q, *others)
+    if not isinstance(q, Tensor) or q.dim() == 0 or q.shape[-1] < 1 or q.shape[-1] in shipped:
+        return tensors, None
+    head_dim = q.shape[-1]
+    target = next((d for d in shipped if d > head_dim), None)
+    if target is None or any(not isinstance(t, Tensor) or t.shape[-1] != head_dim for t in tensors if t is not None):
+        return tensors, None
+    return tuple(None if t is None else torch.nn.functional.pad(t, (0, target - head_dim)) for t in tensors), head_dim
+
+
+def _check_slopes(alibi_slopes) -> None:
+    """The op's schema takes a tensor or None: anything else is refused here, by name (its own error
+    would name no argument); the shape, dtype and device checks are the core API's."""
+    if alibi_slopes is not None:
+        _check_tensors("flash_attn_func", alibi_slopes=alibi_slopes)
 
 
 def _check_tensors(function: str, **given) -> None:

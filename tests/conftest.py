@@ -28,3 +28,30 @@ def windowed(monkeypatch):
             monkeypatch.setattr(raw_calls, name, functools.partial(getattr(reference, name), window=window))
 
     return use
+
+
+@pytest.fixture
+def score_modified(monkeypatch):
+    """``score_modified(device, batch, heads_q, softcap=..., alibi=...)`` makes the raw-array checks
+    (support.raw_calls) run with flash-attn's score modifiers: ``softcap`` (0.0: none) and ALiBi slopes
+    (``alibi``: None, "heads" for [heads_q] or "sequences" for [batch, heads_q]; reference.alibi_slopes).
+    hipattn's forward and backward on ``device`` and the float64 reference all take them."""
+    import functools
+
+    from support import raw_calls, reference
+
+    import hipattn
+
+    def use(device, batch, heads_q, *, softcap=0.0, alibi=None):
+        slopes = None if alibi is None else reference.alibi_slopes(batch, heads_q, per_sequence=alibi == "sequences")
+        mods = {"softcap": softcap}
+        if slopes is not None:
+            mods["alibi_slopes"] = device.array(slopes)
+        for name in ("forward", "backward"):
+            monkeypatch.setattr(hipattn, name, functools.partial(getattr(hipattn, name), **mods))
+        for name in ("reference_forward", "reference_backward"):
+            monkeypatch.setattr(raw_calls, name,
+                                functools.partial(getattr(reference, name), softcap=softcap, alibi=slopes))
+        return slopes
+
+    return use

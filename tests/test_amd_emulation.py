@@ -16,6 +16,7 @@ from support.raw_calls import (
     check_forward,
     check_forward_and_backward,
 )
+from support.reference import SCORE_MODIFIER_CASES
 
 from hipattn.ops import smallseq
 
@@ -96,3 +97,21 @@ def test_the_mfma_flash_kernels_match_float64_in_batch_mode_with_seqused(device)
         check_bshd_forward_and_backward(device, np.random.default_rng(), [40, 23, 1], [50, 19, 33], 40, 50, 4, 2, 64,
                                         "bf16", True, deterministic=deterministic,
                                         dq_padding_written=not deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("softcap,alibi,causal", SCORE_MODIFIER_CASES, ids=lambda m: str(m))
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [("bf16", 64, 2, 1), ("fp16", 128, 3, 1)])
+def test_the_mfma_flash_kernels_match_float64_with_score_modifiers(device, score_modified, dtype, head_dim, heads_q,
+                                                                   heads_kv, softcap, alibi, causal, deterministic):
+    """The forward's scores in its masked and unmasked key tiles (a short Q against a long KV has
+    unmasked tiles under causal too), the dK/dV kernel's recomputed P and dS (times 1 - tanh² under
+    softcap) for each query head of a GQA group on both dQ schedules, and the dQ kernel's."""
+    lengths_q = [18, 70, 5, 33, 0, 40]
+    lengths_k = [100, 130, 19, 0, 7, 80]
+    score_modified(device, len(lengths_q), heads_q, softcap=softcap, alibi=alibi)
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
+                               causal, deterministic=deterministic)
+    dq_kernels = ["flash_backward_dq_mfma"] if deterministic else ["bwd_convert_dq"]
+    assert device.kernels == ["flash_forward_mfma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mfma",
+                              *dq_kernels]

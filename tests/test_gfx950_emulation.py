@@ -42,6 +42,19 @@ def test_the_mfma_flash_backward_matches_float64(device, dtype, head_dim, heads_
     assert "flash_backward_dkdv_mfma" in _loaded_families(device)
 
 
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv,softcap,alibi,causal,deterministic", [
+    ("bf16", 64, 2, 1, 1.5, "heads", True, False), ("fp16", 96, 2, 2, 1.5, "sequences", False, True)])
+def test_the_mfma_flash_kernels_match_float64_with_score_modifiers(device, score_modified, dtype, head_dim, heads_q,
+                                                                   heads_kv, softcap, alibi, causal, deterministic):
+    """Softcap and ALiBi on the 16x16x32 path: the forward's scores, and P and dS (times 1 - tanh²) as
+    the backward recomputes them, on one dQ schedule each."""
+    lengths_q, lengths_k = [18, 70, 5, 33, 0], [100, 130, 19, 0, 7]
+    score_modified(device, len(lengths_q), heads_q, softcap=softcap, alibi=alibi)
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim,
+                               dtype, causal, deterministic=deterministic)
+    assert {"flash_forward_mfma", "flash_backward_dkdv_mfma"} <= _loaded_families(device)
+
+
 @pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv,causal", [
     ("bf16", 64, 8, 2, True), ("fp16", 128, 4, 4, False), ("bf16", 256, 2, 1, False)])
 def test_the_mfma_small_seq_kernels_match_float64(device, dtype, head_dim, heads_q, heads_kv, causal):

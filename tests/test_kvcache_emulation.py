@@ -12,7 +12,7 @@ import pytest
 from support.emulation import EmulatedDevice, aligned_bytes, array_16bit, from_16bit, needs_compiler, to_16bit
 from support.kvcache_reference import KvCacheCase, expected
 from support.raw_calls import NAN_BITS
-from support.reference import TOLERANCE, relative_error
+from support.reference import TOLERANCE, alibi_slopes, relative_error
 
 import hipattn
 from hipattn.catalog import decode as catalog_decode
@@ -57,8 +57,10 @@ def _run(device, case_bits: dict, case: KvCacheCase, dtype, num_splits, *, cache
     q, k_cache, v_cache = (array_16bit(case_bits[name], dtype) for name in ("q", "k_cache", "v_cache"))
     workspace_bytes = hipattn.kvcache_workspace_bytes(q, k_cache, v_cache, **arguments)
     workspace = aligned_bytes(workspace_bytes)
+    slopes = device.array(np.ascontiguousarray(case.alibi, dtype=np.float32)) if case.alibi is not None else None
     hipattn.flash_attn_with_kvcache(q, k_cache, v_cache, **arguments, rotary_interleaved=case.interleaved,
-                                    return_softmax_lse=True, out=array_16bit(out, dtype), lse=device.array(lse),
+                                    softcap=case.softcap, alibi_slopes=slopes, return_softmax_lse=True,
+                                    out=array_16bit(out, dtype), lse=device.array(lse),
                                     workspace=device.array(workspace) if workspace_bytes else None)
     return (from_16bit(out, dtype), lse.astype(np.float64), from_16bit(case_bits["k_cache"], dtype),
             from_16bit(case_bits["v_cache"], dtype))
@@ -66,7 +68,8 @@ def _run(device, case_bits: dict, case: KvCacheCase, dtype, num_splits, *, cache
 
 def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64, capacity=80, seqlen_new=0,
           rotary_dim=0, interleaved=True, page_size=None, batch_idx=False, leftpad=False, causal=False, lengths=None,
-          window=(-1, -1)):
+          window=(-1, -1), softcap=0.0, alibi=None):
+    """A call's inputs; ``alibi``: None, "heads" (slopes [Hq]) or "sequences" ([batch, Hq])."""
     bits, case = {}, {}
     bits["q"], case["q"] = _values(rng, (batch, seqlen_q, heads_q, head_dim), dtype)
     if page_size is None:
@@ -94,7 +97,9 @@ def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64
         case["batch_idx"] = rng.permutation(cache_shape[0])[:batch]
     if leftpad:
         case["leftpad"] = np.array([rng.integers(0, n + 1) for n in case["cache_seqlens"]])
-    return bits, KvCacheCase(**case, interleaved=interleaved, causal=causal, window=window)
+    slopes = None if alibi is None else alibi_slopes(batch, heads_q, per_sequence=alibi == "sequences")
+    return bits, KvCacheCase(**case, interleaved=interleaved, causal=causal, window=window, softcap=softcap,
+                             alibi=slopes)
 
 
 def _check(device, bits, case, dtype, num_splits, portable=False, **options):
@@ -190,3 +195,47 @@ def test_sliding_windows_match_float64(device, window, causal, num_splits, cache
     bits, case = _case(rng, "bf16", heads_q=4, heads_kv=2, seqlen_q=3, seqlen_new=2, rotary_dim=32, causal=causal,
                        window=window, lengths=[0, 37, 70], **layout)
     _check(device, bits, case, "bf16", num_splits)
+
+
+# flash-attn's score modifiers: a softcap that bends N(0, 1) scores (1.5), ALiBi slopes per query head
+# or per (sequence, query head), and both, with GQA so that a block's rows (tokens of the group's
+# query heads) each need their own head's slope (a group of 3, so that the two rows g and g + 8 an
+# mma.sync lane holds are of different heads); key positions count from cache_leftpad.
+SCORE_MODS = [(1.5, None, "leftpad", 1, 3), (0.0, "heads", "paged", 3, 1), (0.0, "sequences", "leftpad", 3, 0),
+              (1.5, "heads", "paged", 2, 3)]
+
+
+@pytest.mark.parametrize("softcap,alibi,cache,seqlen_q,num_splits", SCORE_MODS, ids=lambda m: str(m))
+def test_score_modifiers_match_float64(device, softcap, alibi, cache, seqlen_q, num_splits):
+    """The tensor-core and matrix-core kernels with softcap and ALiBi: 6 query heads over 2 KV heads,
+    one new token appended, a causal multi-token query (whose tokens sit at different distances from
+    each key), over a contiguous cache with leftpad or a paged one, with one, three and the host's
+    splits."""
+    rng = np.random.default_rng()
+    layout = dict(page_size=16) if cache == "paged" else dict(leftpad=True)
+    bits, case = _case(rng, "bf16", heads_q=6, heads_kv=2, seqlen_q=seqlen_q, seqlen_new=1, causal=seqlen_q > 1,
+                       lengths=[0, 37, 70], softcap=softcap, alibi=alibi, **layout)
+    _check(device, bits, case, "bf16", num_splits)
+
+
+@pytest.mark.parametrize("heads_q,heads_kv,seqlen_q", [(4, 1, 1), (4, 2, 3)])
+def test_the_portable_kernel_matches_float64_with_score_modifiers(emulation_dirs, monkeypatch, heads_q, heads_kv,
+                                                                  seqlen_q):
+    """The portable kernel, forced on the emulated gfx90a, forms its scores from the raw dot products
+    when modified (the plain kernel pre-scales q): a 4-row block of a group of 4, and an 8-row one of 3
+    causal tokens of a group of 2; softcap and ALiBi per sequence, leftpad, three splits."""
+    monkeypatch.setattr(catalog_decode, "DECODE_MFMA_TILES", {})
+    device = EmulatedDevice(*emulation_dirs, monkeypatch, arch="gfx90a")
+    rng = np.random.default_rng()
+    bits, case = _case(rng, "bf16", heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q, causal=seqlen_q > 1,
+                       seqlen_new=1, leftpad=True, lengths=[0, 37, 79], softcap=1.5, alibi="sequences")
+    _check(device, bits, case, "bf16", 3, portable=True)
+
+
+def test_the_mfma_kernel_on_an_emulated_gfx950_matches_float64_with_score_modifiers(emulation_dirs, monkeypatch):
+    """gfx950's 16x16x32 MFMA kernel with softcap and ALiBi per head: GQA, 2 causal tokens, leftpad."""
+    device = EmulatedDevice(*emulation_dirs, monkeypatch, arch="gfx950")
+    rng = np.random.default_rng()
+    bits, case = _case(rng, "fp16", head_dim=128, heads_q=8, heads_kv=2, seqlen_q=2, causal=True, seqlen_new=1,
+                       leftpad=True, lengths=[0, 40, 79], softcap=1.5, alibi="heads")
+    _check(device, bits, case, "fp16", 3)

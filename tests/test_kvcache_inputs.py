@@ -86,8 +86,14 @@ INVALID = {
     "num_splits range": (dict(num_splits=129), ValueError, "num_splits is 129"),
     "num_splits kind": (dict(num_splits=True), TypeError, "num_splits must be an int"),
     "window kind": (dict(window_size=(4.0, 0)), TypeError, "window_size must be a pair of ints"),
-    "softcap": (dict(softcap=30.0), ValueError, "does not support: softcap"),
-    "alibi": (dict(alibi_slopes=lambda m, a: m.array((8,), "fp32")), ValueError, "ALiBi"),
+    "softcap negative": (dict(softcap=-1.0), ValueError, "softcap is -1.0"),
+    "softcap kind": (dict(softcap="30"), TypeError, "softcap must be a host number"),
+    "alibi dtype": (dict(alibi_slopes=lambda m, a: m.array((8,), "bf16")), TypeError, "alibi_slopes has dtype bf16"),
+    "alibi shape": (dict(alibi_slopes=lambda m, a: m.array((2, 4), "fp32")), ValueError, "alibi_slopes has shape"),
+    "alibi device": (dict(alibi_slopes=lambda m, a: raw_array(m.array((8,), "fp32").ptr, (8,), "fp32", 1, (1,))),
+                     ValueError, "alibi_slopes is on device 1"),
+    "out over the slopes": (dict(alibi_slopes=lambda m, a: m.array((8,), "fp32", at=a["out"].ptr)), ValueError,
+                            "out overlaps alibi_slopes"),
     "lse without asking": (dict(lse=lambda m, a: m.array((2, 8, 1), "fp32")), ValueError, "return_softmax_lse is False"),
     "new keys inside the cache": (dict(k=lambda m, a: m.array((2, 1, 2, 128), at=a["k_cache"].ptr),
                                        v=lambda m, a: m.array((2, 1, 2, 128))), ValueError, "k_cache overlaps k"),
@@ -112,3 +118,18 @@ def test_a_valid_call_launches_the_tensor_core_kernel_per_kv_head_and_split(back
     assert block == (128, 1, 1) and shared > 0
     assert params.splits == 3 and params.heads_q == 8 and params.cache_capacity == 512
     assert combine_grid == (2 * 8 * 1, 1, 1), "one combine block per query row"
+
+
+def test_score_modifiers_launch_the_modified_kernel_with_their_fields(backend):
+    """softcap and per-sequence ALiBi slopes reach the kernel's fields, and pick its score_mods
+    instantiation; a plain call keeps the plain one."""
+    arguments = _call(softcap=30.0, alibi_slopes=lambda m, a: m.array((2, 8), "fp32"))
+    hipattn.flash_attn_with_kvcache(**arguments, num_splits=1)
+    hipattn.flash_attn_with_kvcache(**_call(), num_splits=1)
+    (modified, *_, params), (plain, *_, plain_params) = backend.launches
+    assert params.softcap == 30.0 and params.alibi_slopes == arguments["alibi_slopes"].ptr
+    assert params.alibi_batch_stride == 8, "[batch, Hq] slopes: a sequence's row of 8 heads"
+    assert plain_params.softcap == 0.0 and not plain_params.alibi_slopes
+    name = modified[1].split(b"|")[1].decode()
+    assert name.startswith("hipattn::decode_forward_mma<") and name.endswith("true>")
+    assert plain[1].split(b"|")[1].decode().endswith("false>")

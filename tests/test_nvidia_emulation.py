@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from support.emulation import EmulatedDevice, needs_compiler
 from support.raw_calls import check_forward, check_forward_and_backward
+from support.reference import SCORE_MODIFIER_CASES
 
 from hipattn.catalog.smallseq import SmallSeqMmaTiles
 
@@ -116,3 +117,20 @@ def test_the_flash_kernels_match_float64_with_windows(device, windowed, dtype, h
                                causal, deterministic=True)
     assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
                               "flash_backward_dq_mma"]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("softcap,alibi,causal", SCORE_MODIFIER_CASES, ids=lambda m: str(m))
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [FLASH_CASES[0], FLASH_CASES[2]])
+def test_the_flash_kernels_match_float64_with_score_modifiers(device, score_modified, dtype, head_dim, heads_q,
+                                                              heads_kv, softcap, alibi, causal, deterministic):
+    """The forward's scores in its masked and unmasked tiles, the dK/dV kernel's recomputed P and dS
+    (times 1 - tanh² under softcap) on both dQ schedules, and the dQ kernel's."""
+    lengths_q = [18, 150, 5, 33, 0, 40]
+    lengths_k = [40, 200, 19, 0, 7, 80]
+    score_modified(device, len(lengths_q), heads_q, softcap=softcap, alibi=alibi)
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
+                               causal, deterministic=deterministic)
+    dq_kernels = ["flash_backward_dq_mma"] if deterministic else ["bwd_convert_dq"]
+    assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
+                              *dq_kernels]

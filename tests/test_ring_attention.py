@@ -75,7 +75,8 @@ class FlashStyleKernels:
         self.calls = []  # (thread name, "forward"/"backward", causal); list.append is atomic across threads
 
     def forward(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_size=(-1, -1), stream=None):
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, stream=None):
+        assert softcap == 0.0 and alibi_slopes is None, "the stand-in has no score modifiers"
         self.calls.append((threading.current_thread().name, "forward", causal))
         group = q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float64)
@@ -88,7 +89,8 @@ class FlashStyleKernels:
         return out.to(q.dtype), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, causal, window_size=(-1, -1), deterministic=False):
+                 softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
+        assert softcap == 0.0 and alibi_slopes is None, "the stand-in has no score modifiers"
         self.calls.append((threading.current_thread().name, "backward", causal))
         heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
@@ -362,11 +364,13 @@ def _local_inputs():
     ({"causal": 1}, TypeError, "causal must be a bool"),
     ({"max_seqlen": 2.5}, TypeError, "max_seqlen must be a host int"),
     ({"dropout_p": 0.1}, ValueError, "dropout_p=0.1"),
+    ({"softcap": 30.0}, ValueError, "does not support softcap or alibi_slopes"),
+    ({"alibi_slopes": torch.rand(2)}, ValueError, "does not support softcap or alibi_slopes"),
     ({"q": "q"}, TypeError, "q must be a torch.Tensor"),
     ({"k": torch.zeros(3, 2, 8), "v": torch.zeros(3, 2, 8)}, ValueError, "k has 3 tokens and q 10"),
     ({"v": torch.zeros(10, 1, 8)}, ValueError, "k and v must have one shape"),
     ({"cu_seqlens": torch.tensor([0, 4, 10])}, ValueError, "cu_seqlens must be int32"),
-], ids=["window", "int causal", "float max_seqlen", "dropout", "str q", "fewer keys", "v unlike k", "int64 cu_seqlens"])
+], ids=["window", "int causal", "float max_seqlen", "dropout", "softcap", "alibi", "str q", "fewer keys", "v unlike k", "int64 cu_seqlens"])
 def test_bad_arguments_are_named_before_any_communication(kernels, change, error, message):
     q, k, v, cu = _local_inputs()
     arguments = {"q": q, "k": k, "v": v, "cu_seqlens": cu, "max_seqlen": 6, **change}

@@ -88,7 +88,7 @@ def _specs(case: Case):
     target = Target.parse(EMULATED_ARCH)
     forward = catalog.forward_tiles(case.head_dim, target, group=case.group)
     backward = catalog.backward_tiles(case.head_dim, target, group=case.group)
-    return [row.spec(case.dtype, case.head_dim, heads=case.heads_q) for row in (forward, backward)]
+    return [row.spec(case.dtype, case.head_dim, heads=case.heads_q, score_mods=False) for row in (forward, backward)]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hipattn.torch as hat  # noqa: E402
-from hipattn import attention  # noqa: E402
+from hipattn import attention, kvcache  # noqa: E402
 
 
 def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
@@ -84,18 +84,23 @@ class ReferenceKernels:
         self.backward_calls = 0
         self.last_dout = None
         self.windows = []  # (direction, window_size) of every call
+        self.modifiers = []  # (direction, softcap, alibi_slopes) of every call
+        self.head_dims = []  # the head_dim of every call's q
 
     def forward(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                softmax_scale, causal, window_size=(-1, -1), stream=None):
+                softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, stream=None):
         self.forward_calls += 1
         self.windows.append(("forward", window_size))
+        self.modifiers.append(("forward", softcap, alibi_slopes))
+        self.head_dims.append(q.shape[-1])
         out, lse = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
         return out.to(q.dtype), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, causal, window_size=(-1, -1), deterministic=False):
+                 softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
         self.backward_calls += 1
         self.windows.append(("backward", window_size))
+        self.modifiers.append(("backward", softcap, alibi_slopes))
         self.last_dout = dout
         grads = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dout)
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
@@ -121,7 +126,53 @@ def test_the_window_reaches_the_forward_and_the_backward_as_flash_attn_reads_it(
     assert kernels.windows == [("forward", kernel_window), ("backward", kernel_window)]
 
 
-def _varlen(lengths_q, lengths_k, heads_q=4, heads_kv=2, head_dim=16):
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_the_score_modifiers_reach_the_forward_and_the_backward(kernels, per_sequence):
+    q, k, v, cu_q, cu_k = _varlen([3, 7], [4, 6])
+    slopes = torch.rand(2, 4) if per_sequence else torch.rand(4)
+    out = hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, softcap=30, alibi_slopes=slopes)
+    out.sum().backward()
+    assert [(direction, softcap) for direction, softcap, _ in kernels.modifiers] == [("forward", 30.0),
+                                                                                     ("backward", 30.0)]
+    assert all(given is slopes for _, _, given in kernels.modifiers)
+    assert slopes.grad is None  # fixed by the model, as in flash-attn: no gradient
+
+
+def test_a_softcap_the_kernels_cannot_take_is_refused_before_autograd_records(kernels):
+    q, k, v, cu_q, cu_k = _varlen([3, 7], [4, 6])
+    with pytest.raises(ValueError, match="softcap is -1.0"):
+        hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, softcap=-1.0)
+    with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor, got list"):
+        hat.flash_attn_func(q[None], k[None], v[None], alibi_slopes=[0.5] * 4)
+    assert kernels.forward_calls == 0
+
+
+@pytest.mark.parametrize("head_dim,kernel_head_dim", [(40, 64), (80, 96), (59, 64), (160, 256)])
+def test_a_head_dim_the_kernels_lack_runs_zero_padded_to_the_next_they_have(kernels, head_dim, kernel_head_dim):
+    """The kernels see q, k, v padded with zero columns; out, its gradients and the softmax scale are
+    those of the unpadded call."""
+    q, k, v, cu_q, cu_k = _varlen([3, 7], [4, 6], head_dim=head_dim)
+    out = hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert kernels.head_dims == [kernel_head_dim] and out.shape == q.shape
+    scale = head_dim ** -0.5
+    want_out, _ = _reference(q.detach(), k.detach(), v.detach(), cu_q, cu_k, scale, True)
+    want_grads = _reference(q.detach(), k.detach(), v.detach(), cu_q, cu_k, scale, True, dout)
+    torch.testing.assert_close(out.double(), want_out)
+    for got, want in zip((q.grad, k.grad, v.grad), want_grads, strict=True):
+        torch.testing.assert_close(got.double(), want)
+
+
+@pytest.mark.parametrize("head_dim", [128, 264])
+def test_a_head_dim_the_kernels_have_or_none_can_take_goes_as_given(kernels, head_dim):
+    """No copy where a kernel fits, and none past the largest kernel (the core API refuses that call)."""
+    q, k, v, _, _ = _varlen([3], [4], head_dim=head_dim)
+    hat.flash_attn_func(q[None], k[None], v[None])
+    assert kernels.head_dims == [head_dim]
+
+
+def _varlen(lengths_q, lengths_k, heads_q=4, heads_kv=2, head_dim=64):
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(cu_q[-1]), heads_q, head_dim, requires_grad=True)
@@ -138,15 +189,15 @@ def test_loss_backward_runs_hipattns_backward_once_and_grads_land_on_q_k_v(kerne
     assert kernels.forward_calls == 1 and kernels.backward_calls == 1
     assert torch.equal(kernels.last_dout, weights)
     expected = kernels.backward(weights, q, k, v, None, None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                max_seqlen_q=7, max_seqlen_k=9, softmax_scale=1 / math.sqrt(16), causal=True)
+                                max_seqlen_q=7, max_seqlen_k=9, softmax_scale=1 / math.sqrt(64), causal=True)
     for grad, want in zip((q.grad, k.grad, v.grad), expected, strict=True):
         torch.testing.assert_close(grad, want)
 
 
 def test_a_non_contiguous_incoming_gradient_is_made_contiguous(kernels):
-    q = torch.randn(2, 5, 4, 16, requires_grad=True)
-    k = torch.randn(2, 6, 4, 16, requires_grad=True)
-    v = torch.randn(2, 6, 4, 16, requires_grad=True)
+    q = torch.randn(2, 5, 4, 64, requires_grad=True)
+    k = torch.randn(2, 6, 4, 64, requires_grad=True)
+    v = torch.randn(2, 6, 4, 64, requires_grad=True)
     out = hat.flash_attn_func(q, k, v)
     out.sum().backward()  # sum's gradient arrives expanded (stride 0)
     assert kernels.last_dout.is_contiguous()
@@ -176,12 +227,14 @@ def test_softmax_scale_is_checked_as_the_core_api_checks_it():
 def test_the_ops_pass_torch_librarys_checks(kernels):
     """Schema, fake (meta) kernels against the real outputs, and the autograd registration."""
     q, k, v, cu_q, cu_k = _varlen([3, 4], [5, 2])
-    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False, 3, -1, False)  # ..., causal, window left, right, deterministic
+    slopes = torch.rand(4)
+    # ..., causal, window left, right, softcap, ALiBi slopes, deterministic
+    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False, 3, -1, 30.0, slopes, False)
     torch.library.opcheck(torch.ops.hipattn.forward.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     out, lse = torch.ops.hipattn.forward(*args)
     backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 4, 5, 0.25, False, 3, -1,
-                     True)
+                     30.0, slopes, True)
     torch.library.opcheck(torch.ops.hipattn.backward.default, backward_args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -298,3 +351,26 @@ def test_flash_attn_with_kvcache_traces_as_a_custom_op_that_appends_to_the_cache
     assert written == {"k_cache", "v_cache"}
     outputs = [node for node in traced.graph.nodes if node.op == "output"][0].args[0]
     assert [tuple(node.meta["val"].shape) for node in outputs] == [(2, 3, 8, 64), (2, 8, 3)]
+
+
+def test_a_kvcache_call_of_a_head_dim_the_kernels_lack_runs_padded_and_appends_to_the_callers_cache(monkeypatch):
+    """flash-attn's kvcache tests use head_dim 59: the kernels get q, the caches and the new k/v padded
+    to 64, and the appended rows land in the caller's caches."""
+    seen = []
+
+    def kernels(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, softmax_scale, *arguments):
+        seen.append((q.shape[-1], k_cache.shape[-1], k.shape[-1], softmax_scale))
+        k_cache[:, 3:3 + k.shape[1]] = k  # an append at cache_seqlens = 3
+        v_cache[:, 3:3 + v.shape[1]] = v
+        return q * 2
+
+    monkeypatch.setattr(kvcache, "flash_attn_with_kvcache", kernels)
+    q = torch.randn(2, 1, 4, 59)
+    k_cache, v_cache = torch.zeros(2, 8, 2, 59), torch.zeros(2, 8, 2, 59)
+    k, v = torch.randn(2, 1, 2, 59), torch.randn(2, 1, 2, 59)
+    out = hat.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3)
+    assert seen == [(64, 64, 64, 1 / math.sqrt(59))]  # the real head_dim's softmax scale
+    assert torch.equal(out, q * 2)
+    assert torch.equal(k_cache[:, 3:4], k) and torch.equal(v_cache[:, 3:4], v)
+    assert not k_cache[:, :3].any() and not k_cache[:, 4:].any()

@@ -7,7 +7,12 @@
 Every shipped spec of the named families (default: every family shipped for the arch) is compiled to
 PTX for the arch's virtual architecture (sm_90a: compute_90a) and hashed, without what changes from one
 compile to the next: comment lines, and the per-compilation ID NVRTC writes into the names of
-internal-linkage symbols. Equal hashes mean ptxas gets the same input, so a kernel change that keeps
+internal-linkage symbols; and without the kernel's own (mangled) name and the byte size of its
+parameter struct, so that a template argument added with the value that compiles what the kernel was
+before it (NEUTRAL_ARGUMENTS: score_mods=false, which is also left out of the name a spec is compared
+by) and fields appended to a struct that a kernel never reads leave its hash alone (a field it reads,
+or one moved, changes the offsets its loads name).
+Equal hashes mean ptxas gets the same input, so a kernel change that keeps
 every hash (comments, renamed locals, helpers moved between headers, macros folded) runs what the GPU
 last ran, and one that changes a hash must run on the GPU again. With --against, the revision is
 checked out into a temporary git worktree and fingerprinted by this script the same way (in a child
@@ -32,12 +37,32 @@ import tempfile
 # NVRTC names internal-linkage symbols _ZN<length>_INTERNAL_<digits>_<digits>_<file>_<hex id>_<digits><rest>:
 # the id and the trailing counter (and with it the length) differ between compiles of the same source.
 _INTERNAL_ID = re.compile(rb"[0-9]*_INTERNAL_[0-9]+_[0-9]+_\w+?_[0-9a-f]{8}_[0-9]+")
+# A kernel's by-value struct is one byte-array parameter: `.param .align 8 .b8 <name>_param_0[<bytes>]`.
+_PARAM_BYTES = re.compile(rb"(\.param \.align [0-9]+ \.b8 \w+_param_[0-9]+)\[[0-9]+\]")
+_ENTRY = re.compile(rb"\.entry (\w+)\(")
+
+# Template arguments whose value compiles the kernel as it was before the argument existed: a spec is
+# compared under its canonical text without them.
+NEUTRAL_ARGUMENTS = {"score_mods": False}
 
 
 def normalized_ptx(ptx: bytes) -> bytes:
-    """PTX without comment lines and with per-compilation symbol IDs replaced by one token."""
+    """PTX without comment lines, with per-compilation symbol IDs and the kernel's name replaced by
+    one token each and the parameter struct's byte size left out."""
     lines = (line for line in ptx.rstrip(b"\0").split(b"\n") if not line.lstrip().startswith(b"//"))
-    return _INTERNAL_ID.sub(b"_INTERNAL_", b"\n".join(lines))
+    text = _PARAM_BYTES.sub(rb"\1[]", _INTERNAL_ID.sub(b"_INTERNAL_", b"\n".join(lines)))
+    for name in set(_ENTRY.findall(text)):
+        # The kernel's function-local statics (a __shared__ array) carry its name nested in theirs,
+        # without the leading _Z.
+        text = text.replace(name, b"_KERNEL_").replace(name[2:], b"_KERNEL_")
+    return text
+
+
+def comparable_name(canonical: str) -> str:
+    """A spec's canonical text without its NEUTRAL_ARGUMENTS at their neutral values."""
+    data = json.loads(canonical)
+    data["args"] = [[name, value] for name, value in data["args"] if NEUTRAL_ARGUMENTS.get(name, object()) != value]
+    return json.dumps(data, sort_keys=True)
 
 
 def virtual_arch(arch: str) -> str:
@@ -102,11 +127,12 @@ def _shipped_units(arch: str, family_names: list[str] | None):
 
 
 def fingerprints(arch: str, family_names: list[str] | None) -> dict[str, str]:
-    """{spec's canonical text: hash of its normalized PTX} for the shipped specs of ``family_names``
+    """{spec's comparable name: hash of its normalized PTX} for the shipped specs of ``family_names``
     (None: every family shipped for ``arch``), from the hipattn that is importable."""
     from cuda.bindings import nvrtc
 
-    return {canonical: hashlib.sha256(normalized_ptx(_ptx(nvrtc, source, headers, expression, arch))).hexdigest()[:16]
+    return {comparable_name(canonical):
+            hashlib.sha256(normalized_ptx(_ptx(nvrtc, source, headers, expression, arch))).hexdigest()[:16]
             for canonical, source, headers, expression in _shipped_units(arch, family_names)}
 
 

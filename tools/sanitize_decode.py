@@ -2,14 +2,15 @@
 adversarial.
 
 Valid calls cover contiguous and paged caches (pages of 16 and 64 tokens), new tokens appended with
-rotary, causal query runs and split counts of 1 and 3, so that every KV-cache family shipped for the
-H200 launches (append, the tensor-core attention, combine). Adversarial calls give the device arrays
-values no host check can see: cache_seqlens past the cache and negative, block-table entries and
-batch indices outside the cache, left padding past the sequence, int32 extremes. Such input gives
-meaningless numbers, but the kernels must clamp it (kernels/decode/cache.h) and touch no memory
-outside their tensors: every output and appended cache sits between guards that must come back
-unchanged, read-only caches between NaN guards (a read past one shows up as a NaN in the output),
-and under memcheck every tensor is its own allocation.
+rotary, causal query runs, split counts of 1 and 3, and softcap with ALiBi (whose slopes the kernel
+reads per row's query head), so that every KV-cache family shipped for the H200 launches (append, the
+tensor-core attention, combine). Adversarial calls give the device arrays values no host check can
+see: cache_seqlens past the cache and negative, block-table entries and batch indices outside the
+cache, left padding past the sequence, int32 extremes. Such input gives meaningless numbers, but the
+kernels must clamp it (kernels/decode/cache.h) and touch no memory outside their tensors: every
+output and appended cache sits between guards that must come back unchanged, read-only caches
+between NaN guards (a read past one shows up as a NaN in the output), and under memcheck every
+tensor is its own allocation.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class KvCacheCase:
     rotary_dim: int = 0
     causal: bool = False
     window: tuple[int, int] = (-1, -1)  # flash-attn's window_size
+    softcap: float = 0.0
+    alibi: str | None = None  # ALiBi slopes: None, "heads" ([Hq]) or "sequences" ([batch, Hq])
     num_splits: int = 1
     families: tuple[str, ...] = field(default=())
 
@@ -64,6 +67,8 @@ def build_cases(quick: bool = False) -> list[KvCacheCase]:
         KvCacheCase(name="kvcache batch index and leftpad", batch_idx=(5, 0, 3, 1), leftpad=(0, 3, 64, 10)),
         KvCacheCase(name="kvcache paged 16 window (20, 0) causal splits=3", page_size=16, seqlen_q=2, seqlen_new=1,
                     window=(20, 0), causal=True, num_splits=3),
+        KvCacheCase(name="kvcache leftpad softcap alibi causal splits=3", seqlen_q=3, seqlen_new=1, causal=True,
+                    leftpad=(0, 3, 40, 10), softcap=30.0, alibi="sequences", num_splits=3),
     ]
     bad_lengths = (-5, CAPACITY + 100, INT32_MAX, INT32_MIN)
     cases += [
@@ -112,14 +117,18 @@ def run(runner, case: KvCacheCase) -> None:
         positions = cache_shape[0] * cache_shape[1] if case.page_size else CAPACITY
         angle = torch.rand(positions, case.rotary_dim // 2, device="cuda") * 6.283
         cos, sin = (runner.input(tuple(angle.shape), case.dtype).copy_(f(angle)) for f in (torch.cos, torch.sin))
+    slopes = None
+    if case.alibi is not None:
+        shape = (BATCH, HEADS_Q) if case.alibi == "sequences" else (HEADS_Q,)
+        slopes = runner.input(shape, "fp32").copy_(torch.rand(shape, device="cuda"))
     out = runner.output("out", tuple(q.shape), case.dtype)
     lse = runner.output("lse", (BATCH, HEADS_Q, case.seqlen_q), "fp32")
     hipattn.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=runner.int32(list(case.cache_seqlens)),
         cache_batch_idx=runner.int32(list(case.batch_idx)) if case.batch_idx else None,
         cache_leftpad=runner.int32(list(case.leftpad)) if case.leftpad else None, block_table=table,
-        causal=case.causal, window_size=case.window, num_splits=case.num_splits, return_softmax_lse=True, out=out,
-        lse=lse)
+        causal=case.causal, window_size=case.window, softcap=case.softcap, alibi_slopes=slopes,
+        num_splits=case.num_splits, return_softmax_lse=True, out=out, lse=lse)
     # Every row of out and lse is written (a row that sees no key gets O = 0, LSE = +inf); appended
     # caches change only inside, at clamped positions.
     runner.check_outputs({})

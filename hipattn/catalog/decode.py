@@ -16,7 +16,15 @@ from ..jit.params import ParamsStruct
 from ..jit.spec import KernelFamily, KernelSpec
 from ..jit.target import Target
 from .common import DTYPES, FLASH_ROW_PAD
-from .fields import WINDOW_FIELDS, Fields, row_statistic, strided
+from .fields import (
+    SCORE_MOD_FIELDS,
+    SCORE_MODS_PARAM,
+    SCORE_MODS_VALUES,
+    WINDOW_FIELDS,
+    Fields,
+    row_statistic,
+    strided,
+)
 from .index import register
 from .targets import (
     HOPPER_SHARED_BYTES,
@@ -60,7 +68,7 @@ DECODE_FORWARD_PARAMS = ParamsStruct(
     "DecodeForwardParams",
     strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr")
     + (("o_partial", "ptr"), ("lse_partial", "ptr"), ("cache_leftpad", "const_ptr")) + _CACHE_FIELDS
-    + (("splits", "i32"), ("softmax_scale", "f32")) + WINDOW_FIELDS,
+    + (("splits", "i32"), ("softmax_scale", "f32")) + WINDOW_FIELDS + SCORE_MOD_FIELDS,
 )
 DECODE_COMBINE_PARAMS = ParamsStruct(
     "DecodeCombineParams",
@@ -201,7 +209,8 @@ def tiles_for(target: Target | None, head_dim: int, rows: int) -> AttentionTiles
 def _shipped(family_name: str, target: Target) -> list[KernelSpec]:
     """The attention instantiations of ``family_name`` that ``target`` runs (tiles_for), every dtype,
     head_dim and query-rows bound."""
-    return [t.spec(dtype, d) for dtype in DTYPES for t, d in _row_dims(target) if t.family.name == family_name]
+    return [t.spec(dtype, d, score_mods=m) for dtype in DTYPES for t, d in _row_dims(target)
+            if t.family.name == family_name for m in SCORE_MODS_VALUES]
 
 
 def _row_dims(target: Target) -> list:
@@ -218,15 +227,15 @@ def _row_dims(target: Target) -> list:
 # Each target ships the attention kernels it runs (tiles_for).
 DECODE_FORWARD = register(KernelFamily(
     name="decode_forward", source="decode/forward.hip", template="hipattn::decode_forward",
-    template_params=("dtype", "head_dim", "rows", "unroll"), params=DECODE_FORWARD_PARAMS,
+    template_params=("dtype", "head_dim", "rows", "unroll", SCORE_MODS_PARAM), params=DECODE_FORWARD_PARAMS,
     shipped=lambda target: _shipped("decode_forward", target)))
 DECODE_FORWARD_MMA = register(KernelFamily(
     name="decode_forward_mma", source="decode/forward_mma.hip", template="hipattn::decode_forward_mma",
-    template_params=("dtype", "head_dim", "block_n", "stages"), params=DECODE_FORWARD_PARAMS,
+    template_params=("dtype", "head_dim", "block_n", "stages", SCORE_MODS_PARAM), params=DECODE_FORWARD_PARAMS,
     shipped=lambda target: _shipped("decode_forward_mma", target)))
 DECODE_FORWARD_MFMA = register(KernelFamily(
     name="decode_forward_mfma", source="decode/forward_mfma.hip", template="hipattn::decode_forward_mfma",
-    template_params=("dtype", "head_dim", "waves"), params=DECODE_FORWARD_PARAMS,
+    template_params=("dtype", "head_dim", "waves", SCORE_MODS_PARAM), params=DECODE_FORWARD_PARAMS,
     shipped=lambda target: _shipped("decode_forward_mfma", target)))
 DECODE_COMBINE = register(KernelFamily(
     name="decode_combine", source="decode/combine.hip", template="hipattn::decode_combine",

@@ -30,6 +30,18 @@ def row_statistic(name: str, kind: str) -> Fields:
 # ops.fields.kernel_window.
 WINDOW_FIELDS: Fields = (("window_left", "i32"), ("window_right", "i32"))
 
+# flash-attn's score modifiers (kernels/common/score_mods.h), filled by ops.fields.score_mod_fields:
+# softcap (0: none) and the ALiBi slopes, fp32 [Hq] or [B, Hq] (alibi_batch_stride 0 for [Hq]; a null
+# pointer: none). Every attention struct ends with them, so that the plain instantiations, which read
+# none of them, see every other field where they saw it before.
+SCORE_MOD_FIELDS: Fields = (("softcap", "f32"), ("alibi_slopes", "const_ptr"), ("alibi_batch_stride", "i64"))
+
+# The template parameter that selects a kernel's scores (score_mods.h's Scores<SCORE_MODS>): False is
+# plain attention, True reads the fields above. Every attention family takes it last.
+SCORE_MODS_PARAM = "score_mods"
+# Both instantiations of every attention kernel ship.
+SCORE_MODS_VALUES = (False, True)
+
 # The sequence description every attention kernel reads (kernels/common/sequence.h clamps it).
 SEQUENCE_FIELDS: Fields = (
     ("cu_seqlens_q", "const_ptr"),

@@ -18,7 +18,14 @@ from .common import (
     MFMA_ROW_PAD,
     WGMMA_WARPGROUP_ROWS,
 )
-from .fields import SEQUENCE_FIELDS, row_statistic, strided
+from .fields import (
+    SCORE_MOD_FIELDS,
+    SCORE_MODS_PARAM,
+    SCORE_MODS_VALUES,
+    SEQUENCE_FIELDS,
+    row_statistic,
+    strided,
+)
 from .index import register
 from .targets import has_hopper_shared_memory, runs_amd_mfma, runs_nvidia_mma, runs_nvidia_wgmma
 from .tiles import ELEMENT_BYTES, KernelTiles, WarpgroupTiles
@@ -31,16 +38,17 @@ FLASH_BACKWARD_PARAMS = ParamsStruct(
     "FlashBackwardParams",
     strided("q") + strided("k") + strided("v") + strided("dout") + strided("dq") + strided("dq_accum")
     + strided("dk") + strided("dv") + row_statistic("lse", "const_ptr") + row_statistic("softmax_d", "const_ptr")
-    + SEQUENCE_FIELDS + (("heads_q", "i32"), ("varlen_records", "const_ptr")),
+    + SEQUENCE_FIELDS + (("heads_q", "i32"), ("varlen_records", "const_ptr")) + SCORE_MOD_FIELDS,
 )
 
 
 def _dkdv_specs(rows) -> list:
-    return [row.spec(t, d, write_dq=w) for t in DTYPES for d, row in rows for w in (False, True)]
+    return [row.spec(t, d, write_dq=w, score_mods=m) for t in DTYPES for d, row in rows for w in (False, True)
+            for m in SCORE_MODS_VALUES]
 
 
 def _dq_specs(rows) -> list:
-    return [row.spec(t, d) for t in DTYPES for d, row in rows]
+    return [row.spec(t, d, score_mods=m) for t in DTYPES for d, row in rows for m in SCORE_MODS_VALUES]
 
 
 def _mma_rows(target: Target, which: int) -> list:
@@ -55,7 +63,7 @@ def _family(name: str, source: str, template_params: tuple[str, ...], shipped) -
     """A backward kernel family: all take FLASH_BACKWARD_PARAMS and the work list's record struct, and
     are named as their templates."""
     return register(KernelFamily(name=name, source=source, template=f"hipattn::{name}",
-                                 template_params=("dtype", "head_dim", *template_params),
+                                 template_params=("dtype", "head_dim", *template_params, SCORE_MODS_PARAM),
                                  params=FLASH_BACKWARD_PARAMS, shipped=shipped, structs=(VARLEN_RECORD,)))
 
 

@@ -10,7 +10,14 @@ from ..jit.params import ParamsStruct
 from ..jit.spec import KernelFamily
 from ..jit.target import Target
 from .common import DTYPES, FLASH_ROW_PAD, MFMA_ROW_PAD
-from .fields import SEQUENCE_FIELDS, row_statistic, strided
+from .fields import (
+    SCORE_MOD_FIELDS,
+    SCORE_MODS_PARAM,
+    SCORE_MODS_VALUES,
+    SEQUENCE_FIELDS,
+    row_statistic,
+    strided,
+)
 from .index import register
 from .targets import runs_amd_mfma, runs_nvidia_mma, runs_nvidia_wgmma
 from .tiles import ELEMENT_BYTES, KernelTiles, WarpgroupTiles
@@ -18,18 +25,19 @@ from .tiles import ELEMENT_BYTES, KernelTiles, WarpgroupTiles
 FLASH_FORWARD_PARAMS = ParamsStruct(
     "FlashForwardParams",
     strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr") + SEQUENCE_FIELDS
-    + (("heads_q", "i32"),),
+    + (("heads_q", "i32"),) + SCORE_MOD_FIELDS,
 )
 
 
 def _family(name: str, template_params: tuple[str, ...], shipped) -> KernelFamily:
     return register(KernelFamily(
         name=name, source=f"flash/{name.replace('flash_', '')}.hip", template=f"hipattn::{name}",
-        template_params=("dtype", "head_dim", *template_params), params=FLASH_FORWARD_PARAMS, shipped=shipped))
+        template_params=("dtype", "head_dim", *template_params, SCORE_MODS_PARAM), params=FLASH_FORWARD_PARAMS,
+        shipped=shipped))
 
 
 def _specs(table: dict[int, KernelTiles]) -> list:
-    return [row.spec(t, d) for t in DTYPES for d, row in table.items()]
+    return [row.spec(t, d, score_mods=m) for t in DTYPES for d, row in table.items() for m in SCORE_MODS_VALUES]
 
 
 # Each ships its table's rows (below) for both dtypes on the targets that run its instructions.

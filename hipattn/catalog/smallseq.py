@@ -11,11 +11,10 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from ..jit.params import ParamsStruct
-from ..jit.spec import KernelFamily, KernelSpec
+from ..jit.spec import KernelSpec
 from ..jit.target import Target
 from .common import DTYPES
-from .index import register
+from .fields import SCORE_MODS_VALUES
 from .smallseq_common import (
     BACKWARD_FIELDS,
     FORWARD_FIELDS,
@@ -29,6 +28,7 @@ from .smallseq_common import (
     SmallSeqTiles,
     shipped_per_heads,
     smallseq_family,
+    smallseq_params,
 )
 from .smallseq_mfma import SMALLSEQ_BACKWARD_MFMA_TILES, SMALLSEQ_FORWARD_MFMA_TILES
 from .targets import runs_amd_mfma, runs_nvidia_mma
@@ -37,33 +37,31 @@ from .tiles import ELEMENT_BYTES
 # The families first: each row type below names its own.
 SMALLSEQ_FORWARD = smallseq_family(
     "smallseq_forward", "smallseq/forward.hip", ("block_threads", "lane_elements"),
-    ParamsStruct("SmallSeqForwardParams", FORWARD_FIELDS),
+    smallseq_params("SmallSeqForwardParams", FORWARD_FIELDS),
     lambda target: shipped_per_heads(lambda d: SMALLSEQ_FORWARD_TILES, target))
 SMALLSEQ_BACKWARD = smallseq_family(
     "smallseq_backward", "smallseq/backward.hip", ("block_threads", "lane_elements"),
-    ParamsStruct("SmallSeqBackwardParams", BACKWARD_FIELDS),
+    smallseq_params("SmallSeqBackwardParams", BACKWARD_FIELDS),
     lambda target: shipped_per_heads(lambda d: SMALLSEQ_BACKWARD_TILES, target))
 SMALLSEQ_FORWARD_MMA = smallseq_family(
     "smallseq_forward_mma", "smallseq/forward_mma.hip", ("warps", "split"),
-    ParamsStruct("SmallSeqForwardMmaParams", FORWARD_FIELDS + RUN_FIELD),
+    smallseq_params("SmallSeqForwardMmaParams", FORWARD_FIELDS + RUN_FIELD),
     lambda target: _shipped_mma(SMALLSEQ_FORWARD_MMA_TILES, target))
 SMALLSEQ_BACKWARD_MMA = smallseq_family(
     "smallseq_backward_mma", "smallseq/backward_mma.hip", ("warps", "split"),
-    ParamsStruct("SmallSeqBackwardMmaParams", BACKWARD_FIELDS + RUN_FIELD),
+    smallseq_params("SmallSeqBackwardMmaParams", BACKWARD_FIELDS + RUN_FIELD),
     lambda target: _shipped_mma(SMALLSEQ_BACKWARD_MMA_TILES, target))
 # The grouped kernels take neither the head count nor a per-head problem index: their teams walk groups.
-_GROUPED_TEMPLATE = ("dtype", "head_dim", "tile", "warps", "split")
+_GROUPED_TEMPLATE = ("dtype", "head_dim", "tile")
 _GROUP_FIELDS = RUN_FIELD + (("group_size", "i32"),)
-SMALLSEQ_FORWARD_GQA_MMA = register(KernelFamily(
-    name="smallseq_forward_gqa_mma", source="smallseq/forward_gqa_mma.hip",
-    template="hipattn::smallseq_forward_gqa_mma", template_params=_GROUPED_TEMPLATE,
-    params=ParamsStruct("SmallSeqForwardGqaMmaParams", FORWARD_FIELDS + _GROUP_FIELDS),
-    shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_FORWARD_MMA_TILES, target)))
-SMALLSEQ_BACKWARD_GQA_MMA = register(KernelFamily(
-    name="smallseq_backward_gqa_mma", source="smallseq/backward_gqa_mma.hip",
-    template="hipattn::smallseq_backward_gqa_mma", template_params=_GROUPED_TEMPLATE,
-    params=ParamsStruct("SmallSeqBackwardGqaMmaParams", BACKWARD_FIELDS + _GROUP_FIELDS),
-    shipped=lambda target: _shipped_grouped(SMALLSEQ_GQA_BACKWARD_MMA_TILES, target)))
+SMALLSEQ_FORWARD_GQA_MMA = smallseq_family(
+    "smallseq_forward_gqa_mma", "smallseq/forward_gqa_mma.hip", ("warps", "split"),
+    smallseq_params("SmallSeqForwardGqaMmaParams", FORWARD_FIELDS + _GROUP_FIELDS),
+    lambda target: _shipped_grouped(SMALLSEQ_GQA_FORWARD_MMA_TILES, target), template_head=_GROUPED_TEMPLATE)
+SMALLSEQ_BACKWARD_GQA_MMA = smallseq_family(
+    "smallseq_backward_gqa_mma", "smallseq/backward_gqa_mma.hip", ("warps", "split"),
+    smallseq_params("SmallSeqBackwardGqaMmaParams", BACKWARD_FIELDS + _GROUP_FIELDS),
+    lambda target: _shipped_grouped(SMALLSEQ_GQA_BACKWARD_MMA_TILES, target), template_head=_GROUPED_TEMPLATE)
 
 
 @dataclass(frozen=True)
@@ -203,8 +201,9 @@ class SmallSeqGroupedMmaTiles(SmallSeqMmaTiles):
     def template_args(self, head_dim: int) -> dict[str, Any]:
         return {"tile": SMALLSEQ_TILE, "warps": self.warps, "split": self.split}
 
-    def call_spec(self, dtype: str, head_dim: int, heads: int) -> KernelSpec:
-        return self.spec(dtype, head_dim)  # the group size is a run-time field: one kernel serves every G
+    def call_spec(self, dtype: str, head_dim: int, heads: int, score_mods: bool) -> KernelSpec:
+        # The group size is a run-time field: one kernel serves every G.
+        return self.spec(dtype, head_dim, score_mods=score_mods)
 
     def groups_of(self, problems: int, group: int) -> int:
         """The (sequence, KV head) groups among ``problems`` as the launcher counts them."""
@@ -337,4 +336,4 @@ def _shipped_grouped(table: dict[int, SmallSeqGroupedMmaTiles], target: Target) 
     """One instantiation per dtype and head_dim: the group size, and so the head count, is run time's."""
     if not runs_nvidia_mma(target):
         return []
-    return [table[d].spec(t, d) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS]
+    return [table[d].spec(t, d, score_mods=m) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS for m in SCORE_MODS_VALUES]

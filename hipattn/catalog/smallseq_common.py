@@ -13,7 +13,14 @@ from ..jit.params import ParamsStruct
 from ..jit.spec import KernelFamily, KernelSpec
 from ..jit.target import Target
 from .common import DTYPES
-from .fields import SEQUENCE_FIELDS, row_statistic, strided
+from .fields import (
+    SCORE_MOD_FIELDS,
+    SCORE_MODS_PARAM,
+    SCORE_MODS_VALUES,
+    SEQUENCE_FIELDS,
+    row_statistic,
+    strided,
+)
 from .index import register
 from .tiles import KernelTiles
 
@@ -48,11 +55,11 @@ class SmallSeqLaunch:
 class SmallSeqTiles(KernelTiles):
     """A small-seq row: it picks the instantiation a call needs and sizes its launch."""
 
-    def call_spec(self, dtype: str, head_dim: int, heads: int) -> KernelSpec:
-        """The instantiation serving a call with ``heads`` query heads: the kernels take the head count
-        as a template argument (so that a problem index divides by a constant), unless a row's kernel
-        takes it at run time."""
-        return self.spec(dtype, head_dim, heads=heads)
+    def call_spec(self, dtype: str, head_dim: int, heads: int, score_mods: bool) -> KernelSpec:
+        """The instantiation serving a call with ``heads`` query heads (and score modifiers or not):
+        the kernels take the head count as a template argument (so that a problem index divides by a
+        constant), unless a row's kernel takes it at run time."""
+        return self.spec(dtype, head_dim, heads=heads, score_mods=score_mods)
 
     @abstractmethod
     def launch(self, problems: int, head_dim: int, group: int) -> SmallSeqLaunch:
@@ -69,11 +76,18 @@ BACKWARD_FIELDS = (strided("q") + strided("k") + strided("v") + strided("dout") 
 RUN_FIELD = (("problems_per_team", "i32"),)
 
 
-def smallseq_family(name: str, source: str, template_tail: tuple[str, ...], params: ParamsStruct, shipped) -> KernelFamily:
+def smallseq_params(name: str, fields) -> ParamsStruct:
+    """A small-seq kernel's struct: ``fields``, then the score modifiers (last in every attention struct)."""
+    return ParamsStruct(name, fields + SCORE_MOD_FIELDS)
+
+
+def smallseq_family(name: str, source: str, template_tail: tuple[str, ...], params: ParamsStruct, shipped,
+                    template_head: tuple[str, ...] = SMALLSEQ_TEMPLATE) -> KernelFamily:
     return register(KernelFamily(name=name, source=source, template=f"hipattn::{name}",
-                                 template_params=SMALLSEQ_TEMPLATE + template_tail, params=params, shipped=shipped))
+                                 template_params=template_head + template_tail + (SCORE_MODS_PARAM,), params=params,
+                                 shipped=shipped))
 
 
 def shipped_per_heads(rows_of_head_dim, target: Target) -> list:
-    return [rows_of_head_dim(d).spec(t, d, heads=h) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS
-            for h in SMALLSEQ_SHIPPED_HEADS]
+    return [rows_of_head_dim(d).spec(t, d, heads=h, score_mods=m) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS
+            for h in SMALLSEQ_SHIPPED_HEADS for m in SCORE_MODS_VALUES]

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..jit.params import ParamsStruct
 from ..jit.target import Target
 from .smallseq_common import (
     BACKWARD_FIELDS,
@@ -17,6 +16,7 @@ from .smallseq_common import (
     SmallSeqTiles,
     shipped_per_heads,
     smallseq_family,
+    smallseq_params,
 )
 from .targets import runs_amd_mfma
 from .tiles import ELEMENT_BYTES
@@ -28,11 +28,11 @@ _MFMA_KEY_TILES = -(-SMALLSEQ_TILE // 16)
 # The families first: each row type below names its own.
 SMALLSEQ_FORWARD_MFMA = smallseq_family(
     "smallseq_forward_mfma", "smallseq/forward_mfma.hip", ("waves",),
-    ParamsStruct("SmallSeqForwardMfmaParams", FORWARD_FIELDS),
+    smallseq_params("SmallSeqForwardMfmaParams", FORWARD_FIELDS),
     lambda target: _shipped(SMALLSEQ_FORWARD_MFMA_TILES, target))
 SMALLSEQ_BACKWARD_MFMA = smallseq_family(
     "smallseq_backward_mfma", "smallseq/backward_mfma.hip", ("waves",),
-    ParamsStruct("SmallSeqBackwardMfmaParams", BACKWARD_FIELDS),
+    smallseq_params("SmallSeqBackwardMfmaParams", BACKWARD_FIELDS),
     lambda target: _shipped(SMALLSEQ_BACKWARD_MFMA_TILES, target))
 
 

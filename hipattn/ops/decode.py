@@ -16,7 +16,7 @@ from ..catalog.targets import check_grid
 from ..device_array import DeviceArray
 from ..kvcache_problem import KvCacheCall, KvCacheProblem
 from ..problem import BSHD
-from .fields import kernel_window_side, put_absent_tensor, put_tensor
+from .fields import kernel_window_side, put_absent_tensor, put_tensor, score_mod_fields
 
 # The split heuristic (choose_splits) gives no split fewer keys than this: below it, a block's pipeline
 # start and the partials' writes and combine cost more than the parallelism gains ...
@@ -145,11 +145,11 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
         raise ValueError(f"the call has {p.rows_per_kv_head} query rows per KV head (seqlen_q x query heads per "
                          f"KV head); at most {MAX_GRID_YZ * tiles.rows} fit one launch")
     check_grid(target, blocks, tiles.threads, "sequences x KV heads")
-    kernel = active.kernel(tiles.spec(p.dtype, p.head_dim), p.device)
+    kernel = active.kernel(tiles.spec(p.dtype, p.head_dim, score_mods=p.score_mods), p.device)
     shared = tiles.shared_bytes(p.head_dim)
     if shared:
         kernel.reserve_dynamic_shared_memory(shared)
-    fields = _cache_fields(call)
+    fields = {**_cache_fields(call), **score_mod_fields(p.softcap, call.alibi_slopes)}
     for name, a in (("q", q), ("k", call.k_cache), ("v", call.v_cache), ("o", out)):
         _tensor(fields, name, a)
     lse_batch, lse_head = lse.strides[:2] if lse is not None else (0, 0)  # [B, Hq, S_q], tokens contiguous

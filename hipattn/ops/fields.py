@@ -8,12 +8,14 @@ which refuses a missing field.
 from __future__ import annotations
 
 from ..device_array import DeviceArray
-from ..problem import THD, Problem, lse_strides
+from ..problem import THD, Problem, alibi_batch_stride, lse_strides
 
 
-def sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:
-    """The sequence-description fields every attention struct shares; launchers add their tensors."""
+def sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes) -> dict:
+    """The fields every attention struct shares, the sequence description and the score modifiers;
+    launchers add their tensors."""
     return {
+        **score_mod_fields(problem.softcap, alibi_slopes),
         "cu_seqlens_q": cu_seqlens_q.ptr if cu_seqlens_q is not None else 0,
         "cu_seqlens_k": cu_seqlens_k.ptr if cu_seqlens_k is not None else 0,
         "seqused_q": seqused_q.ptr if seqused_q is not None else 0,
@@ -27,6 +29,15 @@ def sequence_fields(problem: Problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
         "softmax_scale": problem.softmax_scale,
         "window_left": kernel_window_side(problem.window_left, problem.max_seqlen_k),
         "window_right": kernel_window_side(problem.window_right, problem.max_seqlen_q),
+    }
+
+
+def score_mod_fields(softcap: float, alibi_slopes: DeviceArray | None) -> dict:
+    """catalog.fields.SCORE_MOD_FIELDS: softcap (0.0: none) and the ALiBi slopes (null: none)."""
+    return {
+        "softcap": softcap,
+        "alibi_slopes": alibi_slopes.ptr if alibi_slopes is not None else 0,
+        "alibi_batch_stride": alibi_batch_stride(alibi_slopes) if alibi_slopes is not None else 0,
     }
 
 
@@ -74,9 +85,10 @@ def put_row_statistic(fields: dict, name: str, a: DeviceArray, problem: Problem)
     fields[f"{name}_batch_stride"], fields[f"{name}_head_stride"] = lse_strides(a, problem)
 
 
-def forward_fields(problem: Problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:
-    """Every field of a forward struct: the sequence description, q, k, v, o and lse."""
-    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+def forward_fields(problem: Problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                   alibi_slopes) -> dict:
+    """Every field of a forward struct: the shared fields (sequence_fields), q, k, v, o and lse."""
+    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes)
     layout = problem.layout
     put_tensor(fields, "q", q, layout)
     put_tensor(fields, "k", k, layout)

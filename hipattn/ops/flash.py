@@ -34,8 +34,8 @@ def ineligibility(problem: Problem, direction: str) -> str | None:
 
 # A row's spec and shared memory per (dtype, head_dim), worked out once: a launch pays a dict hit.
 @functools.cache
-def _launch_of(tiles: FlashForwardTiles, dtype: str, head_dim: int) -> tuple[KernelSpec, int]:
-    return tiles.spec(dtype, head_dim), tiles.shared_bytes(head_dim)
+def _launch_of(tiles: FlashForwardTiles, dtype: str, head_dim: int, score_mods: bool) -> tuple[KernelSpec, int]:
+    return tiles.spec(dtype, head_dim, score_mods=score_mods), tiles.shared_bytes(head_dim)
 
 
 def grid_blocks(problem: Problem, block_m: int) -> int:
@@ -44,7 +44,7 @@ def grid_blocks(problem: Problem, block_m: int) -> int:
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, tiles: FlashForwardTiles | None = None) -> None:
+            seqused_q=None, seqused_k=None, alibi_slopes=None, tiles: FlashForwardTiles | None = None) -> None:
     """Enqueue O and LSE: one block per (query tile, sequence, query head).
 
     Rows beyond a sequence's length are not written (as flash-attn). A row that sees no key gets
@@ -64,9 +64,10 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         return  # batch 0 or max_seqlen_q 0: nothing to write
     threads = tiles.threads
     check_grid(target, blocks, threads, "query tiles x sequences x heads")
-    spec, shared = _launch_of(tiles, problem.dtype, problem.head_dim)
+    spec, shared = _launch_of(tiles, problem.dtype, problem.head_dim, problem.score_mods)
     kernel = active.kernel(spec, problem.device)
     kernel.reserve_dynamic_shared_memory(shared)
-    fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                            alibi_slopes)
     fields["heads_q"] = problem.heads_q
     kernel.launch((blocks, 1, 1), (threads, 1, 1), shared, stream, kernel.params.from_dict(fields))

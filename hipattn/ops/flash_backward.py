@@ -46,7 +46,7 @@ from .fields import put_absent_tensor, put_row_statistic, put_tensor, sequence_f
 from .flash import ineligibility
 
 
-# A row's spec and shared memory per (dtype, head_dim[, write_dq]), worked out once: a launch pays a
+# A row's spec and shared memory per (dtype, head_dim[, write_dq], score_mods), worked out once: a launch pays a
 # dict hit.
 @functools.cache
 def _launch_of(tiles: KernelTiles, dtype: str, head_dim: int, **more) -> tuple[KernelSpec, int]:
@@ -80,7 +80,7 @@ def _check_records(varlen_records: DeviceArray, problem: Problem) -> None:
 def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int, *, softmax_d: DeviceArray,
              dq_accum: DeviceArray | None = None, varlen_records: DeviceArray | None = None,
              deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-             tiles: tuple[FlashDkdvTiles, FlashDqTiles] | None = None) -> None:
+             alibi_slopes=None, tiles: tuple[FlashDkdvTiles, FlashDqTiles] | None = None) -> None:
     """Enqueue dQ, dK and dV of attention ``out`` = softmax(scale q kᵀ) v, given dout and the forward's lse.
 
     All arguments are DeviceArrays in ``problem``'s layout; dq, dk, dv take q, k, v's shapes and dtype.
@@ -110,7 +110,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
                "key blocks x KV heads" if work_list else "key tiles x sequences x KV heads")
     check_grid(target, dq_blocks, dq_tiles.threads, "query tiles x sequences x heads")
 
-    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes)
     layout = problem.layout
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         put_tensor(fields, name, a, layout)
@@ -133,15 +133,16 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
         preprocess.zero_dq_accum(dq_accum, stream)
     # With no query rows (max_seqlen_q 0) the dK/dV kernel still runs: its keys get dK = dV = 0.
     if dkdv_blocks:
-        _launch(active, _launch_of(dkdv_tiles, problem.dtype, problem.head_dim, write_dq=not deterministic),
+        _launch(active, _launch_of(dkdv_tiles, problem.dtype, problem.head_dim, write_dq=not deterministic,
+                                               score_mods=problem.score_mods),
                 dkdv_tiles, dkdv_blocks, problem, stream, fields)
     if not deterministic:
         # The kernel adds unscaled dS K; the conversion applies softmax_scale once.
         preprocess.convert_dq(dq_accum, dq, problem.softmax_scale, stream)
     elif dq_blocks:
         # With no keys (max_seqlen_k 0) the dQ kernel still runs: its rows get dQ = 0.
-        _launch(active, _launch_of(dq_tiles, problem.dtype, problem.head_dim), dq_tiles, dq_blocks, problem,
-                stream, fields)
+        _launch(active, _launch_of(dq_tiles, problem.dtype, problem.head_dim, score_mods=problem.score_mods),
+                dq_tiles, dq_blocks, problem, stream, fields)
 
 
 def _launch(active: runtime.Runtime, launch: tuple[KernelSpec, int], tiles: KernelTiles, blocks: int,

@@ -45,8 +45,8 @@ def _portable_forced() -> bool:
 # Specs are frozen and few (one per row, dtype, head_dim and heads in use): each is built once, so a
 # launch pays a dict hit instead of KernelFamily.spec's argument checks.
 @functools.cache
-def _spec(tiles: SmallSeqTiles, dtype: str, head_dim: int, heads: int) -> KernelSpec:
-    return tiles.call_spec(dtype, head_dim, heads)
+def _spec(tiles: SmallSeqTiles, dtype: str, head_dim: int, heads: int, score_mods: bool) -> KernelSpec:
+    return tiles.call_spec(dtype, head_dim, heads, score_mods)
 
 
 def _launch(tiles: SmallSeqTiles, problem: Problem, problems: int, fields: dict, stream: int) -> None:
@@ -57,7 +57,8 @@ def _launch(tiles: SmallSeqTiles, problem: Problem, problems: int, fields: dict,
     launch = tiles.launch(problems, problem.head_dim, problem.heads_q // problem.heads_kv)
     check_grid(active.target(problem.device), launch.blocks, launch.threads,
                f"blocks of small-seq work for batch {problem.batch}")
-    kernel = active.kernel(_spec(tiles, problem.dtype, problem.head_dim, problem.heads_q), problem.device)
+    kernel = active.kernel(_spec(tiles, problem.dtype, problem.head_dim, problem.heads_q, problem.score_mods),
+                           problem.device)
     fields.update(launch.fields)
     kernel.reserve_dynamic_shared_memory(launch.shared_bytes)
     kernel.launch((launch.blocks, 1, 1), (launch.threads, 1, 1), launch.shared_bytes, stream,
@@ -65,13 +66,14 @@ def _launch(tiles: SmallSeqTiles, problem: Problem, problems: int, fields: dict,
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None) -> None:
+            seqused_q=None, seqused_k=None, alibi_slopes=None) -> None:
     """Enqueue O and LSE for every (sequence, query head) problem."""
     problems = problem.batch * problem.heads_q
     if problems == 0:
         return  # batch 0: nothing to read or write
     portable = _portable_forced()
-    fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                            alibi_slopes)
     target = runtime.active().target(problem.device)
     tiles = smallseq.forward_tiles(problem.head_dim, target, group=problem.heads_q // problem.heads_kv,
                                    portable=portable)
@@ -79,14 +81,14 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
 
 
 def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
-             cu_seqlens_k=None, seqused_q=None, seqused_k=None) -> None:
+             cu_seqlens_k=None, seqused_q=None, seqused_k=None, alibi_slopes=None) -> None:
     """Enqueue dQ, dK, dV: per (sequence, KV head) problem, walking the query heads of its group (every
     kernel but NVIDIA's tensor-core one for ungrouped heads, which takes a problem per (sequence, head))."""
     problems = problem.batch * problem.heads_kv
     if problems == 0:
         return
     portable = _portable_forced()
-    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes)
     layout = problem.layout
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         put_tensor(fields, name, a, layout)

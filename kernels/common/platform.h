@@ -94,6 +94,21 @@ HIPATTN_DEVICE float fast_log2(float x) {
 #endif
 }
 
+// tanh for softcap (common/score_mods.h). NVIDIA has an instruction for it (sm_75+, relative error
+// about 2^-11, what flash-attn's softcap uses); AMD has none, so tanh(x) = 1 - 2 / (1 + e^2x) from the
+// exponential, exact to about 1e-7 and correct at the extremes (e^2x = inf gives 1, 0 gives -1).
+HIPATTN_DEVICE float fast_tanh(float x) {
+#if defined(HIPATTN_AMD)
+  return 1.0f - 2.0f / (1.0f + exp2f(2.0f * kLog2e * x));
+#elif defined(HIPATTN_EMULATION)
+  return ::hipattn_emulation::tanh_approx_f32(x);
+#else
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 HIPATTN_DEVICE void atomic_add(float* address, float value) { atomicAdd(address, value); }
 
 }  // namespace hipattn

@@ -104,5 +104,13 @@ HIPATTN_DEVICE TokenKeys token_keys(const Params& p, const KeyRange& range, int 
   return {first > range.start ? first : range.start, visible_key_end(token, diagonal, key_window(p), range.total)};
 }
 
+// The key on query token `token`'s diagonal (the window's, as token_keys aligns it), from which a score
+// modifier measures a key's distance (common/score_mods.h). flash-attn counts ALiBi's positions from
+// cache_leftpad, in the key's and in len_k alike, so the padding cancels out of the distance.
+template <typename Params>
+HIPATTN_DEVICE int token_diagonal(const Params& p, const KeyRange& range, int token) {
+  return token + range.total - p.seqlen_q;
+}
+
 }  // namespace decode
 }  // namespace hipattn

@@ -9,8 +9,10 @@
 //     (one 16-byte load of K and one of V per key). Teams take runs of UNROLL consecutive keys per
 //     step, and load the next run while they compute this one, so a block keeps many loads in flight.
 //   - Scores are dot products reduced across the team's lanes; each team keeps its own online
-//     softmax (running max and sum per row, base 2, scores pre-scaled by softmax_scale * log2 e) and
-//     its share of O in fp32. The teams merge through shared memory at the end.
+//     softmax (running max and sum per row, base 2) and its share of O in fp32. The teams merge
+//     through shared memory at the end. Plain scores are linear in q, so q is pre-scaled by
+//     softmax_scale * log2 e once; with SCORE_MODS (common/score_mods.h) the scores are formed from
+//     the raw dot products (softcap's tanh is not linear), each row by its own query head's modifiers.
 //   - With one split the block writes O and the LSE; with more it writes its fp32 partial O and LSE,
 //     which decode/combine.hip merges.
 //
@@ -18,9 +20,10 @@
 //
 // Which keys a row sees: those of [leftpad, total) in its window, total = cache_seqlens[b] + the new
 // tokens the append kernel wrote (at most the capacity), the window bottom-right aligned (causal is
-// its right side at 0). `token_keys` is the one place a mask enters; score modifiers would go where
-// `score` is formed.
+// its right side at 0). `token_keys` is the one place a mask enters; the score modifiers act where the
+// mask is applied, on the scores it leaves visible.
 #pragma once
+#include "common/score_mods.h"
 #include "decode/cache.h"
 #include "decode/merge.h"
 
@@ -48,7 +51,7 @@ struct Layout {
 
 }  // namespace decode
 
-template <typename T, int HEAD_DIM, int ROWS, int UNROLL>
+template <typename T, int HEAD_DIM, int ROWS, int UNROLL, bool SCORE_MODS>
 __global__ void __launch_bounds__(128) decode_forward(const DecodeForwardParams p) {
   using L = decode::Layout<HEAD_DIM, ROWS, UNROLL>;
   constexpr int E = L::kElements;
@@ -81,23 +84,31 @@ __global__ void __launch_bounds__(128) decode_forward(const DecodeForwardParams 
   const int key_begin = first < range.total ? static_cast<int>(first) : range.total;
   const int key_end = key_begin + share < range.total ? key_begin + share : range.total;
 
-  // Q rows in registers, scaled into the base-2 domain; rows past the block's are zeros.
+  // Q rows in registers; rows past the block's are zeros. Plain scores are linear in q, so q is scaled
+  // into the base-2 domain here, once per element; modified scores are formed from the raw dot
+  // products, each row's by its query head's Scores.
   const float scale_log2 = p.softmax_scale * kLog2e;
   float q[ROWS][E];
   decode::TokenKeys seen[ROWS];  // the keys each row's query token sees
+  int diagonal[ROWS];             // ... and the key on its diagonal
+  Scores<SCORE_MODS> scores[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int token = (row0 + r) / group;
     const int head = kv_head * group + (row0 + r) % group;
     seen[r] = r < rows ? decode::token_keys(p, range, token) : decode::TokenKeys{0, 0};
+    diagonal[r] = decode::token_diagonal(p, range, token);
+    scores[r] = scores_of<SCORE_MODS>(p, b, head);
 #pragma unroll
     for (int e = 0; e < E; ++e) q[r][e] = 0.0f;
     if (r < rows && holds) {
       load_as_float<T, E>(static_cast<const T*>(p.q) + b * p.q_batch_stride + token * p.q_token_stride +
                               head * p.q_head_stride + lane * E,
                           q[r]);
+      if constexpr (!SCORE_MODS) {
 #pragma unroll
-      for (int e = 0; e < E; ++e) q[r][e] *= scale_log2;
+        for (int e = 0; e < E; ++e) q[r][e] *= scale_log2;
+      }
     }
   }
 
@@ -167,7 +178,11 @@ __global__ void __launch_bounds__(128) decode_forward(const DecodeForwardParams 
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int j = j0 + u;
-        if (j < seen[r].first || j >= key_end || j >= seen[r].end) score[r][u] = -infinity();
+        if (j < seen[r].first || j >= key_end || j >= seen[r].end) {
+          score[r][u] = -infinity();
+        } else if constexpr (SCORE_MODS) {
+          score[r][u] = scores[r](score[r][u], j - diagonal[r]);
+        }
         step_max = score[r][u] > step_max ? score[r][u] : step_max;
       }
       const float new_max = step_max > row_max[r] ? step_max : row_max[r];

@@ -13,9 +13,11 @@
 //     Vᵀ operands in registers by an MFMA with the identity (mma_amd.h's transpose), so O's columns come
 //     out in that same order: a lane's 8 columns of each 32 are consecutive.
 //   - The next run's K and V rows are loaded while this run is computed.
-// The waves' softmax states merge through LDS at the end (decode/merge.h).
+// The waves' softmax states merge through LDS at the end (decode/merge.h). A lane's scores are its
+// row's: with SCORE_MODS, the modifiers of that row's query head (common/score_mods.h).
 #pragma once
 #include "common/mma_amd.h"
+#include "common/score_mods.h"
 #include "decode/cache.h"
 #include "decode/merge.h"
 
@@ -41,7 +43,7 @@ struct MfmaLayout {
 
 }  // namespace decode
 
-template <typename T, int HEAD_DIM, int WAVES>
+template <typename T, int HEAD_DIM, int WAVES, bool SCORE_MODS>
 __global__ void __launch_bounds__(64 * WAVES) decode_forward_mfma(const DecodeForwardParams p) {
   using L = decode::MfmaLayout<HEAD_DIM, WAVES>;
   constexpr int kPairs = L::kPairs;
@@ -82,7 +84,8 @@ __global__ void __launch_bounds__(64 * WAVES) decode_forward_mfma(const DecodeFo
                                         head * p.q_head_stride + 32 * j + 8 * quarter);
   }
   const decode::TokenKeys seen = column < rows ? decode::token_keys(p, range, token) : decode::TokenKeys{0, 0};
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const int diagonal = decode::token_diagonal(p, range, token);
+  const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, b, head);
   const mfma::Operand identity = mfma::shifted_identity<T>(0);
 
   // A run's K and V rows for this lane: key `column` of the run, 8 of every 32 columns.
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(64 * WAVES) decode_forward_mfma(const DecodeFo
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int key = j0 + 4 * quarter + e;
-      s[e] = key >= seen.first && key < key_end && key < seen.end ? s[e] * scale_log2 : -infinity();
+      s[e] = key >= seen.first && key < key_end && key < seen.end ? scores(s[e], key - diagonal) : -infinity();
       run_max = fmaxf(run_max, s[e]);
     }
     // A row's 16 scores live in the four quarters of the lanes with its column.

@@ -13,9 +13,12 @@
 // Rows are copied one token at a time (decode/cache.h's slots), so paged and contiguous caches, and
 // any page size, take the same path. Q rows past the block's and V rows past the split's keys are
 // zero-filled (a zero weight times stale shared memory could be NaN); scores past the keys, before
-// cache_leftpad and outside the window are masked by selection.
+// cache_leftpad and outside the window are masked by selection. The two rows a lane holds belong to
+// different query heads of the group: with SCORE_MODS each gets its own head's modifiers
+// (common/score_mods.h; an ALiBi slope is per head).
 #pragma once
 #include "common/mma_nvidia.h"
+#include "common/score_mods.h"
 #include "decode/cache.h"
 #include "decode/merge.h"
 #include "flash/online_softmax_m16n8.h"
@@ -52,7 +55,7 @@ struct MmaLayout {
 
 }  // namespace decode
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool SCORE_MODS>
 __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardParams p) {
   using L = decode::MmaLayout<T, HEAD_DIM, BLOCK_N, STAGES>;
   constexpr int kThreads = L::kThreads;
@@ -136,7 +139,8 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
 #pragma unroll
   for (int s = 0; s < (STAGES > 1 ? STAGES - 1 : 1); ++s) load_tile(s);
 
-  // Per accumulator row (g, g + 8): the keys its query token sees (none past the block's rows).
+  // Per accumulator row (g, g + 8): the keys its query token sees (none past the block's rows), and the
+  // key on its diagonal.
   flash::RowKeys keys;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -145,8 +149,11 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
                                               : decode::TokenKeys{0, 0};
     keys.first[r] = seen.first;
     keys.end[r] = seen.end < key_end ? seen.end : key_end;
+    keys.diagonal[r] = row < rows ? decode::token_diagonal(p, range, (row0 + row) / group) : 0;
   }
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  // Rows g and g + 8 are tokens of different query heads of the group: each row has its head's scores.
+  const Scores<SCORE_MODS> scores_g = scores_of<SCORE_MODS>(p, b, kv_head * group + (row0 + g) % group);
+  const Scores<SCORE_MODS> scores_g8 = scores_g.with_head(p, b, kv_head * group + (row0 + g + 8) % group);
   float o[kDTiles][4];
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
@@ -181,7 +188,8 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
       mma::mma_16816<T>(s[0], q_fragments[ks], kb[0], kb[1]);
       mma::mma_16816<T>(s[1], q_fragments[ks], kb[2], kb[3]);
     }
-    // The mask, by selection, with the scale applied here (the softmax below then multiplies by 1).
+    // The mask, by selection, with the scores formed here, each row's by its head (the softmax below
+    // then takes them as they are).
     const int n0 = key_begin + i * BLOCK_N + L::kWarpKeys * warp;
 #pragma unroll
     for (int n = 0; n < 2; ++n)
@@ -189,11 +197,11 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
       for (int e = 0; e < 4; ++e) {
         const int key = n0 + 8 * n + 2 * t + (e & 1);
         const bool visible = key >= keys.first[e / 2] && key < keys.end[e / 2];
-        s[n][e] = visible ? s[n][e] * scale_log2 : -infinity();
+        s[n][e] = visible ? (e < 2 ? scores_g : scores_g8)(s[n][e], key - keys.diagonal[e / 2]) : -infinity();
       }
     unsigned int p_packed[2][2];
     float correction[2];
-    flash::online_softmax<T, 2>(s, row_max, row_sum, p_packed, correction, false, 0, keys, 1.0f, t);
+    flash::online_softmax<T, 2>(s, row_max, row_sum, p_packed, correction, false, 0, keys, Scores<false>{1.0f}, t);
     flash::rescale(o, correction);
 
     // ---- O += P V: P's two n-tiles are the A operand of one k-step ----

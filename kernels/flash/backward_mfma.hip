@@ -1,8 +1,9 @@
 // General attention backward on AMD matrix cores (gfx90a, gfx94x; wave64): FlashAttention-2's two
 // kernels with MFMA 16x16x16, the counterpart of backward_mma.hip. Its grids, work list, schedules
 // (atomic dQ into dq_accum, or the deterministic dQ kernel) and conventions are backward_mma.hip's;
-// P = exp(scale S - LSE) is recomputed from the forward's LSE and dS = P (dP - Delta) uses Delta =
-// rowsum(dO * O) (bwd_dot_do_o.hip).
+// P = exp(score(S) - LSE) is recomputed from the forward's LSE (common/score_mods.h's scores, with any
+// softcap and ALiBi) and dS = P (dP - Delta) score'(S) uses Delta = rowsum(dO * O) (bwd_dot_do_o.hip)
+// and the scores' gradient factor (1 but with softcap).
 //
 // Both kernels work in the transposed frame of forward_mfma.hip, keys as rows: with the 16x16x16
 // layouts (common/mma_amd.h) a lane of Sᵀ = K Qᵀ owns one query, column = lane % 16, and keys
@@ -26,6 +27,7 @@
 // runs both kernels on a gfx90a emulated on the CPU against float64; their speed is unmeasured.
 #pragma once
 #include "common/mma_amd.h"
+#include "common/score_mods.h"
 #include "common/sequence.h"
 #include "flash/backward_common.h"
 
@@ -78,19 +80,24 @@ HIPATTN_DEVICE RowStatistics row_statistics(const FlashBackwardParams& p, int ba
                                                  head * p.softmax_d_head_stride + token]};
 }
 
-// A lane's Sᵀ and dPᵀ (query `query`, keys first_key .. first_key + 3) into Pᵀ = exp(scale Sᵀ - LSE)
-// in place, and dSᵀ = Pᵀ (dPᵀ - Delta), returned. LSE = +inf (a row that saw no key) gives P = 0.
+// A lane's Sᵀ and dPᵀ (query `query`, keys first_key .. first_key + 3) into Pᵀ = exp(score(Sᵀ) - LSE)
+// in place, and dSᵀ = Pᵀ (dPᵀ - Delta) score'(Sᵀ), returned: `scores` (common/score_mods.h) is
+// softmax_scale·log2 e and any score modifiers, score' its gradient factor (1 but with softcap).
+// LSE = +inf (a row that saw no key) gives P = 0.
+template <typename Scores>
 HIPATTN_DEVICE mfma::Accumulator probabilities_and_dscores(mfma::Accumulator& s, const mfma::Accumulator& dp,
                                                            int query, int first_key, int len_q, int len_k,
-                                                           int diagonal, KeyWindow window, float scale_log2,
+                                                           int diagonal, KeyWindow window, const Scores& scores,
                                                            RowStatistics row) {
   mfma::Accumulator ds;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    s[e] = key_visible_to(query, first_key + e, len_q, len_k, diagonal, window)
-               ? fast_exp2(s[e] * scale_log2 - row.lse_log2)
+    const int key = first_key + e;
+    float gradient = 1.0f;  // d(score)/d(scaled dot product), dS's factor: 1 but with softcap
+    s[e] = key_visible_to(query, key, len_q, len_k, diagonal, window)
+               ? fast_exp2(scores(s[e], key - query - diagonal, gradient) - row.lse_log2)
                : 0.0f;
-    ds[e] = s[e] * (dp[e] - row.delta);
+    ds[e] = s[e] * (dp[e] - row.delta) * gradient;
   }
   return ds;
 }
@@ -116,7 +123,7 @@ HIPATTN_DEVICE mfma::Operand gather_operand(const T* first, long long stride, in
 
 }  // namespace flash
 
-template <typename T, int HEAD_DIM, int BLOCK_N, bool WRITE_DQ>
+template <typename T, int HEAD_DIM, int BLOCK_N, bool WRITE_DQ, bool SCORE_MODS>
 __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(const FlashBackwardParams p) {
   using Tiles = flash::MfmaKeyBlockTiles<T, HEAD_DIM, BLOCK_N>;
   static_assert(kWarpSize == 64, "the MFMA layouts of mma_amd.h are wave64's");
@@ -181,7 +188,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
   mfma::Accumulator dk[kDSteps], dv[kDSteps];  // dKᵀ, dVᵀ: column d0 + 4 quarter + e of key `column`
 #pragma unroll
   for (int d = 0; d < kDSteps; ++d) dk[d] = dv[d] = mfma::zero_accumulator();
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> block_scores = scores_of<SCORE_MODS>(p, batch_index, first_head);
 
   for (int i = 0; i < tiles; ++i) {
     const int head = first_head + i / seeing.count;
@@ -191,6 +198,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
                             head * p.q_head_stride;
     const T* const do_rows = static_cast<const T*>(p.dout) + batch_index * p.dout_batch_stride +
                              token * p.dout_token_stride + head * p.dout_head_stride;
+    const Scores<SCORE_MODS> scores = block_scores.with_head(p, batch_index, head);
 
     // ---- Qᵀ and dOᵀ of the tile into LDS, zero past the sequence (they meet P = dS = 0 there) ----
     __syncthreads();  // every wave is done with the previous tile's
@@ -218,10 +226,10 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
       dp = mfma::mfma_two_steps<T>(v_fragment[d], v_fragment[d + 1], do0, do1, dp);
     }
 
-    // ---- Pᵀ = exp(scale Sᵀ - LSE), dSᵀ = Pᵀ (dPᵀ - Delta): the lane's query, four keys ----
+    // ---- Pᵀ = exp(score(Sᵀ) - LSE), dSᵀ = Pᵀ (dPᵀ - Delta) score'(Sᵀ): the lane's query, four keys ----
     const long long row_token = seq_q.start + (query_in ? query : 0);
     const mfma::Accumulator ds = flash::probabilities_and_dscores(
-        s, dp, query, wave_key0 + 4 * quarter, len_q, len_k, diagonal, window, scale_log2,
+        s, dp, query, wave_key0 + 4 * quarter, len_q, len_k, diagonal, window, scores,
         flash::row_statistics(p, batch_index, head, row_token, query_in));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -269,7 +277,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
   }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M>
+template <typename T, int HEAD_DIM, int BLOCK_M, bool SCORE_MODS>
 __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(const FlashBackwardParams p) {
   static_assert(kWarpSize == 64, "the MFMA layouts of mma_amd.h are wave64's");
   static_assert(sizeof(T) == 2, "the matrix-core path takes 16-bit inputs");
@@ -316,7 +324,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
     do_fragment[d] = query_in ? mfma::load_operand(do_row + 16 * d + 4 * quarter) : mfma::zero_operand();
   }
   const flash::RowStatistics row = flash::row_statistics(p, batch_index, head, row_token, query_in);
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, batch_index, head);
   const T* const k_rows = static_cast<const T*>(p.k) + batch_index * p.k_batch_stride +
                           static_cast<long long>(seq_k.start) * p.k_token_stride + head_kv * p.k_head_stride;
   const T* const v_rows = static_cast<const T*>(p.v) + batch_index * p.v_batch_stride +
@@ -341,7 +349,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
       dp = mfma::mfma_two_steps<T>(v0, v1, do_fragment[d], do_fragment[d + 1], dp);
     }
     const mfma::Accumulator ds = flash::probabilities_and_dscores(s, dp, query, n0 + 4 * quarter, len_q, len_k,
-                                                                  diagonal, window, scale_log2, row);
+                                                                  diagonal, window, scores, row);
     // dQᵀ += Kᵀ dSᵀ: the dSᵀ accumulator, rounded to T, is the B operand as it stands.
     const mfma::Operand ds_operand = mfma::to_operand<T>(ds);
     const int keys_here = len_k - (n0 + 4 * quarter);

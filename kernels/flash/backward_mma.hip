@@ -28,6 +28,7 @@
 // Keys of a sequence that no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
 #pragma once
 #include "common/mma_nvidia.h"
+#include "common/score_mods.h"
 #include "flash/backward_common.h"
 #include "flash/stage_padded_cp_async.h"
 
@@ -102,7 +103,7 @@ struct QueryBlockTiles {
 
 }  // namespace flash
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool WRITE_DQ>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool WRITE_DQ, bool SCORE_MODS>
 __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const FlashBackwardParams p) {
   using Tiles = flash::KeyBlockTiles<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   constexpr int kThreads = Tiles::kThreads;
@@ -210,7 +211,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   const int query_base = column_group * Tiles::kWarpQueries;   // phase 1: this warp's queries in the tile
   const int column_base = column_group * Tiles::kWarpColumns;  // phase 2: this warp's dK/dV columns
   const int slice_row = 16 * key_slice;                        // the warp's keys in the block's tiles
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> block_scores = scores_of<SCORE_MODS>(p, batch_index, first_head);
 
   float dk[kDTiles][4];
   float dv[kDTiles][4];
@@ -227,6 +228,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
     const T* const do_tile = do_slots + slot * Tiles::kQueryElements;
     const float* const lse_slot = stats + slot * 2 * BLOCK_M;
     const float* const delta_slot = lse_slot + BLOCK_M;
+    const Scores<SCORE_MODS> scores = block_scores.with_head(p, batch_index, head);
 
     mma::wait_async_copies();  // item i (and K, V) have landed for this thread: the only group in flight
     __syncthreads();           // ... for every thread; every warp is done with item i - 1's slot, Pᵀ, dSᵀ
@@ -272,6 +274,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
     const bool masked = m0 + BLOCK_M > len_q || n0 + BLOCK_N > len_k ||
                         !key_in_window(m0, n0 + BLOCK_N - 1, diagonal, window) ||
                         !key_in_window(m0 + BLOCK_M - 1, n0, diagonal, window);
+    // The offset of key (slice_row + g + 8 (e / 2)) from query (query_base + 8n + 2t + (e & 1))'s
+    // diagonal: a base per tile plus constants.
+    const float base = static_cast<float>(n0 + slice_row + g - m0 - query_base - 2 * t - diagonal);
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
       const int column = query_base + 8 * n + 2 * t;  // this lane's queries: column, column + 1
@@ -283,9 +288,12 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
         const int key = n0 + slice_row + g + 8 * (e / 2);
         const bool visible =
             !masked || (query < len_q && key < len_k && key_in_window(query, key, diagonal, window));
-        const float probability = visible ? fast_exp2(s[n][e] * scale_log2 - lse_log2[e & 1]) : 0.0f;
+        float gradient = 1.0f;  // d(score)/d(scaled dot product), dS's factor: 1 but with softcap
+        const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
+        const float probability =
+            visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
         s[n][e] = probability;
-        dp[n][e] = probability * (dp[n][e] - delta[e & 1]);
+        dp[n][e] = probability * (dp[n][e] - delta[e & 1]) * gradient;
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -388,7 +396,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool SCORE_MODS>
 __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashBackwardParams p) {
   using Tiles = flash::QueryBlockTiles<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   constexpr int kThreads = Tiles::kThreads;
@@ -461,7 +469,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;
   const int t = lane % 4;
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, batch_index, head);
   // Per accumulator row r (g, g + 8): LSE in base 2, Delta, and the keys [key_first, key_limit) it sees.
   float lse_log2[2], delta[2];
   int key_first[2], key_limit[2];
@@ -528,6 +536,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
 
     // ---- P and dS = P (dP - Delta); masked entries are 0 by selection ----
     const bool masked = n0 < unmasked_begin || n0 + BLOCK_N > unmasked_end;
+    // The offset of key n0 + 8n + 2t + (e & 1) from row m0 + 16 warp + g + 8r's diagonal: a base
+    // per tile plus constants.
+    const float base = static_cast<float>(n0 + 2 * t - (m0 + 16 * warp + g) - diagonal);
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n)
 #pragma unroll
@@ -535,8 +546,11 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
         const int r = e / 2;
         const int key = n0 + 8 * n + 2 * t + (e & 1);
         const bool visible = !masked || (key >= key_first[r] && key < key_limit[r]);
-        const float probability = visible ? fast_exp2(s[n][e] * scale_log2 - lse_log2[r]) : 0.0f;
-        dp[n][e] = probability * (dp[n][e] - delta[r]);
+        float gradient = 1.0f;  // d(score)/d(scaled dot product), dS's factor: 1 but with softcap
+        const float offset = base + static_cast<float>(8 * n + (e & 1) - 8 * r);
+        const float probability =
+            visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[r]) : 0.0f;
+        dp[n][e] = probability * (dp[n][e] - delta[r]) * gradient;
       }
 
     // ---- dQ += dS K: n-tiles 2 kk and 2 kk + 1 of dS are the A operand of k-step kk ----

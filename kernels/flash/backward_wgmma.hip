@@ -23,6 +23,7 @@
 // Conventions are the forward's: the keys a row sees are common/key_window.h's bottom-right aligned
 // window; keys no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
 #pragma once
+#include "common/score_mods.h"
 #include "flash/backward_common.h"
 #include "flash/stage_swizzled_cp_async.h"
 
@@ -72,7 +73,7 @@ struct WgmmaKeyBlockTiles {
 
 }  // namespace flash
 
-template <typename T, int HEAD_DIM, int WARPGROUPS, bool WRITE_DQ>
+template <typename T, int HEAD_DIM, int WARPGROUPS, bool WRITE_DQ, bool SCORE_MODS>
 __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(const FlashBackwardParams p) {
   using Tiles = flash::WgmmaKeyBlockTiles<T, HEAD_DIM, WARPGROUPS>;
   constexpr int kBlockN = Tiles::kBlockN;
@@ -178,7 +179,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
   const int own_first_key = 64 * warpgroup;  // the warpgroup's keys in the block's tile
   const int own_n0 = n0 + own_first_key;
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> block_scores = scores_of<SCORE_MODS>(p, batch_index, first_head);
 
   float dk[kDTiles][4];
   float dv[kDTiles][4];
@@ -215,6 +216,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     const int slot = i % 2;
     const float* const lse_slot = stats + slot * 2 * kBlockM;
     const float* const delta_slot = lse_slot + kBlockM;
+    const Scores<SCORE_MODS> scores = block_scores.with_head(p, batch_index, head);
 
     mma::wait_async_copies();  // item i (and K, V) have landed for this thread: the only group in flight
     wgmma::fence_shared_for_async_proxy();
@@ -246,6 +248,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
                         !key_in_window(m0 + kBlockM - 1, own_n0, diagonal, window);
     const int key = own_n0 + 16 * warp + g;  // this lane's keys: key, key + 8
     unsigned int p_packed[kQTiles][2];       // Pᵀ in T: the A operand of dV += Pᵀ dO
+    float gradient[kQTiles][4];              // d(score)/d(scaled dot product), dSᵀ's factor: 1 but with softcap
+    // The offset of key + 8 (e / 2) from query m0 + 8n + 2t + (e & 1)'s diagonal: a base plus constants.
+    const float base = static_cast<float>(key - m0 - 2 * t - diagonal);
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
       const int column = 8 * n + 2 * t;  // this lane's queries in the tile: column, column + 1
@@ -257,7 +262,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
         const int row_key = key + 8 * (e / 2);
         const bool visible =
             !masked || (query < len_q && row_key < len_k && key_in_window(query, row_key, diagonal, window));
-        s[n][e] = visible ? fast_exp2(s[n][e] * scale_log2 - lse_log2[e & 1]) : 0.0f;
+        const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
+        gradient[n][e] = 1.0f;
+        s[n][e] = visible ? fast_exp2(scores(s[n][e], offset, gradient[n][e]) - lse_log2[e & 1]) : 0.0f;
       }
       p_packed[n][0] = mma::pack2<T>(s[n][0], s[n][1]);  // key row g
       p_packed[n][1] = mma::pack2<T>(s[n][2], s[n][3]);  // key row g + 8
@@ -268,8 +275,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
       const float2 delta = *reinterpret_cast<const float2*>(delta_slot + 8 * n + 2 * t);
-      ds_packed[n][0] = mma::pack2<T>(s[n][0] * (dp[n][0] - delta.x), s[n][1] * (dp[n][1] - delta.y));
-      ds_packed[n][1] = mma::pack2<T>(s[n][2] * (dp[n][2] - delta.x), s[n][3] * (dp[n][3] - delta.y));
+      ds_packed[n][0] = mma::pack2<T>(s[n][0] * (dp[n][0] - delta.x) * gradient[n][0],
+                                      s[n][1] * (dp[n][1] - delta.y) * gradient[n][1]);
+      ds_packed[n][1] = mma::pack2<T>(s[n][2] * (dp[n][2] - delta.x) * gradient[n][2],
+                                      s[n][3] * (dp[n][3] - delta.y) * gradient[n][3]);
     }
 
     // ---- dV += Pᵀ dO and dK += dSᵀ Q over the tile's 64 queries, one group ----

@@ -3,7 +3,8 @@
 //
 // The algorithm, the grid and every convention are forward_mma.hip's: a block owns BLOCK_M query rows
 // of one (sequence, query head), one wave per 16 of them; it walks the visible key tiles last first;
-// per tile, scores on the matrix cores, an online softmax in base 2 on the accumulators, and the
+// per tile, scores on the matrix cores (common/score_mods.h turns dot products into scores, with
+// any softcap and ALiBi), an online softmax in base 2 on the accumulators, and the
 // probabilities reused in registers for the product with V; the keys a row sees are
 // common/key_window.h's window, masked scores become -inf by selection, a row that sees no key gets O = 0 and LSE = +inf, and a block
 // finds its (query tile, sequence, head) and its keys with the same flash/forward_block.h. What differs is what the hardware forces:
@@ -28,6 +29,7 @@
 // - O goes from registers straight to global memory: a lane holds 4 consecutive columns of its row.
 #pragma once
 #include "common/mma_amd.h"
+#include "common/score_mods.h"
 #include "flash/forward_block.h"
 
 namespace hipattn {
@@ -150,7 +152,7 @@ struct VTileStage {
 
 }  // namespace flash
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool SCORE_MODS>
 __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const FlashForwardParams p) {
   using Tiles = flash::MfmaForwardTiles<T, HEAD_DIM, BLOCK_M, BLOCK_N>;
   static_assert(kWarpSize == 64, "the MFMA layouts of mma_amd.h are wave64's");
@@ -179,7 +181,8 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   const int column = lane % 16;   // this lane's query row among its wave's 16: a column of Sᵀ and Oᵀ
   const int quarter = lane / 16;  // it holds keys (Sᵀ rows) and O columns (Oᵀ rows) 4 quarter .. + 3 of each 16
   const int row = b.m0 + 16 * wave + column;  // within the sequence
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, b.batch_index, b.head);
+  const int row_diagonal = row + b.diagonal;  // the key a score modifier measures this row's distances from
   // Keys [key_first, key_limit) are visible to this lane's row.
   const int key_first = first_visible_key(row, b.diagonal, b.window, len_k);
   const int key_limit = visible_key_end(row, b.diagonal, b.window, len_k);
@@ -241,11 +244,17 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + 16 * n + 4 * quarter + e;
-          s[n][e] = key >= key_first && key < key_limit ? s[n][e] * scale_log2 : -infinity();
+          s[n][e] = key >= key_first && key < key_limit ? scores(s[n][e], key - row_diagonal) : -infinity();
         }
-    } else {
+    } else if constexpr (SCORE_MODS) {
 #pragma unroll
-      for (int n = 0; n < kKeySteps; ++n) s[n] *= scale_log2;
+      for (int n = 0; n < kKeySteps; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = scores(s[n][e], n0 + 16 * n + 4 * quarter + e - row_diagonal);
+    } else {
+      // Plain scores ignore the offset: one multiply of the whole accumulator (packed on gfx90a and later).
+#pragma unroll
+      for (int n = 0; n < kKeySteps; ++n) s[n] *= scores.scale_log2;
     }
     float tile_max = row_max;
 #pragma unroll

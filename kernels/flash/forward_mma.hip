@@ -57,7 +57,7 @@ struct ForwardTiles {
 
 }  // namespace flash
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int M_TILES>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int M_TILES, bool SCORE_MODS>
 __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const FlashForwardParams p) {
   using Tiles = flash::ForwardTiles<T, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, M_TILES>;
   constexpr int kThreads = Tiles::kThreads;
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;  // accumulator rows g and g + 8 of each 16-row tile
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, b.batch_index, b.head);
   const int warp_first = m0 + Tiles::kWarpRows * warp;  // the warp's first query row in the sequence
   flash::RowKeys keys[M_TILES];  // per m-tile: the keys each accumulator row sees
 #pragma unroll
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
     for (int mt = 0; mt < M_TILES; ++mt) {
       float correction[2];
       flash::online_softmax<T>(s[mt], row_max[mt], row_sum[mt], p_packed[mt], correction, masked, n0, keys[mt],
-                               scale_log2, t);
+                               scores, t);
       flash::rescale(o[mt], correction);
     }
 

@@ -53,7 +53,7 @@ struct WgmmaForwardTiles {
 
 }  // namespace flash
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool SCORE_MODS>
 __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const FlashForwardParams p) {
   using Tiles = flash::WgmmaForwardTiles<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES>;
   constexpr int kBlockM = Tiles::kBlockM;
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;
   const int t = lane % 4;
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, b.batch_index, b.head);
   const int warpgroup_first = b.m0 + 64 * warpgroup;  // the warpgroup's first query row in the sequence
   const int warp_first = warpgroup_first + 16 * warp;
   const flash::RowKeys keys = flash::row_keys(b, warp_first + g);
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   auto softmax = [&](float(&s)[kNTiles][4], int i, unsigned int(&p_packed)[kNTiles][2], float(&correction)[2]) {
     const int n0 = key_start(i);
     flash::online_softmax<T>(s, row_max, row_sum, p_packed, correction,
-                             n0 < b.unmasked_begin || n0 + BLOCK_N > b.unmasked_end, n0, keys, scale_log2, t);
+                             n0 < b.unmasked_begin || n0 + BLOCK_N > b.unmasked_end, n0, keys, scores, t);
   };
 
   // Software pipeline, one key tile deep: while the tensor cores compute P V of tile i, they also

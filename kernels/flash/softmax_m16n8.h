@@ -18,6 +18,7 @@ HIPATTN_DEVICE RowKeys row_keys(const ForwardBlock& b, int row_g) {
   for (int r = 0; r < 2; ++r) {
     keys.first[r] = first_visible_key(row_g + 8 * r, b.diagonal, b.window, b.seq_k.length);
     keys.end[r] = visible_key_end(row_g + 8 * r, b.diagonal, b.window, b.seq_k.length);
+    keys.diagonal[r] = row_g + 8 * r + b.diagonal;
   }
   return keys;
 }

@@ -6,6 +6,8 @@
 //   S = Q Kᵀ and dP = dO Vᵀ (team reductions), P = exp(scale*S - LSE),
 //   dZ = P * (dP - D) with D_i = sum_j P_ij dP_ij  (equal to rowsum(dO * O), so O is never read),
 //   dV += Pᵀ dO,  dK += scale * dZᵀ Q,  dQ = scale * dZ K.
+// With SCORE_MODS the scores take flash-attn's softcap and ALiBi (common/score_mods.h), each query head
+// its own slope, and dZ also carries softcap's factor d(score)/d(scale*S).
 #pragma once
 #include "smallseq/common.h"
 
@@ -43,7 +45,7 @@ HIPATTN_DEVICE void team_scores(const Vec<T, kElementsPerLane> (&a)[TILE], const
 
 // BLOCK_THREADS and LANE_ELEMENTS come from the host's row (hipattn/catalog/smallseq.py), which sizes the grid
 // with them; LANE_ELEMENTS must be the layout this file is written for.
-template <typename T, int HEAD_DIM, int HEADS, int TILE, int BLOCK_THREADS, int LANE_ELEMENTS>
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int BLOCK_THREADS, int LANE_ELEMENTS, bool SCORE_MODS>
 __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSeqBackwardParams p) {
   static_assert(LANE_ELEMENTS == smallseq::kElementsPerLane, "each lane holds 4 elements of a row");
   using G = smallseq::Geometry<HEAD_DIM, TILE, BLOCK_THREADS>;
@@ -66,6 +68,10 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
   const int batch_index = active ? static_cast<int>(problem / p.heads_kv) : 0;
   const int head_kv = static_cast<int>(problem % p.heads_kv);
 
+  // The scores' factors: the group's, set where the walk over its query heads starts, and each head's.
+  // Declared ahead of the sequence bounds: declared where they are set, the plain instantiation compiled
+  // to other (if equivalent) code on NVIDIA.
+  Scores<SCORE_MODS> group_score, score;
   smallseq::Sequence seq_q{0, 0}, seq_k{0, 0};
   if (active) {
     seq_q = smallseq::sequence_bounds(static_cast<const int*>(p.cu_seqlens_q), static_cast<const int*>(p.seqused_q),
@@ -100,7 +106,10 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
   }
 
   const float scale = p.softmax_scale;
-  const float scale_log2 = scale * 1.4426950408889634f;
+  // What the group's heads share; each head's own scores (its ALiBi slope) come from with_head below. Made
+  // for head 0: for the group's first head, head_kv * group, the plain instantiation compiled to other (if
+  // equivalent) code on AMD.
+  group_score = scores_of<SCORE_MODS>(p, batch_index, 0);
   const KeyWindow window = key_window(p);
   float* probs = scores[team][0];
   float* dz = dprobs[team][0];
@@ -108,6 +117,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
 
   for (int group_head = 0; group_head < group; ++group_head) {
     const int head = head_kv * group + group_head;
+    score = group_score.with_head(p, batch_index, head);
     Row q[TILE], dout[TILE];
 #pragma unroll
     for (int i = 0; i < TILE; ++i) {
@@ -127,6 +137,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
     // ---- P and dZ, one lane per query row ----
     for (int i = team_lane; i < len_q; i += G::kTeamLanes) {
       const smallseq::RowKeys keys = smallseq::row_keys(i, len_q, len_k, window);
+      const int diagonal = i + len_k - len_q;  // the row's diagonal key, from which ALiBi measures
       const float lse_log2 = static_cast<const float*>(p.lse)[batch_index * p.lse_batch_stride +
                                                                head * p.lse_head_stride + seq_q.start + i] *
                              1.4426950408889634f;
@@ -139,13 +150,17 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
           dp += dprobs[team][sl][j * G::kTilePad + i];
         }
         // LSE = +inf (a row that saw no key) gives P = 0 and so zero gradients.
-        const float pij = keys.contains(j) ? fast_exp2(s * scale_log2 - lse_log2) : 0.0f;
+        float gradient = 1.0f;  // d(score)/d(scaled dot product), dZ's factor: 1 but with softcap
+        const float pij = keys.contains(j) ? fast_exp2(score(s, j - diagonal, gradient) - lse_log2) : 0.0f;
         probs[j * G::kTilePad + i] = pij;
         dz[j * G::kTilePad + i] = dp;
+        // The factor waits in this row's dZᵀ entry, which only this lane writes, and only below.
+        if constexpr (SCORE_MODS) dz_t[i * G::kTilePad + j] = gradient;
         d_row += pij * dp;
       }
       for (int j = 0; j < len_k; ++j) {
-        const float dzij = probs[j * G::kTilePad + i] * (dz[j * G::kTilePad + i] - d_row);
+        const float gradient = SCORE_MODS ? dz_t[i * G::kTilePad + j] : 1.0f;
+        const float dzij = probs[j * G::kTilePad + i] * (dz[j * G::kTilePad + i] - d_row) * gradient;
         dz[j * G::kTilePad + i] = dzij;
         dz_t[i * G::kTilePad + j] = dzij;
       }

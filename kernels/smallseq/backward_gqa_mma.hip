@@ -7,7 +7,9 @@
 // stacked query rows (smallseq/group_tiles.h) in chunks of 16, with the next chunk's Q, dO and LSE
 // in flight while this one computes:
 //   S = Q Kᵀ, dP = dO Vᵀ                       (partial sums over each warp's columns)
-//   P = exp(scale*S - LSE), D_i = sum_j P_ij dP_ij, dZ = scale * P * (dP - D)   (the first warp, to shared)
+//   P = exp(scale*S - LSE), D_i = sum_j P_ij dP_ij, dZ = scale * P * (dP - D)   (the first warp, to shared;
+//     with SCORE_MODS, common/score_mods.h's scores, each stacked row its own head's ALiBi slope, and
+//     dZ times softcap's factor d(score)/d(scale*S))
 //   dVᵀ += dOᵀ P, dKᵀ += Qᵀ dZ                  (fp32 accumulators in registers, across the group)
 //   dQ = dZ K                                    (staged over the chunk's Q rows, out with 16-byte stores)
 // and after the group's last chunk writes dK and dV once, through the K and V tiles. dZ carries the
@@ -231,7 +233,7 @@ HIPATTN_DEVICE void chunk_dq(unsigned char* dq_bytes, unsigned int dz_tile, unsi
 
 // One chunk (stacked rows [first, first + rows), staged in chunk tiles `slot`): S and dP, P and dZ
 // (first warp), the chunk's share of dVᵀ and dKᵀ, and its dQ rows.
-template <typename T, int TILE, int SPLIT, int TEAMS>
+template <typename T, int TILE, int SPLIT, int TEAMS, bool SCORE_MODS>
 HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const Group& x, const StackedRows& stacked,
                                    int first, int rows, int slot, const TilePlaces& places, GroupGradients& grad,
                                    int team, int part, int column, int lane) {
@@ -284,19 +286,26 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
   // ---- P = exp(scale S - LSE), dZ = scale P (dP - D) to the team's tiles, by the first warp ----
   if (part == 0) {
     const float scale = p.softmax_scale;
-    const float scale_log2 = scale * kLog2e;
+    // Each stacked row has its own query head, so its own scores (ALiBi's slope; plain: one scale for all).
+    const Scores<SCORE_MODS> group_score = scores_of<SCORE_MODS>(p, x.batch_index, x.head_kv * stacked.group);
     const float* const lse_rows =
         reinterpret_cast<const float*>(places.team_bytes(Team::kStatsOffset) + slot * Team::kStatsBytes);
     const KeyWindow window = key_window(p);
     unsigned int visible_keys[2];
     float lse_log2[2];
+    Scores<SCORE_MODS> row_score[2];
+    int diagonal[2];  // the rows' diagonal keys, from which ALiBi measures
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = first + g + 8 * r;
-      visible_keys[r] = key_bits(stacked_row_keys(row, stacked.query(row), stacked, len_q, len_k, window), t);
+      const int query = stacked.query(row);
+      visible_keys[r] = key_bits(stacked_row_keys(row, query, stacked, len_q, len_k, window), t);
       lse_log2[r] = lse_rows[g + 8 * r] * kLog2e;  // past the rows: unused (nothing visible)
+      row_score[r] = group_score.with_head(p, x.batch_index, x.head_kv * stacked.group + row - query * stacked.group);
+      diagonal[r] = query + len_k - len_q;
     }
     float d_row[2] = {0.0f, 0.0f};
+    float gradient[3][4];  // d(score)/d(scaled S), dZ's factor: 1 but with softcap
 #pragma unroll
     for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
@@ -304,7 +313,11 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
         const int r = e / 2;
         const bool visible = key_bit(visible_keys[r], nt, e);
         // LSE = +inf (a row that saw no key in the forward) gives P = 0.
-        s[nt][e] = visible ? fast_exp2(s[nt][e] * scale_log2 - lse_log2[r]) : 0.0f;
+        gradient[nt][e] = 1.0f;
+        const int key = 8 * nt + 2 * t + (e & 1);
+        // Plain rows share the group's scale; taking it from row_score[r] compiled to other (if equal) code.
+        const Scores<SCORE_MODS>& score = SCORE_MODS ? row_score[r] : group_score;
+        s[nt][e] = visible ? fast_exp2(score(s[nt][e], key - diagonal[r], gradient[nt][e]) - lse_log2[r]) : 0.0f;
         dp[nt][e] = visible ? dp[nt][e] : 0.0f;
         d_row[r] += s[nt][e] * dp[nt][e];
       }
@@ -322,8 +335,8 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
         const int offset = (g + 8 * r) * kScorePitchBytes + 16 * nt + 4 * t;
         *reinterpret_cast<unsigned int*>(p_bytes + offset) = mma::pack2<T>(s[nt][2 * r], s[nt][2 * r + 1]);
         *reinterpret_cast<unsigned int*>(p_bytes + Team::kScoreTileBytes + offset) =
-            mma::pack2<T>(s[nt][2 * r] * scale * (dp[nt][2 * r] - d_row[r]),
-                          s[nt][2 * r + 1] * scale * (dp[nt][2 * r + 1] - d_row[r]));
+            mma::pack2<T>(s[nt][2 * r] * scale * (dp[nt][2 * r] - d_row[r]) * gradient[nt][2 * r],
+                          s[nt][2 * r + 1] * scale * (dp[nt][2 * r + 1] - d_row[r]) * gradient[nt][2 * r + 1]);
       }
   }
   team_sync<SPLIT, TEAMS>(team);  // P and dZ are in the team's tiles; the slots are free again
@@ -407,7 +420,7 @@ HIPATTN_DEVICE void store_group_gradients(const SmallSeqBackwardGqaMmaParams& p,
 // problems_per_team groups; the host's table (catalog.smallseq.SMALLSEQ_GQA_BACKWARD_MMA_TILES) sizes the
 // dynamic shared memory. The launch bounds ask for 12 warps per SM (12 / WARPS blocks: 168 registers),
 // which every table row's shared memory allows.
-template <typename T, int HEAD_DIM, int TILE, int WARPS, int SPLIT>
+template <typename T, int HEAD_DIM, int TILE, int WARPS, int SPLIT, bool SCORE_MODS>
 __global__ void __launch_bounds__(WARPS * 32, 12 / WARPS)
     smallseq_backward_gqa_mma(const SmallSeqBackwardGqaMmaParams p) {
   using Team = smallseq::GqaBackwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
@@ -468,8 +481,8 @@ __global__ void __launch_bounds__(WARPS * 32, 12 / WARPS)
       }
       __syncwarp();
       const int rows = stacked.count - first < smallseq::kChunkRows ? stacked.count - first : smallseq::kChunkRows;
-      smallseq::backward_chunk<T, TILE, SPLIT, TEAMS>(p, x, stacked, first, rows, slot, places, grad, team, part,
-                                                      column, lane);
+      smallseq::backward_chunk<T, TILE, SPLIT, TEAMS, SCORE_MODS>(p, x, stacked, first, rows, slot, places, grad, team,
+                                                                  part, column, lane);
       __syncwarp();  // dQ has left the chunk tile before the chunk after next lands in it
     }
     smallseq::store_group_gradients<T, Team>(p, x, grad, places, column, lane);

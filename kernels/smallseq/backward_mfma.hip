@@ -9,7 +9,8 @@
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (K, V fragments in registers; Q, dO rows from global memory), summed
 //     over the waves through LDS;
 //   Pᵀ = exp(scale Sᵀ - LSE), D = rowsum(P dP) (= rowsum(dO O), so O is never read; two shuffles),
-//     dSᵀ = Pᵀ (dPᵀ - D);
+//     dSᵀ = Pᵀ (dPᵀ - D); with SCORE_MODS the scores are common/score_mods.h's, softcap and the row's
+//     own query head's ALiBi slope, and dSᵀ carries softcap's factor d(score)/d(scale S);
 //   dQᵀ = Kᵀ dSᵀ: the accumulator of dSᵀ, rounded to T, is the B operand as it stands;
 //   dVᵀ += dOᵀ P and dKᵀ += Qᵀ dS, which contract over the tile's queries: their operands are Q's,
 //     dO's, P's and dS's fragments transposed in registers by an MFMA with the identity
@@ -25,7 +26,7 @@
 
 namespace hipattn {
 
-template <typename T, int HEAD_DIM, int HEADS, int TILE, int WAVES>
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int WAVES, bool SCORE_MODS>
 __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const SmallSeqBackwardMfmaParams p) {
   using G = smallseq::MfmaGeometry<HEAD_DIM, TILE, WAVES>;
   static_assert(kWarpSize == 64, "the MFMA layouts of mma_amd.h are wave64's");
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
   smallseq::StackedRow row = smallseq::stacked_row(column, len_q, group, first_head);
   Operand q_fragment[kSteps], do_fragment[kSteps];
   load_query_rows(row, q_fragment, do_fragment);
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> group_score = scores_of<SCORE_MODS>(p, batch_index, first_head);
   const KeyWindow window = key_window(p);
 
   for (int m = 0; m < query_tiles; ++m) {
@@ -130,14 +131,21 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
                : 0.0f;
     const smallseq::RowKeys keys =
         row.in ? smallseq::row_keys(row.token, len_q, len_k, window) : smallseq::RowKeys{0, 0};
+    // The row's own query head's scores (ALiBi's slope differs from row to row of a tile), measured from
+    // its diagonal key.
+    const Scores<SCORE_MODS> score = group_score.with_head(p, batch_index, row.head);
+    const int diagonal = row.token + len_k - len_q;
     Accumulator probs[kKeyTiles], dscores[kKeyTiles];
+    float gradient[kKeyTiles][4];  // d(score)/d(scaled S), dSᵀ's factor: 1 but with softcap
     float d_row = 0.0f;
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = 16 * n + 4 * quarter + e;
-        probs[n][e] = keys.contains(key) ? fast_exp2(sd[0][n][e] * scale_log2 - lse_log2) : 0.0f;
+        gradient[n][e] = 1.0f;
+        probs[n][e] =
+            keys.contains(key) ? fast_exp2(score(sd[0][n][e], key - diagonal, gradient[n][e]) - lse_log2) : 0.0f;
         d_row += probs[n][e] * sd[1][n][e];
       }
     d_row += shfl_xor(d_row, 16, kWarpSize, group_mask(kWarpSize));
@@ -146,7 +154,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dscores[n][e] = probs[n][e] * (sd[1][n][e] - d_row);
+      for (int e = 0; e < 4; ++e) dscores[n][e] = probs[n][e] * (sd[1][n][e] - d_row) * gradient[n][e];
       p_operand[n] = mfma::to_operand<T>(probs[n]);
       ds_operand[n] = mfma::to_operand<T>(dscores[n]);
     }

@@ -5,7 +5,8 @@
 // Each team of warps walks a run of problems (smallseq/mma_tiles.h). Per problem it copies Q, dO,
 // K, V and LSE into its tiles with cp.async, then
 //   S = Q Kᵀ, dP = dO Vᵀ                     (mma, query rows x keys)
-//   P = exp(scale*S - LSE), D_i = sum_j P_ij dP_ij, dZ = P * (dP - D)   (on the accumulators)
+//   P = exp(scale*S - LSE), D_i = sum_j P_ij dP_ij, dZ = P * (dP - D)   (on the accumulators; with
+//     SCORE_MODS, common/score_mods.h's scores, and dZ times softcap's factor d(score)/d(scale*S))
 //   dQ = scale * dZ K                          (dZ read back as the A operand)
 //   dV = Pᵀ dO, dK = scale * dZᵀ Q             (Pᵀ and dZᵀ read back transposed with ldmatrix.trans)
 // D_i = sum_j P_ij dP_ij equals rowsum(dO * O), so O is never read. Each gradient is staged in a
@@ -89,7 +90,7 @@ HIPATTN_DEVICE void stage_backward(const SmallSeqBackwardMmaParams& p, const Pro
 }
 
 // dQ, dK and dV of problem x: this warp's `part` of the team's columns, staged in its tiles.
-template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS>
+template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS, bool SCORE_MODS>
 HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const Problem& x, const BackwardShared& sh,
                                      int team, int part, int lane) {
   constexpr int COLS = HEAD_DIM / SPLIT;
@@ -127,7 +128,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
   const int m_tiles = (len_q + 15) / 16;
   const int k_steps = (len_k + 15) / 16;
   const float scale = p.softmax_scale;
-  const float scale_log2 = scale * 1.4426950408889634f;
+  const Scores<SCORE_MODS> score = scores_of<SCORE_MODS>(p, x.batch_index, x.head);
   const KeyWindow window = key_window(p);
   // Key rows this lane addresses for the B operands of S and dP (keys 0..15, then 16..23).
   const int key01 = 8 * (lane / 16) + lane % 8;
@@ -191,7 +192,9 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
 #pragma unroll
       for (int r = 0; r < 2; ++r)  // rows past the sequence: LSE = +inf, so P = 0
         lse_log2[r] = row[r] < len_q ? sh.lse_rows[row[r]] * 1.4426950408889634f : infinity();
+      const int diagonal[2] = {row[0] + len_k - len_q, row[1] + len_k - len_q};  // the rows' diagonal keys (ALiBi)
       float d_row[2] = {0.0f, 0.0f};
+      float gradient[3][4];  // d(score)/d(scaled S), dZ's factor: 1 but with softcap
 #pragma unroll
       for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
@@ -200,7 +203,9 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
           const int j = 8 * nt + 2 * t + (e & 1);
           const bool visible = keys[r].contains(j);
           // LSE = +inf (a row that saw no key, or a row past the sequence) gives P = 0.
-          s[mt][nt][e] = visible ? fast_exp2(s[mt][nt][e] * scale_log2 - lse_log2[r]) : 0.0f;
+          gradient[nt][e] = 1.0f;
+          s[mt][nt][e] =
+              visible ? fast_exp2(score(s[mt][nt][e], j - diagonal[r], gradient[nt][e]) - lse_log2[r]) : 0.0f;
           dp[mt][nt][e] = visible ? dp[mt][nt][e] : 0.0f;
           d_row[r] += s[mt][nt][e] * dp[mt][nt][e];
         }
@@ -216,10 +221,12 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
           if (row[r] < len_q) {  // the score tiles hold TILE query rows; later ones read the zero row
             const float* ps = s[mt][nt];
             const float* dps = dp[mt][nt];
+            const float* gs = gradient[nt];
             const int offset = row[r] * kScorePitchBytes + 16 * nt + 4 * t;
             *reinterpret_cast<unsigned int*>(p_tile + offset) = mma::pack2<T>(ps[2 * r], ps[2 * r + 1]);
             *reinterpret_cast<unsigned int*>(dz_tile + offset) =
-                mma::pack2<T>(ps[2 * r] * (dps[2 * r] - d_row[r]), ps[2 * r + 1] * (dps[2 * r + 1] - d_row[r]));
+                mma::pack2<T>(ps[2 * r] * (dps[2 * r] - d_row[r]) * gs[2 * r],
+                              ps[2 * r + 1] * (dps[2 * r + 1] - d_row[r]) * gs[2 * r + 1]);
           }
     }
   }
@@ -320,7 +327,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
 
 // WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_team problems;
 // the host's table (catalog.smallseq.SMALLSEQ_BACKWARD_MMA_TILES) sizes the dynamic shared memory.
-template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS, int SPLIT>
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS, int SPLIT, bool SCORE_MODS>
 __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallSeqBackwardMmaParams p) {
   using Team = smallseq::BackwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
   static_assert(TILE > 16 && TILE <= 24, "the fragments cover up to 32 query rows and 24 keys");
@@ -352,7 +359,7 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_backward_mma(const SmallS
                                                         part == 0, lane);
     mma::wait_async_copies();
     __syncwarp();
-    smallseq::backward_problem<T, HEAD_DIM, TILE, SPLIT, TEAMS>(p, x, sh, team, part, lane);
+    smallseq::backward_problem<T, HEAD_DIM, TILE, SPLIT, TEAMS, SCORE_MODS>(p, x, sh, team, part, lane);
     __syncwarp();  // every lane is done with the tiles before the next problem's copies land in them
   }
 }

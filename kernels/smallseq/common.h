@@ -7,6 +7,7 @@
 // summed across the team with reduce_scatter; P·V style products need no communication at all.
 #pragma once
 #include "common/key_window.h"
+#include "common/score_mods.h"
 #include "common/sequence.h"
 #include "common/team.h"
 #include "common/types.h"

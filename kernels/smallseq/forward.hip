@@ -1,5 +1,6 @@
 // Small-sequence attention forward: O = softmax(scale * Q Kᵀ + mask) V and the fp32 log-sum-exp,
 // for problems of at most TILE query and TILE key tokens (cross-attention with short sequences).
+// With SCORE_MODS the scores take flash-attn's softcap and ALiBi (common/score_mods.h).
 //
 // The work is bound by memory traffic: each team reads its Q, K and V rows once, keeps them in
 // registers (Q as fp32, K and V as packed 16-bit), and writes O and LSE once. Score tiles live in
@@ -12,7 +13,7 @@ namespace hipattn {
 
 // BLOCK_THREADS and LANE_ELEMENTS come from the host's row (hipattn/catalog/smallseq.py), which sizes the grid
 // with them; LANE_ELEMENTS must be the layout this file is written for.
-template <typename T, int HEAD_DIM, int HEADS, int TILE, int BLOCK_THREADS, int LANE_ELEMENTS>
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int BLOCK_THREADS, int LANE_ELEMENTS, bool SCORE_MODS>
 __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeqForwardParams p) {
   static_assert(LANE_ELEMENTS == smallseq::kElementsPerLane, "each lane holds 4 elements of a row");
   using G = smallseq::Geometry<HEAD_DIM, TILE, BLOCK_THREADS>;
@@ -33,6 +34,9 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeq
   const int head = static_cast<int>(problem % HEADS);
   const int head_kv = head / (HEADS / p.heads_kv);
 
+  // The scores' factors, set where the softmax starts. Declared ahead of the sequence bounds: declared
+  // where it is set, the plain instantiation compiled to other (if equivalent) code on NVIDIA.
+  Scores<SCORE_MODS> score;
   smallseq::Sequence seq_q{0, 0}, seq_k{0, 0};
   if (active) {
     seq_q = smallseq::sequence_bounds(static_cast<const int*>(p.cu_seqlens_q), static_cast<const int*>(p.seqused_q),
@@ -91,16 +95,17 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeq
 
   // ---- softmax over keys, one lane per query row; probabilities overwrite slice 0 ----
   float* probs = scores[team][0];
-  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  score = scores_of<SCORE_MODS>(p, batch_index, head);
   const KeyWindow window = key_window(p);
   for (int i = team_lane; i < len_q; i += G::kTeamLanes) {
     const smallseq::RowKeys keys = smallseq::row_keys(i, len_q, len_k, window);
+    const int diagonal = i + len_k - len_q;  // the row's diagonal key, from which ALiBi measures
     float row_max = -infinity();
     for (int j = 0; j < len_k; ++j) {
       float s = 0.0f;
 #pragma unroll
       for (int sl = 0; sl < G::kSlices; ++sl) s += scores[team][sl][j * G::kTilePad + i];
-      s = keys.contains(j) ? s * scale_log2 : -infinity();
+      s = keys.contains(j) ? score(s, j - diagonal) : -infinity();
       probs[j * G::kTilePad + i] = s;
       row_max = s > row_max ? s : row_max;
     }

@@ -7,7 +7,8 @@
 // chunks of 16, one m16 tile each, with the next chunk's Q rows in flight (cp.async into the second
 // chunk tile) while this one computes: S = Q Kᵀ (three 8-key tiles), the softmax on the
 // accumulators, P normalised and reused as the A operand of O = P V, O written back over the chunk's
-// Q rows and out with 16-byte stores. The LSE of each stacked row goes to its head's row.
+// Q rows and out with 16-byte stores. The LSE of each stacked row goes to its head's row. With
+// SCORE_MODS the scores take softcap and ALiBi (common/score_mods.h), each stacked row its own head's slope.
 //
 // Why this shape. MHA's one-problem-per-head kernel, given GQA, stages Q, K and V per query head: at
 // G = 4 and lengths drawn from 1..17 (mean 9, head_dim 128) that is 1.6x the floor's bytes, and it
@@ -63,7 +64,7 @@ struct GqaForwardTeamTiles {
 // keys, so S takes a third 8-key tile and O a second 16-key step; a compile-time choice, because a
 // branch around each of those steps cost a branch, a warp barrier and a rebuilt address per step
 // (about a tenth of a chunk's instructions).
-template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS, bool WIDE>
+template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS, bool WIDE, bool SCORE_MODS>
 HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Group& x, const StackedRows& stacked,
                                   StackedRowCursor<T, HEAD_DIM / SPLIT>& o_rows, int first, int slot,
                                   const TilePlaces& places, int team, int part, int lane) {
@@ -120,16 +121,19 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
   __syncwarp();  // every lane has read the chunk's Q rows; O is staged over them
 
   // ---- softmax on the accumulators: a row's 24 scores live in the 4 lanes of one quad ----
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  // Each stacked row has its own query head, so its own scores (ALiBi's slope; plain: one scale for all).
+  const Scores<SCORE_MODS> group_score = scores_of<SCORE_MODS>(p, x.batch_index, x.head_kv * stacked.group);
   const KeyWindow window = key_window(p);
   int query[2], head[2];
   RowKeys keys[2];
+  Scores<SCORE_MODS> row_score[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = first + g + 8 * r;
     query[r] = stacked.query(row);
     head[r] = row - query[r] * stacked.group;
     keys[r] = stacked_row_keys(row, query[r], stacked, len_q, len_k, window);
+    row_score[r] = group_score.with_head(p, x.batch_index, x.head_kv * stacked.group + head[r]);
   }
   float row_max[2] = {-infinity(), -infinity()};
 #pragma unroll
@@ -137,7 +141,10 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int j = 8 * nt + 2 * t + (e & 1);
-      scores[nt][e] = keys[e / 2].contains(j) ? scores[nt][e] * scale_log2 : -infinity();
+      const int r = e / 2;
+      // Plain rows share the group's scale; taking it from row_score[r] compiled to other (if equal) code.
+      const Scores<SCORE_MODS>& score = SCORE_MODS ? row_score[r] : group_score;
+      scores[nt][e] = keys[r].contains(j) ? score(scores[nt][e], j - (query[r] + len_k - len_q)) : -infinity();
       row_max[e / 2] = fmaxf(row_max[e / 2], scores[nt][e]);
     }
 #pragma unroll
@@ -230,7 +237,7 @@ HIPATTN_DEVICE void stage_forward_chunk(const StackedRows& stacked, StackedRowCu
 template <int WARPS, int COLS>
 constexpr int kForwardBlocksPerSm = COLS == 64 ? 20 / WARPS : 1;
 
-template <typename T, int HEAD_DIM, int TILE, int WARPS, int SPLIT>
+template <typename T, int HEAD_DIM, int TILE, int WARPS, int SPLIT, bool SCORE_MODS>
 __global__ void __launch_bounds__(WARPS * 32, kForwardBlocksPerSm<WARPS, HEAD_DIM / SPLIT>)
     smallseq_forward_gqa_mma(const SmallSeqForwardGqaMmaParams p) {
   using Team = smallseq::GqaForwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
@@ -292,11 +299,11 @@ __global__ void __launch_bounds__(WARPS * 32, kForwardBlocksPerSm<WARPS, HEAD_DI
       }
       __syncwarp();
       if (x.k.length > 16)
-        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, true>(p, x, stacked, o_rows, first, slot, places,
-                                                                       team, part, lane);
+        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, true, SCORE_MODS>(p, x, stacked, o_rows, first, slot,
+                                                                                   places, team, part, lane);
       else
-        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, false>(p, x, stacked, o_rows, first, slot, places,
-                                                                        team, part, lane);
+        smallseq::forward_chunk<T, HEAD_DIM, TILE, SPLIT, TEAMS, false, SCORE_MODS>(p, x, stacked, o_rows, first, slot,
+                                                                                    places, team, part, lane);
       __syncwarp();  // O has left the chunk tile before the chunk after next lands in it
     }
     // Every lane is done with K and V (the last chunk's O has been stored: __syncwarp above) before

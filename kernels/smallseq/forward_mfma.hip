@@ -19,6 +19,8 @@
 //
 // Conventions are forward.hip's: the key window is bottom-right aligned, masked scores become -inf by
 // selection, a row that sees no key gets O = 0 and LSE = +inf, rows past a sequence are not written.
+// With SCORE_MODS each row's scores take softcap and its own query head's ALiBi slope
+// (common/score_mods.h).
 // What this file has not had: a run on AMD hardware. tests/test_smallseq_mfma_emulation.py runs it on
 // a gfx90a emulated on the CPU against float64.
 #pragma once
@@ -26,7 +28,7 @@
 
 namespace hipattn {
 
-template <typename T, int HEAD_DIM, int HEADS, int TILE, int WAVES>
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int WAVES, bool SCORE_MODS>
 __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallSeqForwardMfmaParams p) {
   using G = smallseq::MfmaGeometry<HEAD_DIM, TILE, WAVES>;
   static_assert(kWarpSize == 64, "the MFMA layouts of mma_amd.h are wave64's");
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
   smallseq::StackedRow row = smallseq::stacked_row(column, len_q, group, first_head);
   Operand q_fragment[kSteps];
   smallseq::load_row<T, kSteps>(q_row(row), row.in, quarter, q_fragment);
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Scores<SCORE_MODS> group_score = scores_of<SCORE_MODS>(p, batch_index, first_head);
   const KeyWindow window = key_window(p);
 
   for (int m = 0; m < query_tiles; ++m) {
@@ -107,6 +109,10 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
     smallseq::sum_over_waves<WAVES, 1, kKeyTiles>(exchange, m, wave, lane, s);
 
     // ---- softmax over the row's keys, base 2; a row's keys live in its four lanes column + 16 quarter ----
+    // The row's own query head's scores (ALiBi's slope differs from row to row of a tile), measured from
+    // its diagonal key.
+    const Scores<SCORE_MODS> score = group_score.with_head(p, batch_index, row.head);
+    const int diagonal = row.token + len_k - len_q;
     const smallseq::RowKeys keys = smallseq::row_keys(row.token, len_q, len_k, window);
     float row_max = -infinity();
 #pragma unroll
@@ -114,7 +120,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = 16 * n + 4 * quarter + e;
-        s[0][n][e] = keys.contains(key) ? s[0][n][e] * scale_log2 : -infinity();
+        s[0][n][e] = keys.contains(key) ? score(s[0][n][e], key - diagonal) : -infinity();
         row_max = fmaxf(row_max, s[0][n][e]);
       }
     row_max = fmaxf(row_max, shfl_xor(row_max, 16, kWarpSize, group_mask(kWarpSize)));

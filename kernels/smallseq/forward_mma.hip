@@ -52,7 +52,7 @@ HIPATTN_DEVICE void stage_forward(const SmallSeqForwardMmaParams& p, const Probl
 
 // O and LSE of problem x: this warp's `part` of the team's columns, staged in `tiles`; O overwrites
 // the Q tile on its way out. `partner_k_tile` is the other warp's K tile (SPLIT = 2).
-template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS>
+template <typename T, int HEAD_DIM, int TILE, int SPLIT, int TEAMS, bool SCORE_MODS>
 HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Problem& x, unsigned char* tiles,
                                     const unsigned char* partner_k_tile, unsigned int zero, int team, int part,
                                     int lane) {
@@ -69,7 +69,7 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
   const int n_tiles = (len_k + 7) / 8;
   const int k_steps = (len_k + 15) / 16;
   const int m_tiles = (len_q + 15) / 16;
-  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  const Scores<SCORE_MODS> score = scores_of<SCORE_MODS>(p, x.batch_index, x.head);
   const KeyWindow window = key_window(p);
   // The key rows this lane addresses for the B operands of S (three 8-key tiles).
   const unsigned int k_rows01 = row_or_zero(k_tile, zero, 8 * (lane / 16) + lane % 8, len_k, kPitchBytes) +
@@ -123,13 +123,14 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
     // ---- softmax on the accumulators: a row's 24 scores live in the 4 lanes of one quad ----
     const int row[2] = {16 * mt + g, 16 * mt + g + 8};
     const RowKeys keys[2] = {row_keys(row[0], len_q, len_k, window), row_keys(row[1], len_q, len_k, window)};
+    const int diagonal[2] = {row[0] + len_k - len_q, row[1] + len_k - len_q};  // the rows' diagonal keys (ALiBi)
     float row_max[2] = {-infinity(), -infinity()};
 #pragma unroll
     for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = 8 * nt + 2 * t + (e & 1);
-        scores[nt][e] = keys[e / 2].contains(j) ? scores[nt][e] * scale_log2 : -infinity();
+        scores[nt][e] = keys[e / 2].contains(j) ? score(scores[nt][e], j - diagonal[e / 2]) : -infinity();
         row_max[e / 2] = fmaxf(row_max[e / 2], scores[nt][e]);
       }
     float row_sum[2] = {0.0f, 0.0f};
@@ -203,7 +204,7 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
 
 // WARPS warps per block in teams of SPLIT, each team walking its run of problems_per_team problems;
 // the host's table (catalog.smallseq.SMALLSEQ_FORWARD_MMA_TILES) sizes the dynamic shared memory.
-template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS, int SPLIT>
+template <typename T, int HEAD_DIM, int HEADS, int TILE, int WARPS, int SPLIT, bool SCORE_MODS>
 __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSeqForwardMmaParams p) {
   using Team = smallseq::ForwardTeamTiles<T, HEAD_DIM, TILE, SPLIT>;
   using Warp = typename Team::Warp;
@@ -233,7 +234,8 @@ __global__ void __launch_bounds__(WARPS * 32) smallseq_forward_mma(const SmallSe
     mma::wait_async_copies();
     __syncwarp();
     if (x.q.length > 0)  // the same for both warps of a team: they share the problem
-      smallseq::forward_problem<T, HEAD_DIM, TILE, SPLIT, TEAMS>(p, x, tiles, partner_k_tile, zero, team, part, lane);
+      smallseq::forward_problem<T, HEAD_DIM, TILE, SPLIT, TEAMS, SCORE_MODS>(p, x, tiles, partner_k_tile, zero, team,
+                                                                         part, lane);
     // Every lane is done with the tiles (and, SPLIT = 2, the other warp with this one's partial S in
     // its K tile) before the next problem's copies land in them.
     smallseq::team_sync<SPLIT, TEAMS>(team);

@@ -80,9 +80,11 @@ def device_array_or_none(t, name: str):
 
 
 def describe_call(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-                  max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None, window_size=(-1, -1)):
+                  max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None, window_size=(-1, -1),
+                  softcap=0.0, alibi_slopes=None):
     """attention.forward's first step, for tests that call an ops launcher directly: returns
-    ((q, k, v) as DeviceArrays, the sequence DeviceArrays as the launchers' keyword arguments, the Problem)."""
+    ((q, k, v) as DeviceArrays, the sequence DeviceArrays and the ALiBi slopes as the launchers' keyword
+    arguments, the Problem)."""
     from hipattn import arrays
     from hipattn import problem as problem_mod
 
@@ -90,9 +92,11 @@ def describe_call(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=No
     sequences = {name: device_array_or_none(t, name) for name, t in (
         ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q),
         ("seqused_k", seqused_k))}
+    slopes = device_array_or_none(alibi_slopes, "alibi_slopes")
     problem = problem_mod.describe(*qkv, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size)
-    return qkv, sequences, problem
+                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                   softcap=softcap, alibi_slopes=slopes)
+    return qkv, {**sequences, "alibi_slopes": slopes}, problem
 
 
 def relative_error(actual, expected) -> float:
@@ -148,3 +152,18 @@ def record_errors(case: str, **errors: float) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(ERRORS, f, indent=1, sort_keys=True)
+
+
+# flash-attn's score modifiers: softcap (Gemma 2 uses 50; 2.0 bends every N(0, 1) score), ALiBi slopes
+# per head or per (sequence, head), both with a causal mask or a window.
+SCORE_MODS = [(2.0, None, False, (-1, -1)), (0.0, "heads", False, (-1, -1)), (0.0, "sequences", True, (-1, -1)),
+              (50.0, "heads", True, (-1, -1)), (2.0, "sequences", False, (100, 37))]
+
+
+def alibi_slopes(kind, batch, heads):
+    """ALiBi slopes on the GPU as support.reference.alibi_slopes makes them: None, [heads] or [batch, heads]."""
+    if kind is None:
+        return None
+    from support import reference
+
+    return torch.from_numpy(reference.alibi_slopes(batch, heads, per_sequence=kind == "sequences")).cuda()

@@ -1,6 +1,7 @@
 """A float64 attention reference for varlen (THD) problems, with flash-attn's conventions.
 
-Per sequence: S = scale * q kᵀ, causal masks and flash-attn's sliding windows bottom-right aligned
+Per sequence: S = scale * q kᵀ, then flash-attn's score modifiers (softcap * tanh(S / softcap), then
+ALiBi's -slope * |j - i - d|), causal masks and flash-attn's sliding windows bottom-right aligned
 (query i sees key j when i + d - left <= j <= i + d + right, d = len_k - len_q; causal is right = 0),
 a row that sees no key gives O = 0 and LSE = +inf. GQA repeats each KV head
 for its group of query heads. Gradients come from torch autograd on the float64 graph.
@@ -17,8 +18,19 @@ def visible_keys(len_q: int, len_k: int, causal: bool, window=(-1, -1), device=N
     return torch.from_numpy(reference.visible_keys(len_q, len_k, causal, window)).to(device)
 
 
-def attention_reference(q, k, v, cu_q, cu_k, *, causal: bool, scale: float, dout=None, window=(-1, -1)):
-    """Returns (out, lse[, dq, dk, dv]) in float64 for THD inputs and host lists cu_q, cu_k."""
+def alibi_bias(slopes, b: int, len_q: int, len_k: int, device=None):
+    """[H, len_q, len_k] float64 ALiBi bias of sequence ``b``: -slope * |j - i - (len_k - len_q)| per query
+    head, from slopes [H] or [batch, H]."""
+    head_slopes = (slopes if slopes.dim() == 1 else slopes[b]).double().to(device)
+    offset = (torch.arange(len_k, device=device)[None, :] - torch.arange(len_q, device=device)[:, None]
+              - (len_k - len_q))
+    return -head_slopes[:, None, None] * offset.abs().double()[None]
+
+
+def attention_reference(q, k, v, cu_q, cu_k, *, causal: bool, scale: float, dout=None, window=(-1, -1), softcap=0.0,
+                        alibi=None):
+    """Returns (out, lse[, dq, dk, dv]) in float64 for THD inputs and host lists cu_q, cu_k; ``alibi``:
+    slopes [Hq] or [batch, Hq]."""
     q64, k64, v64 = (t.detach().double().requires_grad_(dout is not None) for t in (q, k, v))
     heads_q, heads_kv = q.shape[1], k.shape[1]
     group = heads_q // heads_kv
@@ -29,6 +41,10 @@ def attention_reference(q, k, v, cu_q, cu_k, *, causal: bool, scale: float, dout
         vs = v64[cu_k[b]:cu_k[b + 1]].repeat_interleave(group, dim=1)
         len_q, len_k = qs.shape[0], ks.shape[0]
         scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if alibi is not None:
+            scores = scores + alibi_bias(alibi, b, len_q, len_k, q.device)
         visible = visible_keys(len_q, len_k, causal, window, q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where a row sees nothing

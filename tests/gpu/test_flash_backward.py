@@ -25,8 +25,10 @@ from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
 
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
+    SCORE_MODS,
     TOLERANCE,
     TORCH_DTYPE,
+    alibi_slopes,
     bshd_inputs,
     cumulative,
     describe_call,
@@ -50,7 +52,8 @@ LENGTHS_K = [9, 1, 18, 17, 65, 63, 200, 129, 0, 0, 31]
 
 def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                            seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
-                           deterministic=False, out=None, lse=None, work_list=True, tiles=None, window_size=(-1, -1)):
+                           deterministic=False, out=None, lse=None, work_list=True, tiles=None, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None):
     """The flash forward (O, LSE), then the flash backward into dq, dk, dv; returns (out, lse,
     softmax_d), the last the backward's Delta = rowsum(dout * out).
 
@@ -61,7 +64,7 @@ def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_s
     (qa, ka, va), sequences, problem = describe_call(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-        window_size=window_size)
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     run_forward = out is None
     if run_forward:
         out = poisoned(q.shape, q.dtype)
@@ -86,14 +89,15 @@ def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_s
 
 
 def _check_gradients(dq, dk, dv, q, k, v, dout, cu_q, cu_k, *, causal, scale, dtype, case, out=None,
-                     softmax_d=None, window=(-1, -1)):
+                     softmax_d=None, window=(-1, -1), softcap=0.0, alibi=None):
     """Compare the written rows (THD, exactly the sequences' rows) with float64 autograd.
 
     Given the forward's ``out`` and the backward's ``softmax_d`` (THD, [Hq, total_q]), those are
     checked too: O against float64, Delta against rowsum(dout * out) of that O, so that a wrong
     gradient is traced to the stage that went wrong."""
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale,
-                                                                   dout=dout, window=window)
+                                                                   dout=dout, window=window, softcap=softcap,
+                                                                   alibi=alibi)
     stages = {}
     if out is not None:
         stages["out"] = relative_error(out, ref_out)
@@ -131,8 +135,10 @@ def _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case):
 
 
 def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, deterministic=False,
-                 bound_slack=0, tail_rows=0, work_list=True, tiles=None, case="", window=(-1, -1)):
-    """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
+                 bound_slack=0, tail_rows=0, work_list=True, tiles=None, case="", window=(-1, -1), softcap=0.0,
+                 alibi=None):
+    """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched. ``softcap``
+    and ``alibi`` (slopes [Hq] or [batch, Hq] on the GPU): flash-attn's score modifiers."""
     cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
     t = TORCH_DTYPE[dtype]
     q = torch.randn(cu_q[-1] + tail_rows, heads_q, head_dim, generator=rng, device="cuda").to(t)
@@ -145,13 +151,14 @@ def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causa
         q, k, v, dout, dq, dk, dv, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
         cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
         max_seqlen_q=max(lengths_q, default=0) + bound_slack, max_seqlen_k=max(lengths_k, default=0) + bound_slack,
-        causal=causal, deterministic=deterministic, work_list=work_list, tiles=tiles, window_size=window)
+        causal=causal, deterministic=deterministic, work_list=work_list, tiles=tiles, window_size=window,
+        softcap=softcap, alibi_slopes=alibi)
     torch.cuda.synchronize()
     nq, nk = cu_q[-1], cu_k[-1]
     _check_rows_past_the_end(dq, dk, dv, nq, nk, deterministic, case)
     return _check_gradients(dq[:nq], dk[:nk], dv[:nk], q[:nq], k[:nk], v[:nk], dout[:nq], cu_q, cu_k, causal=causal,
                             scale=scale, dtype=dtype, case=case, out=out[:nq], softmax_d=softmax_d[:, :nq],
-                            window=window)
+                            window=window, softcap=softcap, alibi=alibi)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -188,6 +195,22 @@ def test_sliding_windows_match_float64(head_dim, deterministic, window, causal, 
         _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, 128, "bf16", causal, rng, deterministic=deterministic, tail_rows=3,
                      window=window, tiles=mma_tiles_for(128, runtime.active().target(0)),
                      case=f"mma.sync d128 window={window} causal={causal} deterministic={deterministic}")
+
+
+@pytest.mark.parametrize("softcap,alibi,causal,window", SCORE_MODS, ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_score_modifiers_match_float64(head_dim, deterministic, softcap, alibi, causal, window, rng):
+    """Softcap (dS times 1 - tanh²) and ALiBi through both dQ schedules; GQA. On sm_90a head_dim 128 also
+    runs its mma.sync dK/dV row."""
+    slopes = alibi_slopes(alibi, len(LENGTHS_Q), 4)
+    case = f"d{head_dim} softcap={softcap} alibi={alibi} causal={causal} window={window} deterministic={deterministic}"
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, "bf16", causal, rng, deterministic=deterministic, tail_rows=3,
+                 window=window, softcap=softcap, alibi=slopes, case=case)
+    if head_dim == 128:
+        _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, 128, "bf16", causal, rng, deterministic=deterministic, tail_rows=3,
+                     window=window, softcap=softcap, alibi=slopes, tiles=mma_tiles_for(128, runtime.active().target(0)),
+                     case="mma.sync " + case)
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (6, 1)])

@@ -1,9 +1,9 @@
 """flash_attn_with_kvcache on the GPU against the float64 model of the call
 (tests/support/kvcache_reference.py): contiguous and paged caches (shuffled block tables, the last
 page partly full), append with rotary (interleaved and not), cache_seqlens of 0 and at capacity,
-GQA and MQA, query lengths 1, 2 and 16, split-KV at long context, and a captured decode step
-replayed with new cache_seqlens and block tables. Fresh random inputs, outputs poisoned first, every
-element and the whole cache after the append compared."""
+GQA and MQA, query lengths 1, 2 and 16, split-KV at long context, softcap and ALiBi, and a captured
+decode step replayed with new cache_seqlens and block tables. Fresh random inputs, outputs poisoned
+first, every element and the whole cache after the append compared."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from support.kvcache_reference import KvCacheCase, expected
-from support.reference import TOLERANCE, relative_error
+from support.reference import TOLERANCE, alibi_slopes, relative_error
 
 import hipattn
 import hipattn.torch as hat
@@ -33,7 +33,8 @@ class Call:
     """One call's tensors on the GPU and the same values as a KvCacheCase."""
 
     def __init__(self, rng, dtype, *, batch, seqlen_q, heads_q, heads_kv, head_dim, capacity, seqlen_new=0,
-                 rotary_dim=0, interleaved=True, page_size=None, causal=False, lengths=None, window=(-1, -1)):
+                 rotary_dim=0, interleaved=True, page_size=None, causal=False, lengths=None, window=(-1, -1),
+                 leftpad=None, softcap=0.0, alibi=None):
         t = gpu.TORCH_DTYPE[dtype]
         self.dtype = dtype
 
@@ -61,20 +62,26 @@ class Call:
         if lengths is None:
             lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=rng, device="cuda").tolist()
         self.cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        self.cache_leftpad = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device="cuda")
         self.interleaved, self.causal, self.window = interleaved, causal, window
+        # alibi: None, "heads" (slopes [Hq]) or "sequences" ([batch, Hq]).
+        self.softcap = softcap
+        self.alibi_slopes = None if alibi is None else torch.from_numpy(
+            alibi_slopes(batch, heads_q, per_sequence=alibi == "sequences")).cuda()
 
     def case(self) -> KvCacheCase:
         return KvCacheCase(q=_numpy(self.q), k_cache=_numpy(self.k_cache), v_cache=_numpy(self.v_cache),
                            cache_seqlens=self.cache_seqlens.cpu().numpy(), k=_numpy(self.k), v=_numpy(self.v),
                            cos=_numpy(self.cos), sin=_numpy(self.sin), interleaved=self.interleaved,
                            block_table=None if self.block_table is None else self.block_table.cpu().numpy(),
-                           causal=self.causal, window=self.window)
+                           leftpad=_numpy(self.cache_leftpad), causal=self.causal, window=self.window,
+                           softcap=self.softcap, alibi=_numpy(self.alibi_slopes))
 
     def run(self, function=hipattn.flash_attn_with_kvcache, **options):
         return function(self.q, self.k_cache, self.v_cache, self.k, self.v, rotary_cos=self.cos, rotary_sin=self.sin,
-                        cache_seqlens=self.cache_seqlens, block_table=self.block_table, causal=self.causal,
-                        window_size=self.window, rotary_interleaved=self.interleaved, return_softmax_lse=True,
-                        **options)
+                        cache_seqlens=self.cache_seqlens, cache_leftpad=self.cache_leftpad, block_table=self.block_table,
+                        causal=self.causal, window_size=self.window, rotary_interleaved=self.interleaved,
+                        softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_softmax_lse=True, **options)
 
 
 def check(call: Call, out, lse, want, what: str) -> None:
@@ -142,6 +149,22 @@ def test_sliding_windows_match_float64(rng, window, causal, page_size, num_split
     call = Call(rng, "bf16", batch=4, seqlen_q=4, heads_q=16, heads_kv=4, head_dim=128, capacity=8192, seqlen_new=2,
                 rotary_dim=64, page_size=page_size, causal=causal, window=window, lengths=[0, 50, 3000, 8186])
     run_and_check(call, f"window={window} causal={causal} page_size={page_size}", num_splits=num_splits)
+
+
+@pytest.mark.parametrize("softcap,alibi,page_size,seqlen_q,leftpad", [
+    (1.5, None, None, 1, [0, 100, 0, 2]), (0.0, "heads", 256, 4, None), (0.0, "sequences", 16, 2, None),
+    (1.5, "sequences", None, 16, [0, 0, 500, 1])])
+def test_score_modifiers_match_float64(rng, softcap, alibi, page_size, seqlen_q, leftpad):
+    """flash-attn's softcap and ALiBi (slopes per query head or per sequence and head) against the cache:
+    a group of 3 query heads per KV head, so that a block's rows need different heads' slopes; causal
+    query runs of 2 to 16 tokens, appended as new keys (rotated, as the queries); key positions counted
+    from cache_leftpad; lengths 0, at capacity after the append, and partial; the host's split count."""
+    seqlen_new = max(seqlen_q, 2)
+    call = Call(rng, "bf16", batch=4, seqlen_q=seqlen_q, heads_q=24, heads_kv=8, head_dim=128, capacity=2000,
+                seqlen_new=seqlen_new, rotary_dim=64, page_size=page_size, causal=seqlen_q > 1, lengths=[0, 0, 0, 0],
+                leftpad=leftpad, softcap=softcap, alibi=alibi)
+    call.cache_seqlens.copy_(torch.tensor([0, call.capacity - seqlen_new, 517, 3], dtype=torch.int32))
+    run_and_check(call, f"softcap={softcap} alibi={alibi} page_size={page_size} q{seqlen_q} leftpad={leftpad}")
 
 
 def test_the_torch_function_matches_and_refuses_other_arrays(rng):

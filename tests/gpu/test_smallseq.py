@@ -16,8 +16,10 @@ from hipattn.catalog.smallseq_common import SMALLSEQ_HEAD_DIMS, SMALLSEQ_SHIPPED
 
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
+    SCORE_MODS,
     TOLERANCE,
     TORCH_DTYPE,
+    alibi_slopes,
     fresh_seed,
     poisoned,
     randn_like,
@@ -42,7 +44,7 @@ def _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, rng):
 
 
 def _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, bound=SMALLSEQ_TILE,
-                   window=(-1, -1)):
+                   window=(-1, -1), softcap=0.0, alibi=None):
     q, k, v, cu_q, cu_k = _varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, rng)
     cu_q_dev = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
     cu_k_dev = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
@@ -51,13 +53,15 @@ def _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, cau
     out = poisoned(q.shape, q.dtype)
     lse = poisoned((heads_q, q.shape[0]), torch.float32)
     hipattn.forward(q, k, v, out=out, lse=lse, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev, max_seqlen_q=bound,
-                    max_seqlen_k=bound, causal=causal, window_size=window)
+                    max_seqlen_k=bound, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
     dq, dk, dv = (poisoned(t.shape, t.dtype) for t in (q, k, v))
     hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev,
-                     max_seqlen_q=bound, max_seqlen_k=bound, causal=causal, window_size=window)
+                     max_seqlen_q=bound, max_seqlen_k=bound, causal=causal, window_size=window, softcap=softcap,
+                     alibi_slopes=alibi)
     torch.cuda.synchronize()
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale,
-                                                                   dout=dout, window=window)
+                                                                   dout=dout, window=window, softcap=softcap,
+                                                                   alibi=alibi)
     # Every element written: no NaN left from the poison anywhere.
     for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not torch.isnan(t).any(), f"{name} has unwritten (NaN) elements"
@@ -115,6 +119,22 @@ def test_sliding_windows_match_float64(head_dim, heads_q, heads_kv, window, caus
     lengths_k = [17, 17, 5, 0, 9, 3, 12, 17, 1]
     errors = _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, "bf16", causal, rng, window=window)
     record_errors(f"window={window} causal={causal} d{head_dim} {heads_q}/{heads_kv} {forward_kernel}", **errors)
+    assert max(errors.values()) < TOLERANCE["bf16"], errors
+
+
+@pytest.mark.parametrize("softcap,alibi,causal,window", SCORE_MODS, ids=str)
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (12, 4)])
+@pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
+def test_score_modifiers_match_float64(head_dim, heads_q, heads_kv, softcap, alibi, causal, window, forward_kernel,
+                                       rng):
+    """Softcap and ALiBi (per head, and per sequence, which the grouped kernels' stacked rows of
+    several heads each read) on every small-seq kernel, forward and backward."""
+    lengths_q = [17, 9, 0, 4, 1, 13, 17, 2, 17]
+    lengths_k = [17, 17, 5, 0, 9, 3, 12, 17, 1]
+    errors = _run_and_check(lengths_q, lengths_k, heads_q, heads_kv, head_dim, "bf16", causal, rng, window=window,
+                            softcap=softcap, alibi=alibi_slopes(alibi, len(lengths_q), heads_q))
+    record_errors(f"softcap={softcap} alibi={alibi} causal={causal} window={window} d{head_dim} "
+                  f"{heads_q}/{heads_kv} {forward_kernel}", **errors)
     assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import hipattn.torch as hat
@@ -21,15 +22,18 @@ def _varlen(rng, lengths_q, lengths_k, heads_q=16, heads_kv=4, head_dim=128):
     return q, k, v, cu_q, cu_k
 
 
-def _check_gradients(step, rng):
-    q, k, v, cu_q, cu_k = _varlen(rng, [17, 3, 0, 9, 12], [5, 17, 4, 0, 11])
+def _check_gradients(step, rng, lengths_q=(17, 3, 0, 9, 12), lengths_k=(5, 17, 4, 0, 11), **modifiers):
+    """``step``'s output and gradients against float64; ``modifiers``: the softcap and ALiBi slopes
+    (alibi_slopes) ``step`` was given, for the reference."""
+    q, k, v, cu_q, cu_k = _varlen(rng, list(lengths_q), list(lengths_k))
     dout = torch.randn(q.shape, generator=rng, device="cuda").bfloat16()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     cu_q_dev = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
     cu_k_dev = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
     out = step(*leaves, cu_q_dev, cu_k_dev)
     out.backward(dout)
-    ref = attention_reference(q, k, v, cu_q, cu_k, causal=True, scale=1 / math.sqrt(q.shape[-1]), dout=dout)
+    ref = attention_reference(q, k, v, cu_q, cu_k, causal=True, scale=1 / math.sqrt(q.shape[-1]), dout=dout,
+                              softcap=modifiers.get("softcap", 0.0), alibi=modifiers.get("alibi_slopes"))
     errors = [relative_error(out.detach(), ref[0])] + [
         relative_error(t.grad, g) for t, g in zip(leaves, ref[2:], strict=True)
     ]
@@ -46,3 +50,20 @@ def test_loss_backward_flows_through_hipattn(rng):
 
 def test_torch_compile_keeps_the_ops_opaque_and_gives_the_same_gradients(rng):
     _check_gradients(torch.compile(_step, fullgraph=True), rng)
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k", [((17, 3, 0, 9, 12), (5, 17, 4, 0, 11)),
+                                                 ((300, 3, 0, 90, 129), (50, 170, 4, 0, 211))],
+                         ids=["small-seq", "flash"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_softcap_and_alibi_train_through_both_paths(lengths_q, lengths_k, compiled, rng):
+    """Softcap and per-sequence ALiBi slopes reach the forward and the backward, eager and compiled, on
+    the small-seq path and the flash one."""
+    modifiers = {"softcap": 2.0, "alibi_slopes": torch.rand(len(lengths_q), 16, generator=rng, device="cuda")}
+
+    def step(q, k, v, cu_q, cu_k):
+        return hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                          **modifiers)
+
+    _check_gradients(torch.compile(step, fullgraph=True) if compiled else step, rng, lengths_q, lengths_k,
+                     **modifiers)

@@ -1,7 +1,8 @@
 """A float64 model of flash_attn_with_kvcache, for the emulated-device and GPU tests: the append (with
 rotary on the new keys) into a contiguous or paged cache, rotary on the queries, and attention over
 each sequence's visible keys, in flash-attn's conventions (bottom-right causal, keys from
-cache_leftpad, a row that sees no key gets O = 0 and LSE = +inf).
+cache_leftpad, softcap and ALiBi with key positions counted from cache_leftpad, a row that sees no
+key gets O = 0 and LSE = +inf).
 
 Arrays are NumPy float64 in the call's layouts; ``round16`` rounds float64 to the call's 16-bit
 dtype and back, as the kernels store rotated rows."""
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from support.reference import visible_keys
+from support.reference import modified_scores, visible_keys
 
 
 def rotate(x, cos, sin, positions, interleaved):
@@ -51,6 +52,8 @@ class KvCacheCase:
     block_table: np.ndarray | None = None  # [B, pages per sequence]
     causal: bool = False
     window: tuple = (-1, -1)  # flash-attn's window_size; -1: no bound on that side
+    softcap: float = 0.0
+    alibi: np.ndarray | None = None  # ALiBi slopes, [Hq] or [B, Hq]
 
     def sequence_rows(self, b):
         """(cache array index, token index) arrays of sequence b's cache positions 0 .. capacity-1."""
@@ -97,7 +100,11 @@ def expected(case: KvCacheCase, scale: float, round16):
         visible = visible_keys(seqlen_q, total, case.causal, case.window)
         visible[:, :start] = False
         for h in range(heads_q):
-            s = scale * q[:, h] @ keys[:, h // group].T
+            # flash-attn's sequence starts at leftpad: its keys are positions 0 .. len_k - 1 from there.
+            s = np.full((seqlen_q, total), -np.inf)
+            slope = 0.0 if case.alibi is None else float(case.alibi[h] if case.alibi.ndim == 1 else case.alibi[b, h])
+            s[:, start:], _ = modified_scores(scale * q[:, h] @ keys[start:, h // group].T, seqlen_q, total - start,
+                                              case.softcap, slope)
             for i in range(seqlen_q):
                 if not visible[i].any():
                     continue

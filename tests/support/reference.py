@@ -1,6 +1,6 @@
 """float64 attention references for the emulated-device tests, in flash-attn's conventions: THD inputs
 (rows of all sequences packed, cu_seqlens boundaries), bottom-right aligned causal masks and sliding
-windows, and a row that sees no key gets O = 0 and LSE = +inf."""
+windows, softcap and ALiBi, and a row that sees no key gets O = 0 and LSE = +inf."""
 
 from __future__ import annotations
 
@@ -19,18 +19,52 @@ def visible_keys(len_q, len_k, causal, window=(-1, -1)):
     return ((left < 0) | (offset >= -left)) & ((right < 0) | (offset <= right))
 
 
-def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, -1)):
-    """float64 O [total_q, Hq, D] and LSE [Hq, total_q] of THD inputs (flash-attn's conventions)."""
+# flash-attn's score modifiers as the emulated-kernel tests run them, (softcap, ALiBi slopes, causal): a
+# softcap small enough to bend N(0, 1) scores (1.5 where flash-attn's tests use 50), ALiBi slopes per head
+# ("heads") or per (sequence, head) ("sequences"), and both together under a causal mask.
+SCORE_MODIFIER_CASES = [(1.5, None, False), (0.0, "heads", False), (0.0, "sequences", True), (1.5, "heads", True)]
+
+
+def alibi_slopes(batch, heads, per_sequence=False):
+    """ALiBi slopes for tests: the geometric series of the ALiBi paper over the heads ([heads]), or
+    ([batch, heads]) that series scaled differently per sequence."""
+    series = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+    if not per_sequence:
+        return series.astype(np.float32)
+    return (series[None, :] * (1.0 + 0.5 * np.arange(batch))[:, None]).astype(np.float32)
+
+
+def modified_scores(s, len_q, len_k, softcap=0.0, slope=0.0):
+    """flash-attn's score modifiers on [len_q, len_k] scaled scores s: softcap * tanh(s / softcap), then
+    ALiBi's -slope * |j - i - (len_k - len_q)|. Returns the scores and d(score)/d(s)."""
+    gradient = np.ones_like(s)
+    if softcap:
+        t = np.tanh(s / softcap)
+        s, gradient = softcap * t, 1.0 - t * t
+    offset = np.arange(len_k)[None, :] - np.arange(len_q)[:, None] - (len_k - len_q)
+    return s - slope * np.abs(offset), gradient
+
+
+def _slope(slopes, b, h):
+    if slopes is None:
+        return 0.0
+    return float(slopes[h] if slopes.ndim == 1 else slopes[b, h])
+
+
+def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, -1), softcap=0.0, alibi=None):
+    """float64 O [total_q, Hq, D] and LSE [Hq, total_q] of THD inputs (flash-attn's conventions; ``alibi``:
+    slopes [Hq] or [batch, Hq])."""
     heads_q, heads_kv = q.shape[1], k.shape[1]
     out = np.zeros(q.shape)
     lse = np.full((heads_q, q.shape[0]), np.inf)
     start_q = start_k = 0
-    for len_q, len_k in zip(lengths_q, lengths_k, strict=True):
+    for b, (len_q, len_k) in enumerate(zip(lengths_q, lengths_k, strict=True)):
         for h in range(heads_q):
             qs = q[start_q:start_q + len_q, h]
             ks = k[start_k:start_k + len_k, h // (heads_q // heads_kv)]
             vs = v[start_k:start_k + len_k, h // (heads_q // heads_kv)]
-            s = np.where(visible_keys(len_q, len_k, causal, window), scale * qs @ ks.T, -np.inf)
+            s, _ = modified_scores(scale * qs @ ks.T, len_q, len_k, softcap, _slope(alibi, b, h))
+            s = np.where(visible_keys(len_q, len_k, causal, window), s, -np.inf)
             for i in range(len_q):
                 if np.isneginf(s[i]).all():
                     continue  # sees no key: O = 0, LSE = +inf
@@ -43,24 +77,25 @@ def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, 
     return out, lse
 
 
-def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal, window=(-1, -1)):
+def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal, window=(-1, -1), softcap=0.0,
+                       alibi=None):
     """float64 dQ, dK, dV of THD inputs; dK and dV summed over each KV head's group of query heads."""
     heads_q, heads_kv = q.shape[1], k.shape[1]
     group = heads_q // heads_kv
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     start_q = start_k = 0
-    for len_q, len_k in zip(lengths_q, lengths_k, strict=True):
+    for b, (len_q, len_k) in enumerate(zip(lengths_q, lengths_k, strict=True)):
         rows, keys = slice(start_q, start_q + len_q), slice(start_k, start_k + len_k)
         for h in range(heads_q):
             qs, ks, vs, dos = q[rows, h], k[keys, h // group], v[keys, h // group], dout[rows, h]
-            s = scale * qs @ ks.T
+            s, gradient = modified_scores(scale * qs @ ks.T, len_q, len_k, softcap, _slope(alibi, b, h))
             visible = visible_keys(len_q, len_k, causal, window)
             s = np.where(visible, s, -np.inf)
             m = np.where(visible.any(1), s.max(1, initial=-np.inf), 0.0)
             p = np.where(visible, np.exp(s - m[:, None]), 0.0)
             p /= np.maximum(p.sum(1, keepdims=True), 1e-300)
             dp = dos @ vs.T
-            ds = p * (dp - (p * dp).sum(1, keepdims=True))
+            ds = p * (dp - (p * dp).sum(1, keepdims=True)) * gradient
             dq[rows, h] = scale * ds @ ks
             dk[keys, h // group] += scale * ds.T @ qs
             dv[keys, h // group] += p.T @ dos

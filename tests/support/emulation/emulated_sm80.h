@@ -345,6 +345,9 @@ inline float ex2_approx_ftz_f32(float x) { return flush_subnormal(std::exp2(flus
 // lg2.approx.ftz.f32: log2 x (lg2 of +0 is -inf, of a negative number NaN).
 inline float lg2_approx_ftz_f32(float x) { return std::log2(flush_subnormal(x)); }
 
+// tanh.approx.f32 (the hardware's relative error of about 2^-11 is not modelled: exact here).
+inline float tanh_approx_f32(float x) { return std::tanh(x); }
+
 }  // namespace hipattn_emulation
 
 inline float __shfl_xor_sync(unsigned int mask, float value, int lane_mask, int width) {
