@@ -29,10 +29,12 @@ def test_cell_names_are_unique_and_every_section_is_there():
     assert len(names) == len(set(names))
     counts = {s: sum(1 for c in every if c.section == s) for s in cells.SECTIONS}
     # 3 head_dims x 6 head groupings x 2 directions; 4 x 2 x 2 x 6 x 2; 2 x 2 x 2; the decode shapes;
-    # the window shapes x 2 directions and the window decode steps
+    # the window shapes x 2 directions and the window decode steps; the score-modifier shapes x 2 directions
     assert counts == {"smallseq": 36, "batch": 192, "varlen": 8,
                       "decode": len(cells.DECODE_SHAPES) + len(cells.DECODE_PAGED_SHAPES),
-                      "window": 2 * len(cells.WINDOW_SHAPES) + len(cells.WINDOW_DECODE_SHAPES)}
+                      "window": 2 * len(cells.WINDOW_SHAPES) + len(cells.WINDOW_DECODE_SHAPES),
+                      "scoremod": 2 * len(cells.SCOREMOD_SHAPES)}
+    assert counts["scoremod"] == 14
     assert "smallseq/d128/h16:4/fwd" in names
     assert "batch/d96/h16:4/s16384/causal/fwdbwd" in names
     assert "decode/d128/h32:8/b1/kv131072/fwd" in names
@@ -60,6 +62,59 @@ def test_window_cells_are_named_by_their_window_and_the_others_keep_their_names(
     assert plain.window == cells.NO_WINDOW and plain.name == "batch/d128/h16:4/s4096/causal/fwd"
 
 
+SCOREMOD_NAMES = (
+    "scoremod/d128/h16:4/s4096/cap50/noncausal/fwd", "scoremod/d128/h16:4/s4096/cap50/noncausal/fwdbwd",
+    "scoremod/d128/h16:4/s4096/cap50/causal/fwd", "scoremod/d128/h16:4/s4096/cap50/causal/fwdbwd",
+    "scoremod/d128/h16:4/s4096/alibi/noncausal/fwd", "scoremod/d128/h16:4/s4096/alibi/noncausal/fwdbwd",
+    "scoremod/d128/h16:4/s4096/alibi/causal/fwd", "scoremod/d128/h16:4/s4096/alibi/causal/fwdbwd",
+    "scoremod/d128/h16:4/s16384/alibi/causal/fwd", "scoremod/d128/h16:4/s16384/alibi/causal/fwdbwd",
+    "scoremod/d64/h16:4/s4096/cap50/causal/fwd", "scoremod/d64/h16:4/s4096/cap50/causal/fwdbwd",
+    "scoremod/d128/h16:4/s4096/cap50,alibi/causal/fwd", "scoremod/d128/h16:4/s4096/cap50,alibi/causal/fwdbwd",
+)
+
+
+def _parse_scoremod(name: str) -> dict:
+    """A scoremod cell's parameters read back from its name alone."""
+    section, head_dim, heads, seqlen, modifiers, mask, direction = name.split("/")
+    heads_q, heads_kv = heads[1:].split(":")
+    parts = modifiers.split(",")
+    caps = [float(part[3:]) for part in parts if part.startswith("cap")]
+    assert set(parts) <= {"alibi", *(f"cap{cap:g}" for cap in caps)} and len(caps) <= 1
+    return {"section": section, "head_dim": int(head_dim[1:]), "heads_q": int(heads_q), "heads_kv": int(heads_kv),
+            "seqlen_q": int(seqlen[1:]), "seqlen_k": int(seqlen[1:]), "softcap": caps[0] if caps else 0.0,
+            "alibi": "alibi" in parts, "causal": {"causal": True, "noncausal": False}[mask], "direction": direction}
+
+
+def test_scoremod_cells_are_named_by_their_modifiers_and_parse_back():
+    chosen = [c for c in cells.all_cells() if c.section == "scoremod"]
+    assert tuple(c.name for c in chosen) == SCOREMOD_NAMES
+    for c in chosen:
+        parsed = _parse_scoremod(c.name)
+        assert {key: getattr(c, key) for key in parsed} == parsed
+        assert c.batch * c.seqlen_q == cells.BATCH_TOKENS and c.layout == "bshd" and not c.windowed
+        assert c.score_modified and c.softcap in (0.0, 50.0)
+        assert c.params()["softcap"] == c.softcap and c.params()["alibi"] == c.alibi
+    # both modifiers, each alone, both directions and masks; one head_dim 64 shape, one at S 16384
+    assert {c.modifiers for c in chosen} == {"cap50", "alibi", "cap50,alibi"}
+    assert {c.head_dim for c in chosen} == {64, 128} and {c.seqlen_q for c in chosen} == {4096, 16384}
+    assert {(c.heads_q, c.heads_kv) for c in chosen} == {(16, 4)}
+    for modifiers in ("cap50", "alibi"):
+        assert {(c.causal, c.direction) for c in chosen if c.modifiers == modifiers} == {
+            (causal, direction) for causal in (False, True) for direction in ("fwd", "fwdbwd")}
+    for c in cells.all_cells():  # a modifier is set only in the scoremod section
+        assert c.score_modified == (c.section == "scoremod")
+    plain = cells.Cell("batch", "fwd", 128, 16, 4, True, batch=4, seqlen_q=4096, seqlen_k=4096)
+    assert plain.modifiers == "" and plain.name == "batch/d128/h16:4/s4096/causal/fwd"
+    assert cells.modifier_name(30.0, False) == "cap30" and cells.modifier_name(2.5, True) == "cap2.5,alibi"
+
+
+def test_alibi_slopes_are_the_alibi_paper_s_geometric_series():
+    slopes = cells.alibi_slopes(16)
+    assert slopes[0] == 2.0 ** -0.5 and slopes[-1] == 2.0 ** -8
+    assert all(b / a == pytest.approx(2.0 ** -0.5) for a, b in zip(slopes, slopes[1:], strict=False))
+    assert cells.alibi_slopes(8) == tuple(2.0 ** -(h + 1) for h in range(8))  # the paper's 1/2 .. 1/256
+
+
 def test_quick_is_a_subset_of_the_full_list_with_every_section():
     quick, full = cells.select(quick=True), cells.select()
     assert {c.name for c in quick} < {c.name for c in full}
@@ -70,6 +125,10 @@ def test_quick_is_a_subset_of_the_full_list_with_every_section():
     window = [c for c in quick if c.section == "window"]
     assert sorted(c.direction for c in window) == ["fwd", "fwdbwd"]  # one of each
     assert any(cells.prescreen(c, "sdpa_masked") is None for c in window)  # one has the masked reference too
+    scoremod = [c for c in quick if c.section == "scoremod"]
+    assert sorted((c.modifiers, c.direction) for c in scoremod) == [("alibi", "fwd"), ("cap50", "fwdbwd")]
+    alibi = next(c for c in scoremod if c.alibi)
+    assert cells.prescreen(alibi, "sdpa_bias") is None  # the ALiBi one has the SDPA reference too
 
 
 def test_only_keeps_the_cells_whose_name_matches():
@@ -81,7 +140,7 @@ def test_only_keeps_the_cells_whose_name_matches():
 
 def test_the_batch_cells_hold_a_fixed_token_count():
     for c in cells.all_cells():
-        if c.section == "batch" or (c.section == "window" and not c.is_decode):
+        if c.section in ("batch", "scoremod") or (c.section == "window" and not c.is_decode):
             assert c.batch * c.seqlen_q == cells.BATCH_TOKENS and c.seqlen_q == c.seqlen_k
 
 
@@ -105,7 +164,7 @@ def test_sdpa_flash_is_never_run_where_it_ends_the_cuda_context():
     assert "device-side assert" in cells.prescreen(smallseq, "sdpa_flash")
     assert cells.prescreen(smallseq, "sdpa_cudnn") is None
     assert all(cells.prescreen(c, p) is None for c in cells.all_cells() if c.section != "smallseq" for p in cells.peers(c)
-               if p != "sdpa_masked")
+               if p not in cells.DENSE_PEERS)
     assert cells.padded_peer(smallseq, "sdpa_cudnn") and not cells.padded_peer(smallseq, "varlen_attn")
 
 
@@ -118,6 +177,19 @@ def test_window_peers_and_where_the_masked_reference_is_not_run():
     reason = cells.prescreen(cells.by_name("window/d128/h16:4/s16384/w1023,0/causal/fwd"), "sdpa_masked")
     assert reason.startswith("not run: its [S_q, S_k] boolean mask would be 256 MiB (> 64 MiB")
     assert not any(cells.padded_peer(c, p) for c in cells.all_cells() if c.section == "window" for p in cells.peers(c))
+
+
+def test_scoremod_peers_and_where_the_bias_reference_is_not_run():
+    for c in cells.all_cells():
+        if c.section == "scoremod":  # SDPA has no softcap; varlen_attn takes no modifier
+            assert cells.peers(c) == (("flex",) if c.softcap else ("flex", "sdpa_bias")), c.name
+            assert not any(cells.padded_peer(c, p) for p in cells.peers(c))
+    alibi = cells.by_name("scoremod/d128/h16:4/s4096/alibi/causal/fwdbwd")
+    assert cells.bias_bytes(alibi) == 16 * 4096 * 4096 * 2 == 512 * 1024**2
+    assert cells.prescreen(alibi, "sdpa_bias") is None and cells.prescreen(alibi, "flex") is None
+    long = cells.by_name("scoremod/d128/h16:4/s16384/alibi/causal/fwd")
+    assert cells.prescreen(long, "sdpa_bias").startswith(
+        "not run: its [Hq, S_q, S_k] bf16 ALiBi bias would be 8192 MiB (> 1024 MiB)")
 
 
 # ---- floors --------------------------------------------------------------------------------------
@@ -231,6 +303,38 @@ def test_window_cells_by_hand():
     assert cells.floor(windowed, ceilings)["ms"] == pytest.approx(windowed.flops / ceilings.gemm_flops_per_s * 1e3)
 
 
+def test_a_scoremod_cell_has_its_plain_twin_s_work_and_floor():
+    for c in cells.all_cells():
+        if c.section != "scoremod":
+            continue
+        twin = cells.plain_twin(c)
+        assert twin.section == "batch" and cells.by_name(twin.name) == twin  # a cell of the matrix
+        assert twin.name == c.name.replace("scoremod/", "batch/").replace(f"/{c.modifiers}/", "/")
+        assert cells.work(c) == cells.work(twin)
+        assert cells.floor(cells.work(c), cells.NOMINAL_CEILINGS) == cells.floor(cells.work(twin), cells.NOMINAL_CEILINGS)
+        assert cells.input_sets(c) == cells.input_sets(twin)
+    work = cells.work(cells.by_name("scoremod/d128/h16:4/s4096/cap50/causal/fwd"))
+    assert work.flops == 4 * 16 * 128 * 4 * 4096 * 4097 // 2  # B = 4 sequences of 4096, causal
+    tensor = 4 * 4096 * 16 * 128 * 2
+    assert work.bytes == 2 * tensor + 2 * tensor // 4 + 4 * 16 * 4096 * 4  # q, out; k, v at 4 heads; lse
+
+
+def test_the_estimates_count_the_bias_reference_s_dense_work():
+    causal = cells.by_name("scoremod/d128/h16:4/s4096/alibi/causal/fwd")
+    floor_ms = cells.floor(cells.work(causal), cells.NOMINAL_CEILINGS)["ms"]
+    dense_ms = cells.floor(cells.work(cells.by_name("scoremod/d128/h16:4/s4096/alibi/noncausal/fwd")),
+                           cells.NOMINAL_CEILINGS)["ms"]
+    ratios = cells.EXPECTED_FLOOR_RATIO[("scoremod", "fwd")]
+    expected = (cells.CELL_OVERHEAD_S + cells.FLEX_COMPILE_S["fwd"] + cells.runner_seconds(floor_ms * ratios["hipattn"])
+                + cells.runner_seconds(floor_ms * ratios["flex"]) + cells.runner_seconds(dense_ms * ratios["sdpa_bias"]))
+    assert cells.estimate_seconds(causal) == pytest.approx(expected)
+    long = cells.by_name("scoremod/d128/h16:4/s16384/alibi/causal/fwd")  # the bias peer is prescreened out
+    long_floor = cells.floor(cells.work(long), cells.NOMINAL_CEILINGS)["ms"]
+    assert cells.estimate_seconds(long) == pytest.approx(
+        cells.CELL_OVERHEAD_S + cells.FLEX_COMPILE_S["fwd"] + cells.runner_seconds(long_floor * ratios["hipattn"])
+        + cells.runner_seconds(long_floor * ratios["flex"]))
+
+
 def test_a_decode_window_reads_its_window_only():
     work = cells.work(cells.by_name("window/d128/h32:8/b8/kv32768/w4095,0/causal/fwd"))
     q = out = 8 * 32 * 128 * 2
@@ -338,6 +442,7 @@ def _synthetic() -> dict:
         _record("decode/d128/h32:8/b1/kv131072/fwd", None, {"sdpa_flash": 0.3}, check_ok=None),
         _record("window/d128/h16:4/s4096/w512,512/noncausal/fwdbwd", 0.8,
                 {"flex": 1.0, "varlen_attn": 0.9, "sdpa_masked": 4.0}),
+        _record("scoremod/d128/h16:4/s4096/alibi/noncausal/fwd", 0.9, {"flex": 0.75, "sdpa_bias": 4.5}),
         {"name": "decode/d128/h32:8/b64/kv4096/fwd", "section": "decode",
          "params": cells.by_name("decode/d128/h32:8/b64/kv4096/fwd").params(),
          "error": "the worker ended with status -11 during setup of sdpa_cudnn"},
@@ -367,17 +472,20 @@ def test_a_cell_whose_peers_all_failed_has_a_floor_ratio_and_no_peer_ratio():
 
 def test_the_summary_counts_wins_failures_and_the_worst_cells():
     summary = report.summarize(_synthetic())
-    assert summary["compared"] == 4  # small-seq, batch non-causal and causal, window
+    assert summary["compared"] == 5  # small-seq, batch non-causal and causal, window, scoremod
     assert summary["wins"] == 2  # small-seq and window; the causal cell is faster but its check failed
     assert summary["check_failures"] == ["batch/d128/h16:16/s1024/causal/fwd"]
-    assert summary["worst"] == [("batch/d128/h16:16/s1024/noncausal/fwd", pytest.approx(2.0), "sdpa_cudnn")]
+    assert summary["worst"] == [("batch/d128/h16:16/s1024/noncausal/fwd", pytest.approx(2.0), "sdpa_cudnn"),
+                                ("scoremod/d128/h16:4/s4096/alibi/noncausal/fwd", pytest.approx(1.2), "flex")]
     assert summary["no_peer"] == ["varlen/d128/h16:16/noncausal/fwd"]
     assert set(summary["hipattn_failed"]) == {"decode/d128/h32:8/b1/kv131072/fwd", "decode/d128/h32:8/b64/kv4096/fwd"}
     assert summary["skipped"] == ["batch/d256/h16:4/s16384/causal/fwdbwd"]
-    assert summary["geomean_vs_best_peer"] == pytest.approx((0.7 / 5.5 * 2.0 * 0.5 * 0.8 / 0.9) ** (1 / 4))
+    assert summary["geomean_vs_best_peer"] == pytest.approx((0.7 / 5.5 * 2.0 * 0.5 * 0.8 / 0.9 * 1.2) ** (1 / 5))
     assert report.summarize(_synthetic(), "smallseq")["wins"] == 1
     window = report.summarize(_synthetic(), "window")
     assert (window["cells"], window["wins"], window["geomean_vs_best_peer"]) == (1, 1, pytest.approx(0.8 / 0.9))
+    scoremod = report.summarize(_synthetic(), "scoremod")
+    assert (scoremod["cells"], scoremod["wins"], scoremod["geomean_vs_best_peer"]) == (1, 0, pytest.approx(1.2))
 
 
 def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
@@ -388,7 +496,7 @@ def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
     assert "SM clock 1965-1980 MHz" in text
     for section in cells.SECTIONS:
         assert f"### {report.SECTION_TITLES[section]}" in text
-    assert text.count("| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |") == 5
+    assert text.count("| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |") == 6
     assert "| `d128/h16:16/fwd` | 0.7 | cuDNN (SDPA) padded | 5.5 | **0.13×** | 1.25× | ok (3.0e-03) |" in text
     assert "| `d128/h16:16/s1024/noncausal/fwd` | 0.4 | cuDNN (SDPA) | 0.2 | 2.00× | 0.40× | ok (3.0e-03) |" in text
     assert "**FAIL**" in text
@@ -398,7 +506,10 @@ def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
     assert "Skipped 1 cells (budget: 2.1 s expected, 0.4 s left): `d256/h16:4/s16384/causal/fwdbwd`" in text
     assert "| `d128/h16:4/s4096/w512,512/noncausal/fwdbwd` | 0.8 | varlen_attn | 0.9 | **0.89×** | 0.80× | ok (3.0e-03) |" in text
     assert f"Peers: {report.SECTION_PEERS['window']}. hipattn wins 1 of 1" in text
-    assert "**Summary:** hipattn is faster than the best peer in 2 of 4 cells" in text
+    assert "| `d128/h16:4/s4096/alibi/noncausal/fwd` | 0.9 | FlexAttention | 0.75 | 1.20× | 0.90× | ok (3.0e-03) |" in text
+    assert f"Peers: {report.SECTION_PEERS['scoremod']}. hipattn wins 0 of 1" in text
+    assert "Without the modifier" not in text  # no plain twin in this run
+    assert "**Summary:** hipattn is faster than the best peer in 2 of 5 cells" in text
     assert "Prewarm: `python -m hipattn warm --arch sm_90a --jobs 16`, exit 0, 71.2 s." in text
 
 
@@ -419,6 +530,33 @@ def test_the_heat_map_puts_each_cell_at_its_parameters():
     assert window["entries"][("d128 h16:4 w512,512 noncausal", "s4096\nfwdbwd")] == (pytest.approx(0.8 / 0.9), "0.89")
     decode = cells.by_name("window/d128/h32:8/b8/kv32768/w4095,0/causal/fwd").params()
     assert report.panel_position(decode) == ("decode w4095,0 causal", "b8 kv32768\nh32:8")
+    scoremod = laid_out["scoremod"]
+    assert scoremod["rows"] == ["d128 h16:4 alibi noncausal"] and scoremod["columns"] == ["s4096\nfwd"]
+    assert scoremod["entries"][("d128 h16:4 alibi noncausal", "s4096\nfwd")] == (pytest.approx(1.2), "1.20")
+    both = cells.by_name("scoremod/d64/h16:4/s4096/cap50/causal/fwdbwd").params()
+    assert report.panel_position(both) == ("d64 h16:4 cap50 causal", "s4096\nfwdbwd")
+
+
+def test_the_scoremod_section_says_what_the_modifiers_cost_against_the_plain_twin():
+    doc = _doc([
+        _record("scoremod/d128/h16:4/s4096/cap50/causal/fwd", 1.1, {"flex": 1.3}),
+        _record("scoremod/d128/h16:4/s4096/cap50/causal/fwdbwd", 4.4, {"flex": 4.0}),
+        _record("scoremod/d128/h16:4/s4096/alibi/causal/fwd", 1.5, {"flex": 1.3}),
+        _record("scoremod/d128/h16:4/s4096/cap50,alibi/causal/fwd", 1.2, {"flex": 1.3}),  # its twin is shared
+        _record("scoremod/d64/h16:4/s4096/cap50/causal/fwd", 1.0, {"flex": 1.3}),  # no twin in the run
+        _record("batch/d128/h16:4/s4096/causal/fwd", 1.0, {"sdpa_cudnn": 0.9}),
+        _record("batch/d128/h16:4/s4096/causal/fwdbwd", 4.0, {"sdpa_cudnn": 3.5}),
+        _record("batch/d64/h16:4/s4096/causal/fwd", None, {"sdpa_cudnn": 0.5}, check_ok=None),  # hipattn failed
+    ])
+    costs = report.modifier_costs(doc)
+    assert costs == {"cap50": [pytest.approx(1.1), pytest.approx(1.1)], "alibi": [pytest.approx(1.5)],
+                     "cap50,alibi": [pytest.approx(1.2)]}
+    text = report.markdown(doc)
+    assert ("Without the modifier (hipattn on the `batch` cell of the same shape, same run; not interleaved with "
+            "these): hipattn with ÷ without, geometric mean cap50 1.10× (2 cells), alibi 1.50× (1 cells), "
+            "cap50,alibi 1.20× (1 cells).") in text
+    assert text.index("Without the modifier") > text.index(f"### {report.SECTION_TITLES['scoremod']}")
+    assert report.modifier_cost_text(_doc([_record("batch/d128/h16:4/s4096/causal/fwd", 1.0, {})])) is None
 
 
 def test_every_section_and_peer_has_its_report_text():
@@ -441,7 +579,7 @@ def test_report_renders_the_markdown_and_the_png_from_a_json(tmp_path):
     done = subprocess.run([*TOOL, "--report", str(tmp_path / "run"), "--out", str(tmp_path / "new")],
                           capture_output=True, text=True, timeout=120, cwd=REPOSITORY)
     assert done.returncode == 0, done.stderr
-    assert "hipattn is faster than the best peer in 2 of 4" in done.stdout
+    assert "hipattn is faster than the best peer in 2 of 5" in done.stdout
     assert (tmp_path / "new" / report.MARKDOWN_NAME).read_text() == report.markdown(_synthetic())
     try:
         import matplotlib  # noqa: F401
@@ -476,6 +614,19 @@ def test_list_prints_the_cells_and_estimates_without_a_gpu():
     listed = [line.split()[0] for line in done.stdout.splitlines() if "peers:" in line]
     assert listed == list(cells.QUICK_CELLS)
     assert f"total       {len(cells.QUICK_CELLS)} cells" in done.stdout
+
+
+def test_list_and_help_show_the_scoremod_cells():
+    done = subprocess.run([*TOOL, "--list", "--only", "^scoremod/"], capture_output=True, text=True, timeout=120,
+                          cwd=REPOSITORY)
+    assert done.returncode == 0, done.stderr
+    listed = {line.split()[0]: line.split("peers: ")[1] for line in done.stdout.splitlines() if "peers:" in line}
+    assert sorted(listed) == sorted(SCOREMOD_NAMES)
+    assert listed["scoremod/d128/h16:4/s4096/cap50/causal/fwdbwd"] == "flex"
+    assert listed["scoremod/d128/h16:4/s4096/alibi/noncausal/fwd"] == "flex, sdpa_bias"
+    assert "scoremod    14 cells" in done.stdout
+    helped = subprocess.run([*TOOL, "--help"], capture_output=True, text=True, timeout=120, cwd=REPOSITORY)
+    assert helped.returncode == 0 and "scoremod (flash-attn's softcap=50 and ALiBi" in helped.stdout
 
 
 # ---- orchestration, with a fake measurer ---------------------------------------------------------

@@ -22,9 +22,19 @@ A cell is one workload in one direction with a stable name, e.g. ``smallseq/d128
   with window_size, SDPA's efficient backend with an explicit boolean mask where the mask is small (a
   reference: it computes every pair), and for decode SDPA's backends on the window's keys (a slice of
   the cache).
+- ``scoremod``: flash-attn's score modifiers (``capN``: softcap=N, Gemma 2's 50; ``alibi``: alibi_slopes
+  [Hq], the ALiBi paper's geometric slopes 2^(-8 (h + 1) / Hq); ``capN,alibi``: both): BSHD
+  self-attention at BATCH_TOKENS tokens on SCOREMOD_SHAPES (head_dim 128, and 64 for one shape; GQA
+  16:4; S 4096, and 16384 for one; causal or not), ``fwd`` and ``fwdbwd``. Every shape is also a
+  ``batch`` cell (plain_twin), the same work without the modifier. Peers: FlexAttention with the
+  modifier as a score_mod (torch.compile'd), and for ALiBi alone SDPA's efficient backend with the
+  bias as an explicit float mask where it is small (a reference: it computes every pair). SDPA has no
+  softcap, its flash and cuDNN backends take no bias, and torch's varlen_attn takes neither.
 
 A cell's FLOPs count only the (query, key) pairs its mask lets through (visible_pairs), and its bytes
-only the keys some query sees (key_range): a decode window reads its window, not the cache.
+only the keys some query sees (key_range): a decode window reads its window, not the cache. The score
+modifiers add no matrix product and no tensor to move (the slopes are Hq floats): a scoremod cell has
+the FLOPs, bytes and floor of its plain twin.
 
 The floor of a cell is the larger of its FLOPs over the measured bf16 GEMM rate and its bytes over
 the measured copy bandwidth, both measured at the start of the run; which one binds is recorded
@@ -38,7 +48,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-SECTIONS = ("smallseq", "batch", "varlen", "decode", "window")
+SECTIONS = ("smallseq", "batch", "varlen", "decode", "window", "scoremod")
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 ELEMENT_BYTES = 2  # bf16
 LSE_BYTES = 4  # fp32
@@ -86,6 +96,27 @@ WINDOW_DECODE_SHAPES = ((8, 32768, 32, 8, (4095, 0)), (64, 4096, 32, 8, (1023, 0
 # skipped) and converts the mask to a bias per call: run only where the mask is at most this big.
 MASKED_PEER_MAX_MASK_BYTES = 64 * 1024**2
 
+SOFTCAP = 50.0  # Gemma 2's attention logit softcap
+# Softcap cells draw q with this standard deviation (a power of 2: exact in bf16), so that the scaled
+# scores q·k / sqrt(D) have it too and the largest reach the cap: at D 128, S 4096, causal, leaving the
+# cap out then moves the output by about 14% (relative L2), against 0.2% with randn queries, which the
+# numeric check (2%) could not tell from rounding. The attention kernels timed here do not branch on the
+# values.
+SOFTCAP_QUERY_SCALE = 8.0
+# (head_dim, Hq, Hkv, S, softcap, alibi, causal): the score-modifier training shapes, at BATCH_TOKENS
+# tokens (B = BATCH_TOKENS / S); each is also a batch cell's shape.
+SCOREMOD_SHAPES = (
+    *((128, 16, 4, 4096, softcap, alibi, causal) for softcap, alibi in ((SOFTCAP, False), (0.0, True))
+      for causal in (False, True)),
+    (128, 16, 4, 16384, 0.0, True, True),
+    (64, 16, 4, 4096, SOFTCAP, False, True),
+    (128, 16, 4, 4096, SOFTCAP, True, True),
+)
+# SDPA's efficient backend with the ALiBi bias as an explicit [Hq, S_q, S_k] bf16 mask (expanded over
+# the batch, read per batch entry) computes every pair: run only where the bias is at most this big
+# (S 4096 at Hq 16: 512 MiB; S 16384 would be 8 GiB).
+BIAS_PEER_MAX_BYTES = 1024**3
+
 # Backward FLOPs over forward FLOPs (the backward does 2.5 forwards' worth of matrix products).
 BACKWARD_FLOP_FACTOR = 2.5
 
@@ -97,6 +128,11 @@ MAX_INPUT_SETS = 4
 # FA2 inside torch SDPA fails with a device-side assert when B * H exceeds this (BENCHMARKS.md,
 # small-seq runs 5-9), which would end the CUDA context of the whole process: such cells never run it.
 SDPA_FLASH_MAX_BATCH_HEADS = 65535
+
+
+def modifier_name(softcap: float, alibi: bool) -> str:
+    """The name part of the score modifiers: ``cap50``, ``alibi``, ``cap50,alibi``, or "" for none."""
+    return ",".join(([f"cap{softcap:g}"] if softcap > 0 else []) + (["alibi"] if alibi else []))
 
 
 @dataclass(frozen=True)
@@ -113,6 +149,8 @@ class Cell:
     page_size: int = 0  # decode: tokens per page of a paged cache (0: contiguous)
     window_left: int = -1  # flash-attn's window_size=(left, right); -1: that side unbounded
     window_right: int = -1
+    softcap: float = 0.0  # flash-attn's softcap (0: none)
+    alibi: bool = False  # ALiBi with alibi_slopes(heads_q)
 
     @property
     def window(self) -> tuple[int, int]:
@@ -121,6 +159,14 @@ class Cell:
     @property
     def windowed(self) -> bool:
         return self.window != NO_WINDOW
+
+    @property
+    def score_modified(self) -> bool:
+        return self.softcap > 0 or self.alibi
+
+    @property
+    def modifiers(self) -> str:
+        return modifier_name(self.softcap, self.alibi)
 
     @property
     def is_decode(self) -> bool:
@@ -136,6 +182,8 @@ class Cell:
             if self.seqlen_q == 1:
                 return f"window/d{self.head_dim}/{heads}/b{self.batch}/kv{self.seqlen_k}/{window}/{mask}/{self.direction}"
             return f"window/d{self.head_dim}/{heads}/s{self.seqlen_q}/{window}/{mask}/{self.direction}"
+        if self.section == "scoremod":
+            return f"scoremod/d{self.head_dim}/{heads}/s{self.seqlen_q}/{self.modifiers}/{mask}/{self.direction}"
         if self.section == "smallseq":
             return f"smallseq/d{self.head_dim}/{heads}/{self.direction}"
         if self.section == "batch":
@@ -186,7 +234,22 @@ def all_cells() -> list[Cell]:
     for batch, kv, heads_q, heads_kv, (left, right) in WINDOW_DECODE_SHAPES:
         found.append(Cell("window", "fwd", WINDOW_HEAD_DIM, heads_q, heads_kv, True, batch=batch, seqlen_q=1,
                           seqlen_k=kv, window_left=left, window_right=right))
+    for head_dim, heads_q, heads_kv, seqlen, softcap, alibi, causal in SCOREMOD_SHAPES:
+        for direction in ("fwd", "fwdbwd"):
+            found.append(Cell("scoremod", direction, head_dim, heads_q, heads_kv, causal, batch=BATCH_TOKENS // seqlen,
+                              seqlen_q=seqlen, seqlen_k=seqlen, softcap=softcap, alibi=alibi))
     return found
+
+
+def plain_twin(cell: Cell) -> Cell:
+    """The batch cell of a scoremod cell's shape: the same work without the modifier."""
+    return Cell("batch", cell.direction, cell.head_dim, cell.heads_q, cell.heads_kv, cell.causal, batch=cell.batch,
+                seqlen_q=cell.seqlen_q, seqlen_k=cell.seqlen_k)
+
+
+def alibi_slopes(heads: int) -> tuple[float, ...]:
+    """The ALiBi paper's slopes for ``heads`` heads: the geometric series 2^(-8 (h + 1) / heads)."""
+    return tuple(2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads))
 
 
 # The A/B subset: a few cells of each section, chosen to span its parameters and its known cliffs.
@@ -212,6 +275,8 @@ QUICK_CELLS = (
     "decode/d128/h32:32/b128/kv1024/fwd",
     "window/d128/h16:4/s16384/w1023,0/causal/fwd",
     "window/d128/h16:4/s4096/w512,512/noncausal/fwdbwd",
+    "scoremod/d128/h16:4/s4096/cap50/causal/fwdbwd",
+    "scoremod/d128/h16:4/s4096/alibi/noncausal/fwd",
 )
 
 
@@ -225,7 +290,7 @@ def quick_cells() -> list[Cell]:
 
 # After the quick subset, the full run measures the small sections first: a run cut short by its
 # budget then loses cells of the largest section only.
-REST_ORDER = ("varlen", "decode", "window", "smallseq", "batch")
+REST_ORDER = ("varlen", "decode", "window", "scoremod", "smallseq", "batch")
 
 
 def select(quick: bool = False, only: str | None = None) -> list[Cell]:
@@ -265,6 +330,10 @@ PEERS = {
     # with a window mask_mod, varlen_attn (FA2) with window_size, and the efficient backend with the
     # boolean mask as a reference (sdpa_masked).
     "window": ("flex", "varlen_attn", "sdpa_masked"),
+    # SDPA has no softcap and its flash and cuDNN backends take no bias; torch's varlen_attn takes
+    # neither modifier: FlexAttention with a score_mod, and for ALiBi alone the efficient backend with
+    # the bias as an explicit float mask as a reference (sdpa_bias).
+    "scoremod": ("flex", "sdpa_bias"),
 }
 # A decode step's window is a run of the cache: SDPA's backends run on that slice of it (the same
 # function on the same data) instead of a mask.
@@ -274,6 +343,8 @@ WINDOW_DECODE_PEERS = ("flex", "varlen_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_
 def peers(cell: Cell) -> tuple[str, ...]:
     if cell.section == "window" and cell.is_decode:
         return WINDOW_DECODE_PEERS
+    if cell.section == "scoremod" and cell.softcap > 0:  # no SDPA backend caps the scores
+        return ("flex",)
     return PEERS[cell.section]
 
 
@@ -285,7 +356,7 @@ def padded_peer(cell: Cell, peer: str) -> bool:
 
 def prescreen(cell: Cell, peer: str) -> str | None:
     """Why ``peer`` is not run on ``cell`` at all, or None. Only for peers known to end the process's
-    CUDA context on such a cell, and for the masked reference peer where its mask is large; every
+    CUDA context on such a cell, and for the masked reference peers where their mask is large; every
     other failure is found by running the peer."""
     if peer == "sdpa_flash" and cell.batch * cell.heads_q > SDPA_FLASH_MAX_BATCH_HEADS:
         return (f"not run: B*Hq = {cell.batch * cell.heads_q} > {SDPA_FLASH_MAX_BATCH_HEADS}, where FA2 in SDPA "
@@ -295,7 +366,16 @@ def prescreen(cell: Cell, peer: str) -> str | None:
         return (f"not run: its [S_q, S_k] boolean mask would be {mask // 1024**2} MiB (> "
                 f"{MASKED_PEER_MAX_MASK_BYTES // 1024**2} MiB; twice that again as the bf16 bias SDPA makes of it "
                 "per call), and it computes all S_q * S_k pairs: a reference only where that is cheap")
+    if peer == "sdpa_bias" and bias_bytes(cell) > BIAS_PEER_MAX_BYTES:
+        return (f"not run: its [Hq, S_q, S_k] bf16 ALiBi bias would be {bias_bytes(cell) // 1024**2} MiB (> "
+                f"{BIAS_PEER_MAX_BYTES // 1024**2} MiB), read again for every batch entry, and it computes all "
+                "S_q * S_k pairs: a reference only where that is cheap")
     return None
+
+
+def bias_bytes(cell: Cell) -> int:
+    """The bytes of the sdpa_bias peer's explicit ALiBi bias, [Hq, S_q, S_k] bf16."""
+    return cell.heads_q * cell.seqlen_q * cell.seqlen_k * ELEMENT_BYTES
 
 
 # ---- sequence lengths ----------------------------------------------------------------------------
@@ -494,11 +574,18 @@ EXPECTED_FLOOR_RATIO = {
     ("window", "fwdbwd"): {"hipattn": 3.5, "flex": 5.0, "varlen_attn": 3.5, "sdpa_masked": 7.0},
     ("window", "decode"): {"hipattn": 15, "flex": 8, "varlen_attn": 4, "sdpa_flash": 4, "sdpa_cudnn": 4,
                            "sdpa_efficient": 6},
+    # Guesses: a little above plain attention (the modifier's arithmetic per score); sdpa_bias's, like
+    # sdpa_masked's, is per computed pair (the window run's masked SDPA: 6.3-6.4x the dense floor).
+    ("scoremod", "fwd"): {"hipattn": 3.0, "flex": 3.5, "sdpa_bias": 6.5},
+    ("scoremod", "fwdbwd"): {"hipattn": 3.5, "flex": 4.0, "sdpa_bias": 7.0},
 }
 # FlexAttention compiles (Dynamo + Inductor + Triton) on its first call in a cell: every cell has other
-# shapes, block mask or autograd mode. Guessed seconds per direction; the records' setup_s say what it
-# took.
-FLEX_COMPILE_S = {"fwd": 6.0, "bwd": 12.0, "fwdbwd": 15.0}
+# shapes, block mask, score_mod or autograd mode. Seconds per direction, a little above the window
+# section's H200 run (BENCHMARKS.md, 2026-12-01: setup_s 1.5-2.7 s forward and 4.8-5.8 s forward +
+# backward, 10 s for the process's first compile); the records' setup_s say what it took.
+FLEX_COMPILE_S = {"fwd": 3.0, "bwd": 6.0, "fwdbwd": 6.5}
+# The peers that compute every (query, key) pair whatever the mask lets through.
+DENSE_PEERS = ("sdpa_masked", "sdpa_bias")
 SMALLSEQ_PORTABLE_BACKWARD_RATIO = 15
 CELL_OVERHEAD_S = 0.3  # inputs, autograd graphs, the numeric check, freeing memory
 RUNNER_OVERHEAD_S = 0.05  # set-up and first call (cuDNN plans, module loads)
@@ -519,10 +606,11 @@ def estimate_seconds(cell: Cell, ceilings: Ceilings = NOMINAL_CEILINGS, rounds: 
     ratios = dict(EXPECTED_FLOOR_RATIO[(cell.section, kind)])
     if cell.section == "smallseq" and cell.direction == "bwd" and cell.heads_q != cell.heads_kv:
         ratios["hipattn"] = SMALLSEQ_PORTABLE_BACKWARD_RATIO
-    if "sdpa_masked" in ratios:  # it computes every pair
-        lengths_q, lengths_k = lengths(cell)
-        visible = sum(visible_pairs(q, k, cell.causal, cell.window) for q, k in zip(lengths_q, lengths_k, strict=True))
-        ratios["sdpa_masked"] *= sum(q * k for q, k in zip(lengths_q, lengths_k, strict=True)) / max(visible, 1)
+    for dense in DENSE_PEERS:
+        if dense in ratios:  # it computes every pair
+            lengths_q, lengths_k = lengths(cell)
+            visible = sum(visible_pairs(q, k, cell.causal, cell.window) for q, k in zip(lengths_q, lengths_k, strict=True))
+            ratios[dense] *= sum(q * k for q, k in zip(lengths_q, lengths_k, strict=True)) / max(visible, 1)
     seconds = CELL_OVERHEAD_S
     for runner in ("hipattn", *peers(cell)):
         if prescreen(cell, runner) is None:

@@ -18,6 +18,13 @@ data, and SDPA's efficient backend with the window as an explicit [S_q, S_k] boo
 (``sdpa_masked``, K/V heads repeated inside the call for GQA, which that backend lacks; not run where
 cells.prescreen finds the mask large). A decode step's window is a run of the cache, so SDPA's
 backends run there on that slice of the cache (not causal: the slice is exactly the visible keys).
+
+Score-modifier cells: hipattn gets softcap= and alibi_slopes= (fp32 [Hq] on the device, made once per
+cell in prepare and shared by every runner); softcap cells' queries are scaled so that the scores reach
+the cap (cells.SOFTCAP_QUERY_SCALE). FlexAttention gets the modifier as a score_mod (softcap *
+tanh(score / softcap), then - slope[h] * |q_idx + S_k - S_q - kv_idx|) that reads the slopes from that
+tensor (an input of the compiled code, not Hq constants compiled into it), and a causal block mask; for ALiBi alone, SDPA's efficient backend gets the bias as an explicit [Hq, S_q, S_k] bf16 mask
+(-inf where causal hides a key; ``sdpa_bias``, K/V heads repeated as for ``sdpa_masked``).
 """
 
 from __future__ import annotations
@@ -37,9 +44,9 @@ import torch
 
 from . import cells
 
-# What sdpa_masked runs on (an SDPBackend name); the CPU tests set MATH, which the CPU has.
+# What sdpa_masked and sdpa_bias run on (an SDPBackend name); the CPU tests set MATH, which the CPU has.
 MASKED_SDPA_BACKEND = "EFFICIENT_ATTENTION"
-FLEX_RECOMPILE_LIMIT = 64  # every window cell compiles flex_attention anew (its shapes, mask or autograd mode)
+FLEX_RECOMPILE_LIMIT = 64  # every window and scoremod cell compiles flex_attention anew (shapes, mods, autograd)
 REL_L2_TOLERANCE = 2e-2  # bf16 against bf16: each about 2-4e-3 from float64 (BENCHMARKS.md error tables)
 MAX_ABS_TOLERANCE = 5e-2  # of the reference's largest magnitude
 SPIN_CYCLES = 1_000_000  # about 0.5 ms at 2 GHz: the host queues a sample's calls meanwhile
@@ -86,6 +93,7 @@ class CellData:
     sequence_args: dict  # THD: cu_seqlens_q/k, max_seqlen_q/k
     generator: torch.Generator
     padded: dict | None = None  # small-seq SDPA peers' [B, H, 17, D] batch, made on first use
+    alibi_slopes: torch.Tensor | None = None  # fp32 [Hq] on the device, ALiBi cells only
 
 
 class ClockReader:
@@ -149,7 +157,12 @@ def _hipattn(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
     import hipattn
 
     sets, count = data.sets, len(data.sets)
-    window = {"window_size": cell.window} if cell.windowed else {}  # other cells call as they always have
+    # Only the window and score-modifier cells pass those arguments: the others call as they always have.
+    extra = {"window_size": cell.window} if cell.windowed else {}
+    if cell.softcap > 0:
+        extra["softcap"] = cell.softcap
+    if cell.alibi:
+        extra["alibi_slopes"] = data.alibi_slopes  # made once per cell
     if cell.is_decode:
         caches = [decode_cache(cell, s, data.generator) for s in sets]
         outs = [torch.full_like(s["q"], float("nan")) for s in sets]
@@ -157,11 +170,11 @@ def _hipattn(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
         def run_decode(i: int) -> tuple:
             s, cache, out = sets[i % count], caches[i % count], outs[i % count]
             hipattn.flash_attn_with_kvcache(s["q"], cache["k"], cache["v"], cache_seqlens=cache["seqlens"],
-                                            block_table=cache["block_table"], causal=cell.causal, out=out, **window)
+                                            block_table=cache["block_table"], causal=cell.causal, out=out, **extra)
             return (out,)
         return run_decode
 
-    arguments = dict(data.sequence_args, causal=cell.causal, **window)
+    arguments = dict(data.sequence_args, causal=cell.causal, **extra)
     state = []
     for s in sets:  # first calls allocate the outputs (and compile or load the kernels)
         out, lse = hipattn.forward(s["q"], s["k"], s["v"], **arguments)
@@ -263,6 +276,8 @@ def _sdpa(name: str, cell: cells.Cell, data: CellData) -> Callable[[int], tuple]
     causal = cell.causal and not cell.windowed
     if cell.windowed and not cell.is_decode:
         raise ValueError(f"{name} takes no sliding window (window cells run sdpa_masked)")
+    if cell.score_modified:
+        raise ValueError(f"{name} takes no softcap or ALiBi (ALiBi cells run sdpa_bias)")
 
     def attend(q, k, v):
         with sdpa_kernel(backend):
@@ -293,13 +308,31 @@ def window_mask(cell: cells.Cell, device) -> torch.Tensor:
     return keep
 
 
+def alibi_bias(cell: cells.Cell, slopes: torch.Tensor) -> torch.Tensor:
+    """ALiBi on a BSHD cell as an fp32 [Hq, S_q, S_k] additive bias, written straight from flash-attn's
+    rule: query i and key j get -slopes[h] * |i + S_k - S_q - j|, and -inf where causal hides the key."""
+    rows = torch.arange(cell.seqlen_q, device=slopes.device)[:, None] + (cell.seqlen_k - cell.seqlen_q)
+    keys = torch.arange(cell.seqlen_k, device=slopes.device)[None, :]
+    bias = -slopes.float()[:, None, None] * (rows - keys).abs()[None]
+    if cell.causal:
+        bias = bias.masked_fill((keys > rows)[None], float("-inf"))
+    return bias
+
+
 def _sdpa_masked(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
-    """SDPA (MASKED_SDPA_BACKEND) with the window as an explicit boolean mask, built once; the K/V
-    heads repeated inside the call for GQA (the efficient backend has no enable_gqa)."""
+    """SDPA (MASKED_SDPA_BACKEND) with an explicit mask, built once: the window as a boolean mask
+    (sdpa_masked), or ALiBi as a bf16 bias, the queries' dtype, which the efficient backend needs
+    (sdpa_bias); the K/V heads repeated inside the call for GQA (the efficient backend has no
+    enable_gqa)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, MASKED_SDPA_BACKEND)
-    mask = window_mask(cell, data.sets[0]["q"].device)
+    if cell.windowed:
+        mask = window_mask(cell, data.sets[0]["q"].device)
+    elif cell.alibi and cell.softcap == 0:
+        mask = alibi_bias(cell, data.alibi_slopes).to(data.sets[0]["q"].dtype)
+    else:
+        raise ValueError("an explicit mask takes a sliding window or ALiBi alone (SDPA has no softcap)")
     group = cell.heads_q // cell.heads_kv
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -317,7 +350,8 @@ def _sdpa_masked(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
 def _flex_function() -> Callable:
     """flex_attention through torch.compile, once per process (the CPU tests replace this with the
     eager function). Static shapes: no cell should get a dynamic-shape kernel because an earlier cell
-    had other sizes; and a recompile limit above the default 8, since every window cell recompiles."""
+    had other sizes; and a recompile limit above the default 8, since every window and scoremod cell
+    recompiles."""
     import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -327,9 +361,28 @@ def _flex_function() -> Callable:
     return torch.compile(flex_attention, dynamic=False)
 
 
+def score_mod(cell: cells.Cell, slopes: torch.Tensor | None) -> Callable | None:
+    """The cell's score modifiers as a FlexAttention score_mod (None: plain attention), flash-attn's
+    order: the softcap on the scaled score, then ALiBi's -slope[h] * |q_idx + S_k - S_q - kv_idx|, the
+    slope read from ``slopes`` (captured as a tensor: compiled code is not specialised on its values)."""
+    if not cell.score_modified:
+        return None
+    softcap, shift = cell.softcap, cell.seqlen_k - cell.seqlen_q
+
+    def modify(score, b, h, q_idx, kv_idx):
+        if softcap > 0:
+            score = softcap * torch.tanh(score / softcap)
+        if slopes is not None:
+            score = score - slopes[h] * torch.abs(q_idx + shift - kv_idx)
+        return score
+
+    return modify
+
+
 def _flex(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
-    """FlexAttention on [B, H, S, D] views, the window as a mask_mod whose block mask is built here,
-    outside the timed calls (the same for every batch entry and head: B = H = None)."""
+    """FlexAttention on [B, H, S, D] views, the window or causal mask as a mask_mod whose block mask is
+    built here, outside the timed calls (the same for every batch entry and head: B = H = None; none
+    without a mask), and the score modifiers as a score_mod."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     left, right = cells.effective_window(cell.causal, cell.window)
@@ -342,9 +395,13 @@ def _flex(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
         return (offset >= lowest) & (offset <= highest)
 
     device = data.sets[0]["q"].device
-    block_mask = create_block_mask(window_mod, None, None, cell.seqlen_q, cell.seqlen_k, device=device)
+    masked = cell.windowed or cell.causal
+    block_mask = create_block_mask(window_mod, None, None, cell.seqlen_q, cell.seqlen_k, device=device) if masked else None
     flex = _flex_function()
     extra = {"enable_gqa": True} if cell.heads_q != cell.heads_kv else {}
+    modify = score_mod(cell, data.alibi_slopes if cell.alibi else None)
+    if modify is not None:
+        extra["score_mod"] = modify
 
     def attend(q, k, v):
         return flex(q, k, v, block_mask=block_mask, **extra)
@@ -356,6 +413,8 @@ def _flex(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
 def _varlen(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
     from torch.nn.attention.varlen import varlen_attn
 
+    if cell.score_modified:
+        raise ValueError("varlen_attn takes no softcap or ALiBi")
     if cell.windowed:  # flash-attn's window, which varlen_attn passes to FA2
         extra = {"window_size": cells.effective_window(cell.causal, cell.window)}
     else:
@@ -398,8 +457,8 @@ def _random(shape: tuple, generator: torch.Generator) -> torch.Tensor:
 
 
 def prepare(cell: cells.Cell, device: str) -> CellData:
-    """The cell's input sets: random bf16 q, k, v (and dout), seeded by the cell's name; THD cells'
-    cu_seqlens and bounds."""
+    """The cell's input sets: random bf16 q, k, v (and dout), seeded by the cell's name, q scaled by
+    cells.SOFTCAP_QUERY_SCALE in softcap cells; THD cells' cu_seqlens and bounds; ALiBi cells' slopes."""
     generator = torch.Generator(device=device).manual_seed(zlib.crc32(cell.name.encode()))
     lengths_q, lengths_k = cells.lengths(cell)
     if cell.layout == "thd":
@@ -416,23 +475,26 @@ def prepare(cell: cells.Cell, device: str) -> CellData:
     sets = []
     for _ in range(cells.input_sets(cell)):
         s = {"q": _random(shape_q, generator), "k": _random(shape_k, generator), "v": _random(shape_k, generator)}
+        if cell.softcap > 0:
+            s["q"].mul_(cells.SOFTCAP_QUERY_SCALE)
         if cell.direction != "fwd":
             s["dout"] = _random(shape_q, generator)
         sets.append(s)
-    return CellData(cell, sets, sequence_args, generator)
+    slopes = torch.tensor(cells.alibi_slopes(cell.heads_q), dtype=torch.float32, device=device) if cell.alibi else None
+    return CellData(cell, sets, sequence_args, generator, alibi_slopes=slopes)
 
 
 def build(name: str, cell: cells.Cell, data: CellData) -> Runner:
     """hipattn or a peer on the cell's data; raises when it cannot run it."""
     if name == "hipattn":
         run = _hipattn(cell, data)
-    elif name.startswith("sdpa_") and name != "sdpa_masked":
+    elif name in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient"):
         run = _sdpa(name, cell, data)
     elif name == "varlen_attn":
         run = _varlen(cell, data)
     elif name == "flex":
         run = _flex(cell, data)
-    elif name == "sdpa_masked":
+    elif name in ("sdpa_masked", "sdpa_bias"):
         run = _sdpa_masked(cell, data)
     else:
         raise ValueError(f"unknown runner {name!r}")

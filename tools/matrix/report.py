@@ -20,6 +20,9 @@ SECTION_TITLES = {
     "decode": "Decode (one query token per sequence, flash_attn_with_kvcache, head_dim 128; paged: pages of 256)",
     "window": "Sliding window (flash-attn's window_size=(left, right), wL,R; BSHD at 16384 tokens, and decode steps "
               "whose window limits the keys read; floors count the visible pairs and keys only)",
+    "scoremod": "Score modifiers (flash-attn's softcap and alibi_slopes: capN is softcap=N, alibi the ALiBi paper's "
+                "slopes 2^(-8 (h + 1) / Hq); BSHD at 16384 tokens; softcap cells' queries have std 8, so that the "
+                "scores reach the cap; floors those of plain attention on the shape)",
 }
 SECTION_PEERS = {
     "smallseq": "torch's varlen_attn on the same THD data (the numeric check's reference); SDPA cuDNN and "
@@ -34,10 +37,15 @@ SECTION_PEERS = {
               "explicit boolean mask (a reference that computes every pair, K/V heads repeated for GQA; not run where "
               "the mask exceeds 64 MiB); decode steps: SDPA flash, cuDNN and efficient on the window's slice of the cache. "
               "SDPA flash and cuDNN take no window (an explicit mask turns them off)",
+    "scoremod": "FlexAttention (torch.compile'd, the modifier as a score_mod that reads the slopes from a tensor, a "
+                "causal block mask built outside the timed calls) on views of the same data; for ALiBi alone, SDPA "
+                "efficient with the bias as an explicit [Hq, S, S] bf16 mask (-inf where causal; a reference that "
+                "computes every pair, K/V heads repeated for GQA; not run where the bias exceeds 1024 MiB). SDPA has "
+                "no softcap, its flash and cuDNN backends take no bias, and torch's varlen_attn takes neither",
 }
 PEER_NAMES = {"sdpa_flash": "FA2 (SDPA)", "sdpa_cudnn": "cuDNN (SDPA)", "sdpa_efficient": "efficient (SDPA)",
               "varlen_attn": "varlen_attn", "hipattn": "hipattn", "flex": "FlexAttention",
-              "sdpa_masked": "efficient (SDPA, bool mask)"}
+              "sdpa_masked": "efficient (SDPA, bool mask)", "sdpa_bias": "efficient (SDPA, ALiBi bias)"}
 
 
 # ---- per cell ------------------------------------------------------------------------------------
@@ -207,6 +215,30 @@ def _row(record: dict) -> str:
             f"| {_ratio(record.get('vs_floor'))} | {_check_text(record.get('check'))} |")
 
 
+def modifier_costs(doc: dict) -> dict[str, list[float]]:
+    """Per modifier name part (``cap50``, ``alibi``, ...): hipattn's time on each scoremod cell over its
+    time on the plain twin (the batch cell of the same shape) in the same run, where both have one."""
+    times = {r["name"]: r["runners"].get("hipattn", {}).get("median_ms") for r in records(doc) if "runners" in r}
+    costs: dict[str, list[float]] = {}
+    for cell in cells.all_cells():
+        if cell.section != "scoremod":
+            continue
+        modified, plain = times.get(cell.name), times.get(cells.plain_twin(cell).name)
+        if modified and plain:
+            costs.setdefault(cell.modifiers, []).append(modified / plain)
+    return costs
+
+
+def modifier_cost_text(doc: dict) -> str | None:
+    """What the modifiers cost hipattn: a sentence on the geometric means of modifier_costs, or None."""
+    costs = modifier_costs(doc)
+    if not costs:
+        return None
+    parts = [f"{name} {_geometric_mean(ratios):.2f}× ({len(ratios)} cells)" for name, ratios in costs.items()]
+    return ("Without the modifier (hipattn on the `batch` cell of the same shape, same run; not interleaved with "
+            "these): hipattn with ÷ without, geometric mean " + ", ".join(parts) + ".")
+
+
 def _peer_errors(section_records: list[dict]) -> list[str]:
     """'peer: N cells (first error)' for each peer that did not run somewhere in the section."""
     errors: dict[str, list[str]] = {}
@@ -254,6 +286,10 @@ def markdown(doc: dict) -> str:
             lines += ["", "| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |",
                       "| --- | --- | --- | --- | --- | --- | --- |"]
             lines += [_row(r) for r in section_records]
+        if section == "scoremod":
+            cost = modifier_cost_text(doc)
+            if cost:
+                lines += ["", cost]
         errors = _peer_errors(section_records)
         if errors:
             lines += ["", "Peers that did not run: " + "; ".join(errors) + "."]
@@ -285,6 +321,9 @@ def panel_position(params: dict) -> tuple[str, str]:
         if params["seqlen_q"] == 1:
             return f"decode {window} {mask}", f"b{params['batch']} kv{params['seqlen_k']}\n{heads}"
         return f"d{params['head_dim']} {heads} {window} {mask}", f"s{params['seqlen_q']}\n{direction}"
+    if section == "scoremod":
+        modifiers = cells.modifier_name(params.get("softcap", 0.0), params.get("alibi", False))
+        return f"d{params['head_dim']} {heads} {modifiers} {mask}", f"s{params['seqlen_q']}\n{direction}"
     return direction, f"b{params['batch']} kv{params['seqlen_k']}\n{heads}"
 
 

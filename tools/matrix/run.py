@@ -53,7 +53,7 @@ FLOORS = ("max(FLOPs / bf16 GEMM rate, bytes / copy bandwidth), both measured at
           "in flash-attn, counted exactly), 2.5x backward, 3.5x forward + backward. Bytes, each tensor once, real "
           "tokens, K/V once per KV head and only for keys some query sees (a decode window reads its window): "
           "forward q, k, v, out, lse (decode: no lse); backward q, k, v, dout, lse, dq, dk, dv; forward + "
-          "backward both")
+          "backward both. Score modifiers (softcap, ALiBi) add no matrix product and no tensor: plain attention's floor")
 
 
 class ContextLost(RuntimeError):
