@@ -8,6 +8,7 @@ from support.compilers import compile_with_layout_checks, hiprtc_for
 from support.local_rocm import use_local_rocm
 
 from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
+from hipattn.catalog.fields import SCORE_MODS_PARAM, SCORE_MODS_VALUES
 from hipattn.catalog.flash_forward import FLASH_FORWARD_MFMA, FLASH_FORWARD_MFMA_TILES
 from hipattn.catalog.targets import AMD_LDS_BYTES, runs_amd_mfma
 from hipattn.jit.target import Target
@@ -37,10 +38,11 @@ def test_ships_every_dtype_and_head_dim_for_mfma_targets(arch):
     target = Target.parse(arch)
     assert runs_amd_mfma(target)
     specs = FLASH_FORWARD_MFMA.shipped(target)
-    assert {(spec.arg("dtype"), spec.arg("head_dim")) for spec in specs} == {
-        (dtype, head_dim) for dtype in DTYPES for head_dim in FLASH_HEAD_DIMS
+    assert {(spec.arg("dtype"), spec.arg("head_dim"), spec.arg(SCORE_MODS_PARAM)) for spec in specs} == {
+        (dtype, head_dim, score_mods)
+        for dtype in DTYPES for head_dim in FLASH_HEAD_DIMS for score_mods in SCORE_MODS_VALUES
     }
-    assert len(specs) == len(DTYPES) * len(FLASH_HEAD_DIMS)
+    assert len(specs) == len(DTYPES) * len(FLASH_HEAD_DIMS) * len(SCORE_MODS_VALUES)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "gfx908", "gfx1030", "gfx1100"])

@@ -17,6 +17,8 @@ from hipattn import runtime
 from hipattn.arrays import raw_array
 from hipattn.catalog import shipped_specs
 from hipattn.catalog import smallseq as smallseq_catalog
+from hipattn.catalog.common import DTYPES
+from hipattn.catalog.fields import SCORE_MODS_VALUES
 from hipattn.catalog.smallseq import (
     SMALLSEQ_BACKWARD_GQA_MMA,
     SMALLSEQ_FORWARD_GQA_MMA,
@@ -112,7 +114,7 @@ def test_every_shipped_instantiation_compiles_without_spills(arch, direction):
     family = FAMILIES[direction]
     target = Target.parse(arch)
     specs = family.shipped(target)
-    assert len(specs) == 2 * len(SMALLSEQ_HEAD_DIMS)
+    assert len(specs) == len(DTYPES) * len(SMALLSEQ_HEAD_DIMS) * len(SCORE_MODS_VALUES)
     for spec in specs:
         compiled = compile_family(backend, family, target, spec, options=("--ptxas-options=-v",))
         registers, stack, stores, loads = _resources(compiled.log)

@@ -15,6 +15,7 @@ from support.compilers import compile_family, hiprtc_for
 from support.local_rocm import use_local_rocm
 
 from hipattn.catalog.common import DTYPES
+from hipattn.catalog.fields import SCORE_MODS_PARAM, SCORE_MODS_VALUES
 from hipattn.catalog.smallseq import (
     SMALLSEQ_BACKWARD_TILES,
     SMALLSEQ_FORWARD_TILES,
@@ -38,6 +39,8 @@ use_local_rocm()
 MFMA_ARCHS = ["gfx90a", "gfx90a:xnack-", "gfx940", "gfx941", "gfx942", "gfx942:sramecc+:xnack-"]
 TABLES = {"forward": SMALLSEQ_FORWARD_MFMA_TILES, "backward": SMALLSEQ_BACKWARD_MFMA_TILES}
 FAMILIES = {"forward": SMALLSEQ_FORWARD_MFMA, "backward": SMALLSEQ_BACKWARD_MFMA}
+# Each direction ships one instantiation per dtype, head_dim, head count and score-modifier switch.
+SHIPPED_PER_DIRECTION = len(DTYPES) * len(SMALLSEQ_HEAD_DIMS) * len(SMALLSEQ_SHIPPED_HEADS) * len(SCORE_MODS_VALUES)
 # Registers per lane the tables were chosen for (gfx90a's unified count: VGPRs and AGPRs; a SIMD
 # holds 512 // count waves of a kernel): a change to a kernel that needs more shows here first.
 REGISTER_BUDGET = {"forward": 168, "backward": 256}
@@ -97,9 +100,10 @@ def test_ships_every_dtype_head_dim_and_shipped_head_count_for_mfma_targets(arch
     target = Target.parse(arch)
     for direction, family in FAMILIES.items():
         specs = family.shipped(target)
-        assert {(s.arg("dtype"), s.arg("head_dim"), s.arg("heads")) for s in specs} == {
-            (t, d, h) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS for h in SMALLSEQ_SHIPPED_HEADS}
-        assert len(specs) == len(DTYPES) * len(SMALLSEQ_HEAD_DIMS) * len(SMALLSEQ_SHIPPED_HEADS)
+        assert {(s.arg("dtype"), s.arg("head_dim"), s.arg("heads"), s.arg(SCORE_MODS_PARAM)) for s in specs} == {
+            (t, d, h, m) for t in DTYPES for d in SMALLSEQ_HEAD_DIMS for h in SMALLSEQ_SHIPPED_HEADS
+            for m in SCORE_MODS_VALUES}
+        assert len(specs) == SHIPPED_PER_DIRECTION
         assert all(s.arg("waves") == TABLES[direction][s.arg("head_dim")].waves for s in specs)
 
 
@@ -152,4 +156,4 @@ def test_every_shipped_instantiation_compiles_for_gfx90a_without_scratch(tmp_pat
             assert usage["private_segment_fixed_size"] == 0, f"{spec} uses scratch: {usage}"
             assert usage["group_segment_fixed_size"] == 0, f"{spec}: all its LDS is the launcher's dynamic bytes"
             assert usage["vgpr_count"] <= REGISTER_BUDGET[direction], f"{spec} needs more registers: {usage}"
-    assert len(found) == 2 * len(DTYPES) * len(SMALLSEQ_HEAD_DIMS) * len(SMALLSEQ_SHIPPED_HEADS)
+    assert len(found) == len(FAMILIES) * SHIPPED_PER_DIRECTION

@@ -23,8 +23,9 @@ Score-modifier cells: hipattn gets softcap= and alibi_slopes= (fp32 [Hq] on the 
 cell in prepare and shared by every runner); softcap cells' queries are scaled so that the scores reach
 the cap (cells.SOFTCAP_QUERY_SCALE). FlexAttention gets the modifier as a score_mod (softcap *
 tanh(score / softcap), then - slope[h] * |q_idx + S_k - S_q - kv_idx|) that reads the slopes from that
-tensor (an input of the compiled code, not Hq constants compiled into it), and a causal block mask; for ALiBi alone, SDPA's efficient backend gets the bias as an explicit [Hq, S_q, S_k] bf16 mask
-(-inf where causal hides a key; ``sdpa_bias``, K/V heads repeated as for ``sdpa_masked``).
+tensor (an input of the compiled code, not Hq constants compiled into it), and a causal block mask;
+for ALiBi alone, SDPA's efficient backend gets the bias as an explicit [Hq, S_q, S_k] bf16 mask (-inf
+where causal hides a key; ``sdpa_bias``, K/V heads repeated as for ``sdpa_masked``).
 """
 
 from __future__ import annotations
