@@ -4,47 +4,40 @@ Argument names and order follow flash-attn 2's ``flash_attn_func`` and ``flash_a
 Given torch tensors that require grad (with grad mode on), the calls record autograd through
 ``hipattn.torch``, so ``import hipattn as flash_attn`` trains unchanged; every other
 input kind takes the raw-array path, which records nothing. Arguments hipattn does not support
-raise ValueError naming them: dropout, and paged KV (``block_table``) here
-(``hipattn.flash_attn_with_kvcache`` takes it). ``window_size`` is flash-attn's sliding window,
-``softcap`` and ``alibi_slopes`` its score modifiers.
+raise ValueError naming them: paged KV (``block_table``) here (``hipattn.flash_attn_with_kvcache``
+takes it). ``window_size`` is flash-attn's sliding window, ``softcap`` and ``alibi_slopes`` its score
+modifiers, ``dropout_p`` its dropout (with a seed: hipattn.dropout).
 """
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 from . import attention
-
-_PLAIN_NUMBERS = (float, int)
-
-
-def all_defaults(dropout_p, block_table=None) -> bool:
-    """Whether the unsupported feature arguments are all their defaults, told by exact types: this
-    runs on every call, where the checks of reject_unsupported (abstract-base-class isinstance tests)
-    cost microseconds. False is no verdict: reject_unsupported decides."""
-    return type(dropout_p) in _PLAIN_NUMBERS and not dropout_p and block_table is None
+from .dropout import check_dropout_p
 
 
-def reject_unsupported(dropout_p, block_table=None) -> None:
-    if all_defaults(dropout_p, block_table):
-        return
-    _check_number(dropout_p, "dropout_p", "0.0")
-    unsupported = []
-    if dropout_p != 0.0:
-        unsupported.append(f"dropout_p={dropout_p} (hipattn has no dropout; pass 0.0)")
+def reject_paged_kv(block_table) -> None:
+    """flash_attn_varlen_func's ``block_table`` (paged KV), which only flash_attn_with_kvcache takes."""
     if block_table is not None:
-        unsupported.append("block_table (paged KV is not supported)")
-    if unsupported:
-        raise ValueError("hipattn does not support: " + "; ".join(unsupported))
+        raise ValueError("hipattn does not support: block_table in flash_attn_varlen_func (paged KV is not supported "
+                         "there; hipattn.flash_attn_with_kvcache takes it)")
 
 
-def _check_number(value: Any, name: str, supported: str) -> None:
-    """A host scalar (an int or float, NumPy's too), not a string, a bool or an array."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        # Named by type: the repr of an array could be large, or read device memory to print it.
-        given = repr(value) if isinstance(value, (str, bool)) or value is None else type(value).__qualname__
-        raise TypeError(f"{name} must be a host number, got {given}; hipattn supports {supported}")
+def _draws_seed_in_torch(stream: Any, dropout_p: float, dropout_seed: Any, q: Any) -> bool:
+    """Whether a dropout call without a seed goes to hipattn.torch, which draws it from torch's
+    generator; any other array kind must bring its seed."""
+    if not dropout_p:
+        return False
+    if dropout_seed is not None:
+        if getattr(q, "requires_grad", False) is True:
+            raise ValueError("dropout_seed is for calls without autograd: with autograd the seed comes from torch's "
+                             "generator (torch.manual_seed makes it reproducible)")
+        return False
+    if stream is None and type(q).__module__.startswith("torch"):
+        return True
+    raise ValueError(f"dropout_p is {dropout_p}: pass dropout_seed=, a one-element int64 device array holding the "
+                     "64-bit seed (torch tensors without it draw one from torch's generator, on its current stream)")
 
 
 def _records_gradients(stream: Any, *arrays: Any) -> bool:
@@ -81,6 +74,7 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: Any = None,
     *,
+    dropout_seed: Any = None,
     stream: Any = None,
 ):
     """Varlen attention forward, as flash-attn's.
@@ -98,13 +92,19 @@ def flash_attn_varlen_func(
     softcap > 0 caps the scores, s = softmax_scale q·k becoming softcap * tanh(s / softcap) (Gemma 2);
     alibi_slopes, fp32 [nheads] or [batch, nheads], adds -slope * |i + len_k - len_q - j| to the score
     of query i and key j (ALiBi: BLOOM, MPT), after the softcap, as flash-attn does.
+    dropout_p drops each attention probability with that chance and scales the rest by
+    1 / (1 - dropout_p); which are dropped follows from a 64-bit seed (hipattn.dropout), drawn from
+    torch's generator for torch tensors, else passed as ``dropout_seed`` (a one-element int64
+    device array; hipattn.backward takes the same one).
     Returns out [total_q, nheads, headdim]; with return_attn_probs=True, (out, softmax_lse, None)
-    where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key). Torch tensors
-    that require grad record autograd (see the module docstring); for other inputs
+    where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key); hipattn.torch returns
+    flash-attn's S_dmask in place of None for calls with dropout. Torch tensors that require grad, or
+    that need a seed drawn, go through hipattn.torch (see the module docstring); for other inputs
     hipattn.backward computes the gradients from out and softmax_lse.
     """
-    reject_unsupported(dropout_p, block_table)
-    if _records_gradients(stream, q, k, v):
+    reject_paged_kv(block_table)
+    dropout_p = check_dropout_p(dropout_p)
+    if _records_gradients(stream, q, k, v) or _draws_seed_in_torch(stream, dropout_p, dropout_seed, q):
         from . import torch as autograd_api
 
         return autograd_api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -113,7 +113,7 @@ def flash_attn_varlen_func(
     out, lse = attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                                  causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                 stream=stream)
+                                 dropout_p=dropout_p, dropout_seed=dropout_seed, stream=stream)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -130,17 +130,20 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
+    dropout_seed: Any = None,
     stream: Any = None,
 ):
     """Batch attention forward, as flash-attn's: q [batch, seqlen_q, nheads, headdim], k, v
     [batch, seqlen_k, nheads_k, headdim]. Returns out (and (out, softmax_lse [batch, nheads,
-    seqlen_q], None) with return_attn_probs=True). Records autograd as flash_attn_varlen_func does."""
-    reject_unsupported(dropout_p)
-    if _records_gradients(stream, q, k, v):
+    seqlen_q], None) with return_attn_probs=True). Records autograd, and takes dropout, as
+    flash_attn_varlen_func does."""
+    dropout_p = check_dropout_p(dropout_p)
+    if _records_gradients(stream, q, k, v) or _draws_seed_in_torch(stream, dropout_p, dropout_seed, q):
         from . import torch as autograd_api
 
         return autograd_api.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                             alibi_slopes, deterministic, return_attn_probs)
     out, lse = attention.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                 softcap=softcap, alibi_slopes=alibi_slopes, stream=stream)
+                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                 dropout_seed=dropout_seed, stream=stream)
     return (out, lse, None) if return_attn_probs else out

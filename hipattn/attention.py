@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from . import arrays, checks, dispatch, launch_plans, runtime
+from . import arrays, checks, dispatch, dropout, launch_plans, runtime
 from . import problem as problem_mod
 from .device_array import UNKNOWN_DEVICE, DeviceArray, contiguous_strides, derived_array
 from .errors import HipattnError
@@ -83,6 +83,8 @@ def _named_inputs(call: _Inputs, more: tuple = ()) -> list:
             named.append((a, name))
     if call.alibi_slopes is not None:
         named.append((call.alibi_slopes, "alibi_slopes"))
+    if call.dropout_seed is not None:
+        named.append((call.dropout_seed, "dropout_seed"))
     return named
 
 
@@ -117,12 +119,13 @@ class _Inputs(NamedTuple):
     v: DeviceArray
     sequences: dict  # cu_seqlens_q/k, seqused_q/k as DeviceArray or None, by keyword
     alibi_slopes: DeviceArray | None
+    dropout_seed: DeviceArray | None
     problem: problem_mod.Problem
 
 
 def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                      causal, softmax_scale, stream, window_size=problem_mod.NO_WINDOW, softcap=0.0,
-                     alibi_slopes=None) -> _Inputs:
+                     alibi_slopes=None, dropout_p=0.0, dropout_seed=None) -> _Inputs:
     # A DLPack producer orders its pending writes before the consumer's stream, which must be named
     # at export: known here only when the caller passed a raw handle (otherwise the protocol's
     # default, the legacy stream, is what the producer syncs with).
@@ -136,18 +139,20 @@ def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     used_q = _array(seqused_q, "seqused_q", consumer)
     used_k = _array(seqused_k, "seqused_k", consumer)
     slopes = _array(alibi_slopes, "alibi_slopes", consumer)
+    seed = _array(dropout_seed, "dropout_seed", consumer)
     # Unknown devices (UNKNOWN_DEVICE, the only negative one a DeviceArray holds) are settled before
     # the devices are compared; spelled out, as this runs on every launch.
     if (qa.device < 0 or ka.device < 0 or va.device < 0 or (cu_q is not None and cu_q.device < 0)
             or (cu_k is not None and cu_k.device < 0) or (used_q is not None and used_q.device < 0)
-            or (used_k is not None and used_k.device < 0) or (slopes is not None and slopes.device < 0)):
-        qa, ka, va, cu_q, cu_k, used_q, used_k, slopes = settle_devices((qa, ka, va, cu_q, cu_k, used_q, used_k,
-                                                                         slopes))
+            or (used_k is not None and used_k.device < 0) or (slopes is not None and slopes.device < 0)
+            or (seed is not None and seed.device < 0)):
+        qa, ka, va, cu_q, cu_k, used_q, used_k, slopes, seed = settle_devices(
+            (qa, ka, va, cu_q, cu_k, used_q, used_k, slopes, seed))
     sequences = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_q": used_q, "seqused_k": used_k}
     problem = problem_mod.describe(qa, ka, va, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                   softcap=softcap, alibi_slopes=slopes)
-    return _Inputs(qa, ka, va, sequences, slopes, problem)
+                                   softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, dropout_seed=seed)
+    return _Inputs(qa, ka, va, sequences, slopes, seed, problem)
 
 
 def _order_after_inputs(backend, stream: int, call: _Inputs, *more: DeviceArray) -> None:
@@ -156,6 +161,8 @@ def _order_after_inputs(backend, stream: int, call: _Inputs, *more: DeviceArray)
     inputs = (call.q, call.k, call.v, *more, *(a for a in call.sequences.values() if a is not None))
     if call.alibi_slopes is not None:
         inputs += (call.alibi_slopes,)
+    if call.dropout_seed is not None:
+        inputs += (call.dropout_seed,)
     wait_for_producers(backend, inputs, stream)
     if checks.enabled():
         checks.check_sequences(backend, stream, call.problem, call.sequences)
@@ -170,9 +177,9 @@ def window_scalars(window_size: Any) -> tuple:
 
 
 # A forward call's array slots, by the kernel fields they fill (launch_plans): q, k, v, out, lse,
-# cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes; out and lse are its outputs.
+# cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, dropout_seed; out and lse are its outputs.
 _FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
-                  "alibi_slopes")
+                  "alibi_slopes", "dropout_seed")
 _FORWARD_OUTPUTS = (3, 4)
 
 
@@ -194,6 +201,8 @@ def forward(
     window_size: tuple[int, int] = problem_mod.NO_WINDOW,
     softcap: float = 0.0,
     alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
     stream: Any = None,
 ) -> tuple[Any, Any]:
     """Attention forward. Returns ``(out, lse)``: out like q, lse fp32 in flash-attn's layout.
@@ -204,15 +213,18 @@ def forward(
     of a padded batch). Rows beyond a sequence's length are not written. ``window_size=(left,
     right)``: flash-attn's sliding window (hipattn.flash_attn_varlen_func says how it aligns).
     ``softcap`` and ``alibi_slopes``: flash-attn's score modifiers (hipattn.flash_attn_varlen_func).
+    ``dropout_p`` drops each probability with that chance (and scales the rest by 1 / (1 - dropout_p));
+    ``dropout_seed``, a one-element int64 device array, holds the 64-bit seed that decides which
+    (hipattn.dropout): the same seed drops the same entries, and the backward takes the forward's.
 
     A repeat call with torch tensors of the same signature replays the launch the first one
     validated, checking only what depends on the pointers (launch_plans).
     """
-    given = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes)
+    given = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, dropout_seed)
     active = runtime.active()
     key = launch_plans.signature("forward", given,
                                  (max_seqlen_q, max_seqlen_k, softmax_scale, causal, *window_scalars(window_size),
-                                  softcap),
+                                  softcap, dropout_p),
                                  stream, _FORWARD_OUTPUTS)
     if key is not None:
         plan = active.launch_plans.get(key)
@@ -221,7 +233,8 @@ def forward(
             if replayed is not None:
                 return replayed[3], replayed[4]
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                            max_seqlen_k, causal, softmax_scale, stream, window_size, softcap, alibi_slopes)
+                            max_seqlen_k, causal, softmax_scale, stream, window_size, softcap, alibi_slopes,
+                            dropout_p, dropout_seed)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     path = dispatch.choose_path(problem, "forward")
     backend = active.backend
@@ -237,13 +250,18 @@ def forward(
         problem_mod.check_row_statistic_alignment(lse_a, "lse")
         problem_mod.check_alignment(out_a, "out", problem.layout)
         check_outputs_disjoint((out_span, lse_span))
-        run = smallseq.forward if path == dispatch.SMALLSEQ else flash.forward
         with recording_launches() as launches:
-            run(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences, alibi_slopes=call.alibi_slopes)
+            if path == dispatch.SMALLSEQ:
+                smallseq.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences,
+                                 alibi_slopes=call.alibi_slopes)
+            else:
+                flash.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences,
+                              alibi_slopes=call.alibi_slopes, dropout_seed=call.dropout_seed)
     if key is not None and len(active.launch_plans) < launch_plans.MAX_PLANS:
         made = {slot: obj for slot, obj in zip(_FORWARD_OUTPUTS, (out_obj, lse_obj), strict=True) if given[slot] is None}
         plan = launch_plans.record(launches, given,
-                                   (qa, ka, va, out_a, lse_a, *call.sequences.values(), call.alibi_slopes),
+                                   (qa, ka, va, out_a, lse_a, *call.sequences.values(), call.alibi_slopes,
+                                    call.dropout_seed),
                                    _FORWARD_SLOTS, made, _FORWARD_OUTPUTS)
         if plan is not None:
             active.launch_plans[key] = plan
@@ -272,14 +290,17 @@ def backward(
     window_size: tuple[int, int] = problem_mod.NO_WINDOW,
     softcap: float = 0.0,
     alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
     deterministic: bool = False,
     workspace: Any = None,
     stream: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Attention backward: ``(dq, dk, dv)`` from the forward's inputs, ``out``, ``lse`` and ``dout``.
 
-    Same layouts and arguments as ``forward`` (the same ``softcap`` and ``alibi_slopes`` as the forward
-    that made ``out`` and ``lse``). dK and dV are summed over the query heads of each
+    Same layouts and arguments as ``forward`` (the same ``softcap``, ``alibi_slopes``, ``dropout_p`` and
+    ``dropout_seed`` as the forward that made ``out`` and ``lse``: the backward regenerates its dropout
+    mask from them). dK and dV are summed over the query heads of each
     KV group (GQA/MQA). The small-seq path is deterministic whatever ``deterministic`` says; the flash
     path is bit-identical run to run with ``deterministic=True`` (a separate dQ pass, no atomics).
 
@@ -289,7 +310,8 @@ def backward(
     framework, on the launch stream.
     """
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                            max_seqlen_k, causal, softmax_scale, stream, window_size, softcap, alibi_slopes)
+                            max_seqlen_k, causal, softmax_scale, stream, window_size, softcap, alibi_slopes,
+                            dropout_p, dropout_seed)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     consumer = stream if type(stream) is int else None
     douta = arrays.as_device_array(dout, "dout", stream=consumer)
@@ -324,7 +346,7 @@ def backward(
                                               (*_named_inputs(call, more_inputs), (dqa, "dq"), (dka, "dk"), (dva, "dv")))
             flash_backward.backward(problem, qa, ka, va, outa, douta, lsea, dqa, dka, dva, launch_stream,
                                     deterministic=deterministic, **sections, **call.sequences,
-                                    alibi_slopes=call.alibi_slopes)
+                                    alibi_slopes=call.alibi_slopes, dropout_seed=call.dropout_seed)
     return dq_obj, dk_obj, dv_obj
 
 
@@ -332,14 +354,16 @@ def backward_workspace_bytes(q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None
                              seqused_q: Any = None, seqused_k: Any = None, max_seqlen_q: int | None = None,
                              max_seqlen_k: int | None = None, causal: bool = False,
                              window_size: tuple[int, int] = problem_mod.NO_WINDOW,
-                             deterministic: bool = False) -> int:
+                             deterministic: bool = False, dropout_p: float = 0.0) -> int:
     """Bytes of the ``workspace`` a ``backward`` call with these arguments needs (0 on the small-seq
-    path, which needs none). Reads no device memory."""
+    path, which needs none; ``dropout_p`` matters because dropout takes the flash path). Reads no
+    device memory."""
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                             max_seqlen_k, causal, None, None, window_size)
-    if dispatch.choose_path(call.problem, "backward") == dispatch.SMALLSEQ:
+    problem = dataclasses.replace(call.problem, dropout_p=dropout.check_dropout_p(dropout_p))
+    if dispatch.choose_path(problem, "backward") == dispatch.SMALLSEQ:
         return 0
-    return backward_workspace(call.problem, deterministic).total_bytes
+    return backward_workspace(problem, deterministic).total_bytes
 
 
 def workspace_sections(workspace: Any, plan: WorkspacePlan, like: DeviceArray, stream: int,

@@ -14,6 +14,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import dropout
 from .device_array import ELEMENT_SIZE, DeviceArray, element_size
 
 SUPPORTED_DTYPES = ("fp16", "bf16")
@@ -46,11 +47,15 @@ class Problem:
     # ALiBi slopes were given (the array itself travels beside the problem, as the other inputs do).
     softcap: float = 0.0
     alibi: bool = False
+    # flash-attn's dropout_p (kernels/common/dropout.h; hipattn.dropout): 0.0 is none. The seed array
+    # travels beside the problem.
+    dropout_p: float = 0.0
 
     @property
     def score_mods(self) -> bool:
-        """Whether the kernels' modified scores (softcap or ALiBi) serve this call, or the plain ones."""
-        return self.softcap != 0.0 or self.alibi
+        """Whether the kernels' modified instantiation (softcap, ALiBi or dropout, read at run time)
+        serves this call, or the plain one."""
+        return self.softcap != 0.0 or self.alibi or self.dropout_p != 0.0
 
 
 def dims(a: DeviceArray, name: str, layout: str) -> tuple[int, int, int, int]:
@@ -238,9 +243,11 @@ def describe(
     window_size: tuple[int, int] = NO_WINDOW,
     softcap: float = 0.0,
     alibi_slopes: DeviceArray | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: DeviceArray | None = None,
 ) -> Problem:
-    """Check q, k, v, the sequence description and the score modifiers; the layout follows from
-    cu_seqlens being given."""
+    """Check q, k, v, the sequence description, the score modifiers and dropout; the layout follows
+    from cu_seqlens being given."""
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k (varlen) or neither (batch)")
     layout = THD if cu_seqlens_q is not None else BSHD
@@ -277,6 +284,9 @@ def describe(
     window_left, window_right = check_window(window_size, causal)
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)
     softcap = check_softcap(softcap)
+    if type(dropout_p) is not float or dropout_p != 0.0 or dropout_seed is not None:
+        dropout_p = dropout.check_dropout_p(dropout_p)
+        dropout.check_seed(dropout_seed, dropout_p, device)
 
     if layout == THD:
         if cu_seqlens_q.shape != cu_seqlens_k.shape or len(cu_seqlens_q.shape) != 1 or cu_seqlens_q.shape[0] < 1:
@@ -304,7 +314,8 @@ def describe(
         check_fits_int32(total_q=total_q, total_k=total_k, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k,
                           heads_q=heads_q, heads_kv=heads_kv)
     return _problem(layout, q.dtype, batch, heads_q, heads_kv, head_dim, max_q, max_k, total_q, total_k,
-                    causal, softmax_scale, device, window_left, window_right, softcap, alibi_slopes is not None)
+                    causal, softmax_scale, device, window_left, window_right, softcap, alibi_slopes is not None,
+                    dropout_p)
 
 
 # The kernels take token counts, batch and bounds as 32-bit ints (ctypes would wrap larger values
@@ -345,7 +356,7 @@ _new_object = object.__new__
 
 
 def _problem(layout, dtype, batch, heads_q, heads_kv, head_dim, max_seqlen_q, max_seqlen_k, total_q, total_k,
-             causal, softmax_scale, device, window_left, window_right, softcap, alibi) -> Problem:
+             causal, softmax_scale, device, window_left, window_right, softcap, alibi, dropout_p=0.0) -> Problem:
     # The hot-path constructor (as device_array.unchecked_device_array): the frozen dataclass __init__
     # sets its fields one object.__setattr__ at a time (~2 us); filling __dict__ builds the same
     # object in a third.
@@ -354,7 +365,7 @@ def _problem(layout, dtype, batch, heads_q, heads_kv, head_dim, max_seqlen_q, ma
         layout=layout, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, total_q=total_q, total_k=total_k, causal=causal,
         softmax_scale=softmax_scale, device=device, window_left=window_left, window_right=window_right,
-        softcap=softcap, alibi=alibi,
+        softcap=softcap, alibi=alibi, dropout_p=dropout_p,
     )  # fmt: skip
     return problem
 

@@ -49,7 +49,7 @@ from typing import Any, Protocol
 import torch
 
 from . import attention
-from .api import reject_unsupported
+from .dropout import check_dropout_p
 from .problem import check_bool, check_max_seqlen, check_softcap, check_window, resolve_softmax_scale
 
 __all__ = ["ring_flash_attn_varlen_func", "ring_attention", "shard_varlen", "unshard_varlen", "local_cu_seqlens",
@@ -432,7 +432,10 @@ def ring_flash_attn_varlen_func(
     local chunk lengths). Returns this rank's out, or (out, softmax_lse [Hq, total_local], None); with
     autograd through hipattn's backward. Every argument is checked before any communication;
     hipattn's own checks of the tensors run in the first block's call, alike on every rank."""
-    reject_unsupported(dropout_p)
+    if check_dropout_p(dropout_p):
+        # A block's dropout mask would need its keys' positions in the whole sequence, as ALiBi's bias.
+        raise ValueError(f"ring_flash_attn_varlen_func does not support dropout (dropout_p={dropout_p}); pass "
+                         "dropout_p=0.0, or call hipattn.torch.flash_attn_varlen_func on one GPU")
     if check_softcap(softcap) or alibi_slopes is not None:
         # ALiBi's bias needs each block's key positions in the whole sequence, which a block's call does
         # not know; a softcap would go through, but the ring has not been tested with one.

@@ -32,10 +32,11 @@ from typing import Optional
 
 import torch
 
-from . import attention, kvcache, torch_sdpa
-from .api import reject_unsupported
+from . import attention, kvcache, torch_attn_probs, torch_sdpa
+from .api import reject_paged_kv
 from .catalog.common import FLASH_HEAD_DIMS
 from .catalog.decode import DECODE_HEAD_DIMS
+from .dropout import check_dropout_p
 from .packed import KV_BATCH, KV_VARLEN, QKV_BATCH, QKV_VARLEN, Packing
 from .problem import check_bool, check_max_seqlen, check_softcap, check_window, resolve_softmax_scale
 from .ring import ring_flash_attn_varlen_func
@@ -47,6 +48,10 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
 
 Tensor = torch.Tensor
 
+# flash-attn's testing helper under flash-attn's name: the key-block width that return_attn_probs's
+# S_dmask entries are normalized over (hipattn.torch_attn_probs).
+_get_block_size_n = torch_attn_probs._get_block_size_n
+
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
     """flash-attn's softmax_lse layout: [Hq, total_q] for varlen, [B, Hq, S_q] for batch."""
@@ -56,12 +61,21 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
 
 
 def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                 window_left, window_right, softcap, alibi_slopes):
+                 window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed):
     """hipattn's forward kernels on the op's arguments: (out, lse)."""
     return attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                              causal=causal, window_size=(window_left, window_right), softcap=softcap,
-                             alibi_slopes=alibi_slopes)
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
+
+
+def _dropout_seed(q: Tensor, dropout_p: float) -> Optional[Tensor]:
+    """The seed of a call with dropout (hipattn.dropout), None without: a one-element int64 tensor on
+    q's device, filled by torch's generator on the current stream. So the same generator state gives
+    the same seed (and the same dropped entries), and a captured graph draws a new one per replay."""
+    if not dropout_p:
+        return None
+    return torch.empty(1, dtype=torch.int64, device=q.device).random_()
 
 
 @torch.library.custom_op("hipattn::forward", mutates_args=())
@@ -79,16 +93,18 @@ def _forward_op(
     window_right: int,
     softcap: float,
     alibi_slopes: Optional[Tensor],
+    dropout_p: float,
+    dropout_seed: Optional[Tensor],
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     del deterministic  # a forward is deterministic; the flag is kept for the backward (_setup_context)
     return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                        window_left, window_right, softcap, alibi_slopes)
+                        window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed)
 
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                  window_left, window_right, softcap, alibi_slopes, deterministic):
+                  window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
@@ -110,40 +126,44 @@ def _backward_op(
     window_right: int,
     softcap: float,
     alibi_slopes: Optional[Tensor],
+    dropout_p: float,
+    dropout_seed: Optional[Tensor],
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return attention.backward(dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                               causal=causal, window_size=(window_left, window_right), softcap=softcap,
-                              alibi_slopes=alibi_slopes, deterministic=deterministic)
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                              deterministic=deterministic)
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   causal, window_left, window_right, softcap, alibi_slopes, deterministic):
+                   causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-     softcap, alibi_slopes, deterministic) = inputs
+     softcap, alibi_slopes, dropout_p, dropout_seed, deterministic) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    # The backward regenerates the forward's dropout mask from the same seed.
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.window = (window_left, window_right)
-    ctx.softcap = softcap
+    ctx.softcap, ctx.dropout_p = softcap, dropout_p
 
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed = ctx.saved_tensors
     # The kernels read rows with 16-byte accesses: a gradient that autograd hands over expanded or
     # transposed is made contiguous first.
     dq, dk, dv = _backward_op(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                               ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, *ctx.window,
-                              ctx.softcap, alibi_slopes, ctx.deterministic)
+                              ctx.softcap, alibi_slopes, ctx.dropout_p, dropout_seed, ctx.deterministic)
     # No gradient for the ALiBi slopes, as flash-attn: they are fixed by the model, not learned.
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -156,9 +176,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_left, window_right, softcap, alibi_slopes, deterministic):
+                window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
         inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                  window_right, softcap, alibi_slopes, deterministic)
+                  window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic)
         output = _run_forward(*inputs[:-1])
         ctx.mark_non_differentiable(output[1])
         _setup_context(ctx, inputs, output)
@@ -173,18 +193,19 @@ _TENSOR = torch.Tensor
 
 
 def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
-            softcap, alibi_slopes, deterministic):
+            softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
     """hipattn's forward with autograd: for plain tensors in eager mode, the autograd Function (or,
     when nothing needs a gradient, the forward alone); the custom op for everything traced."""
     if (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not torch.compiler.is_compiling()
             and not torch._C._len_torch_dispatch_stack() and not torch._C._is_torch_function_mode_enabled()):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, causal, *window, softcap, alibi_slopes, deterministic)
+                                         softmax_scale, causal, *window, softcap, alibi_slopes, dropout_p,
+                                         dropout_seed, deterministic)
         return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                            *window, softcap, alibi_slopes)
+                            *window, softcap, alibi_slopes, dropout_p, dropout_seed)
     return _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       *window, softcap, alibi_slopes, deterministic)
+                       *window, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic)
 
 
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
@@ -221,19 +242,30 @@ def flash_attn_varlen_func(
 ):
     """hipattn.flash_attn_varlen_func with autograd: see its docstring for shapes and conventions.
 
-    Returns out, or (out, softmax_lse, None) with return_attn_probs=True; out.backward() runs
-    hipattn's backward, bit-identical run to run with ``deterministic=True``.
+    Returns out, or (out, softmax_lse, S_dmask) with return_attn_probs=True; out.backward() runs
+    hipattn's backward, bit-identical run to run with ``deterministic=True``. ``dropout_p`` draws its
+    seed from torch's generator (hipattn.dropout); S_dmask is None without dropout, else
+    flash-attn's testing output (hipattn.torch_attn_probs: it synchronizes, for testing only).
     """
-    reject_unsupported(dropout_p, block_table)
+    reject_paged_kv(block_table)
     causal, deterministic = _host_arguments(max_seqlen_q, max_seqlen_k, causal, deterministic)
+    dropout_p = check_dropout_p(dropout_p)
     _check_slopes(alibi_slopes)
     scale = _scale(q, softmax_scale)
+    window, softcap = check_window(window_size, causal), check_softcap(softcap)
+    seed = _dropout_seed(q, dropout_p)
+    original = (q, k)
     (q, k, v), head_dim = _padded(FLASH_HEAD_DIMS, q, k, v)
-    out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                       check_window(window_size, causal), check_softcap(softcap), alibi_slopes, deterministic)
+    out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window,
+                       softcap, alibi_slopes, dropout_p, seed, deterministic)
     if head_dim is not None:
         out = out[..., :head_dim]
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    probs = None if seed is None else torch_attn_probs.dropout_probabilities(
+        *original, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window, softcap, alibi_slopes,
+        dropout_p, seed)
+    return out, lse, probs
 
 
 def flash_attn_func(
@@ -249,17 +281,25 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ):
-    """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd."""
-    reject_unsupported(dropout_p)
+    """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd; dropout and
+    return_attn_probs as flash_attn_varlen_func's."""
     causal, deterministic = _host_arguments(None, None, causal, deterministic)
+    dropout_p = check_dropout_p(dropout_p)
     _check_slopes(alibi_slopes)
     scale = _scale(q, softmax_scale)
+    window, softcap = check_window(window_size, causal), check_softcap(softcap)
+    seed = _dropout_seed(q, dropout_p)
+    original = (q, k)
     (q, k, v), head_dim = _padded(FLASH_HEAD_DIMS, q, k, v)
-    out, lse = _attend(q, k, v, None, None, None, None, scale, causal, check_window(window_size, causal),
-                       check_softcap(softcap), alibi_slopes, deterministic)
+    out, lse = _attend(q, k, v, None, None, None, None, scale, causal, window, softcap, alibi_slopes, dropout_p,
+                       seed, deterministic)
     if head_dim is not None:
         out = out[..., :head_dim]
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    probs = None if seed is None else torch_attn_probs.dropout_probabilities(
+        *original, None, None, None, None, scale, window, softcap, alibi_slopes, dropout_p, seed)
+    return out, lse, probs
 
 
 @torch.library.custom_op("hipattn::kvcache", mutates_args=("k_cache", "v_cache"))

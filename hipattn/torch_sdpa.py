@@ -127,7 +127,7 @@ def _transposed(*tensors: torch.Tensor) -> tuple:
 def _forward_refusal(query, key, value, dropout_p, return_debug_mask) -> str | None:
     """Why hipattn will not take this forward, for what its own validation does not cover."""
     if dropout_p != 0.0:
-        return f"dropout_p={dropout_p} (hipattn has no dropout)"
+        return f"dropout_p={dropout_p} (the SDPA backend takes no dropout; hipattn.torch.flash_attn_func does)"
     if return_debug_mask:
         return "return_debug_mask=True (hipattn returns no attention probabilities)"
     if query.dim() != 4:

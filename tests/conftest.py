@@ -55,3 +55,32 @@ def score_modified(monkeypatch):
         return slopes
 
     return use
+
+
+@pytest.fixture
+def dropped(monkeypatch):
+    """``dropped(device, dropout_p, seed)`` makes the raw-array checks (support.raw_calls) run with
+    flash-attn's dropout: hipattn's forward and backward on ``device`` take ``dropout_p`` and a
+    one-element int64 seed array holding ``seed``, and the float64 reference applies hipattn.dropout's
+    keep mask for the same seed."""
+    import functools
+
+    import numpy as np
+    from support import raw_calls
+
+    import hipattn
+
+    seeds = []  # the seed arrays' memory, alive for the test
+
+    def use(device, dropout_p, seed):
+        seeds.append(np.array([seed], dtype=np.int64))
+        options = {"dropout_p": dropout_p, "dropout_seed": device.array(seeds[-1])}
+        for name in ("forward", "backward"):
+            monkeypatch.setattr(hipattn, name, functools.partial(getattr(hipattn, name), **options))
+        monkeypatch.setattr(hipattn, "backward_workspace_bytes",
+                            functools.partial(hipattn.backward_workspace_bytes, dropout_p=dropout_p))
+        # On top of what other fixtures gave the references (a window): hipattn's functions above too.
+        for name in ("reference_forward", "reference_backward"):
+            monkeypatch.setattr(raw_calls, name, functools.partial(getattr(raw_calls, name), dropout=(dropout_p, seed)))
+
+    return use

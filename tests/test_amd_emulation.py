@@ -115,3 +115,25 @@ def test_the_mfma_flash_kernels_match_float64_with_score_modifiers(device, score
     dq_kernels = ["flash_backward_dq_mfma"] if deterministic else ["bwd_convert_dq"]
     assert device.kernels == ["flash_forward_mfma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mfma",
                               *dq_kernels]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("window_causal", [((-1, -1), False), ((-1, -1), True), ((20, 8), False)],
+                         ids=["full", "causal", "window"])
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [("bf16", 64, 2, 1), ("fp16", 256, 2, 2)])
+def test_the_mfma_flash_kernels_match_float64_with_dropout(device, dropped, windowed, dtype, head_dim, heads_q,
+                                                           heads_kv, window_causal, deterministic):
+    """dropout_p = 0.17 under a seed with both 32-bit halves set: the forward drops what
+    hipattn.dropout.keep_mask drops and scales the rest; the dK/dV kernel (for each query head of a GQA
+    group) and the dQ kernel regenerate the same mask. A kernel that dropped other entries, or none,
+    would be off by about the dropped share of O."""
+    window, causal = window_causal
+    windowed(window)
+    lengths_q = [18, 70, 5, 33, 0, 40]
+    lengths_k = [100, 130, 19, 0, 7, 80]
+    dropped(device, 0.17, seed=-0x3C6E_F372_FE94_F82B)
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
+                               causal, deterministic=deterministic)
+    dq_kernels = ["flash_backward_dq_mfma"] if deterministic else ["bwd_convert_dq"]
+    assert device.kernels == ["flash_forward_mfma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mfma",
+                              *dq_kernels]

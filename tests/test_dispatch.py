@@ -4,6 +4,7 @@ only (shapes, max_seqlen bounds, the device's arch), with a fake device of each 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -93,3 +94,13 @@ def test_a_gpu_without_matrix_cores_gets_a_clear_error_for_long_sequences(arch):
     arch("sm_75")
     with pytest.raises(NotImplementedError, match="needs NVIDIA sm_80"):
         dispatch.choose_path(varlen(64, 64), "forward")
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("name", ["sm_90a", "sm_80", "gfx90a"])
+def test_dropout_takes_the_flash_path_even_when_short(arch, direction, name):
+    """The small-seq kernels do not drop: a call with dropout runs the flash kernels, which do."""
+    arch(name)
+    short = varlen(17, 17)
+    assert dispatch.choose_path(short, direction) == dispatch.SMALLSEQ
+    assert dispatch.choose_path(dataclasses.replace(short, dropout_p=0.1), direction) == dispatch.FLASH

@@ -106,6 +106,14 @@ def test_sm_90a_runs_the_dkdv_kernel_where_the_table_has_the_head_dim(head_dim):
     assert spec.family.name == expected
 
 
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_calls_with_dropout_run_the_mma_sync_kernels_on_sm_90a(head_dim):
+    """The wgmma kernels do not drop: with dropout, sm_90a runs every head_dim's mma.sync rows."""
+    target = Target.parse("sm_90a")
+    assert flash_forward.tiles_for(head_dim, target, dropout=True) == flash_forward.FLASH_FORWARD_MMA_TILES[head_dim]
+    assert flash_backward.tiles_for(head_dim, target, dropout=True) == flash_backward.mma_tiles_for(head_dim, target)
+
+
 # ---- both -----------------------------------------------------------------------------------------
 
 

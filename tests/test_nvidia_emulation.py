@@ -134,3 +134,25 @@ def test_the_flash_kernels_match_float64_with_score_modifiers(device, score_modi
     dq_kernels = ["flash_backward_dq_mma"] if deterministic else ["bwd_convert_dq"]
     assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
                               *dq_kernels]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("window_causal", [((-1, -1), False), ((-1, -1), True), ((20, 8), False)],
+                         ids=["full", "causal", "window"])
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [FLASH_CASES[0], FLASH_CASES[3]])
+def test_the_flash_kernels_match_float64_with_dropout(device, dropped, windowed, dtype, head_dim, heads_q, heads_kv,
+                                                      window_causal, deterministic):
+    """dropout_p = 0.17 under a seed with both 32-bit halves set, on short sequences (which the small-seq
+    kernels would take without dropout) and long ones: the forward drops what
+    hipattn.dropout.keep_mask drops (head_dim 64: whole 32-key stripes per call; 256: the forward's
+    32-key and the dQ kernel's 16-key tiles), and the dK/dV and dQ kernels regenerate the same mask."""
+    window, causal = window_causal
+    windowed(window)
+    lengths_q = [18, 150, 5, 33, 0, 40, 3]
+    lengths_k = [40, 200, 19, 0, 7, 80, 9]
+    dropped(device, 0.17, seed=-0x3C6E_F372_FE94_F82B)
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
+                               causal, deterministic=deterministic)
+    dq_kernels = ["flash_backward_dq_mma"] if deterministic else ["bwd_convert_dq"]
+    assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
+                              *dq_kernels]

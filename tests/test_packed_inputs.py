@@ -411,10 +411,10 @@ def test_hipattn_torch_names_each_other_argument_that_is_not_a_tensor():
 
 @both_modules
 @each_function
-def test_dropout_is_still_refused_naming_it(module, case):
+def test_an_impossible_dropout_p_is_refused_naming_it(module, case):
     shape, _ = case.shapes()
-    with pytest.raises(ValueError, match=r"does not support: dropout_p=0\.1"):
-        _call_with_features(module, case, torch.randn(shape, dtype=torch.float16), dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p is 1\.5; it must be in \[0, 1\)"):
+        _call_with_features(module, case, torch.randn(shape, dtype=torch.float16), dropout_p=1.5)
 
 
 def _call_with_features(module, case, packed, **features):

@@ -85,22 +85,27 @@ class ReferenceKernels:
         self.last_dout = None
         self.windows = []  # (direction, window_size) of every call
         self.modifiers = []  # (direction, softcap, alibi_slopes) of every call
+        self.dropouts = []  # (direction, dropout_p, dropout_seed) of every call
         self.head_dims = []  # the head_dim of every call's q
 
     def forward(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, stream=None):
+                softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                dropout_seed=None, stream=None):
         self.forward_calls += 1
         self.windows.append(("forward", window_size))
         self.modifiers.append(("forward", softcap, alibi_slopes))
+        self.dropouts.append(("forward", dropout_p, dropout_seed))
         self.head_dims.append(q.shape[-1])
         out, lse = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
         return out.to(q.dtype), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
+                 softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                 dropout_seed=None, deterministic=False):
         self.backward_calls += 1
         self.windows.append(("backward", window_size))
         self.modifiers.append(("backward", softcap, alibi_slopes))
+        self.dropouts.append(("backward", dropout_p, dropout_seed))
         self.last_dout = dout
         grads = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dout)
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
@@ -210,9 +215,62 @@ def test_return_attn_probs_gives_flash_attns_triple_with_the_lse_layout(kernels)
 
 
 def test_unsupported_arguments_are_named():
-    q = torch.randn(1, 2, 2, 16)
-    with pytest.raises(ValueError, match="dropout_p=0.1"):
-        hat.flash_attn_func(q, q, q, dropout_p=0.1)
+    q, k, v, cu_q, cu_k = _varlen([3, 2], [1, 4])
+    with pytest.raises(ValueError, match="block_table in flash_attn_varlen_func"):
+        hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"dropout_p is 1\.0; it must be in \[0, 1\)"):
+        hat.flash_attn_func(torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), dropout_p=1.0)
+
+
+def test_dropout_draws_its_seed_from_torchs_generator_and_the_backward_gets_the_same(kernels):
+    """The seed is a one-element int64 tensor on q's device, drawn by torch's generator: the same
+    generator state gives the same seed, the next call another; the backward receives the forward's."""
+    q, k, v, cu_q, cu_k = _varlen([3, 7], [4, 6])
+    seeds = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, dropout_p=0.25).sum().backward()
+        (_, p_forward, seed), (_, p_backward, seed_backward) = kernels.dropouts[-2:]
+        assert p_forward == p_backward == 0.25 and seed_backward is seed
+        assert seed.dtype == torch.int64 and seed.shape == (1,) and seed.device == q.device
+        seeds.append(int(seed))
+    hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, dropout_p=0.25)
+    assert seeds[0] == seeds[1] != int(kernels.dropouts[-1][2])
+    hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6)
+    assert kernels.dropouts[-1] == ("forward", 0.0, None), "no dropout: no seed drawn"
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_return_attn_probs_with_dropout_gives_flash_attns_s_dmask(kernels, varlen):
+    """S_dmask: [batch, Hq, rows and keys rounded up to 128], exp(score - row max) at each visible
+    entry (so 1 at a row's maximum), negative exactly where hipattn.dropout.keep_mask drops under the
+    call's seed, zero elsewhere; and _get_block_size_n says one block spans each row."""
+    from hipattn.dropout import keep_mask
+
+    torch.manual_seed(3)
+    lengths_q, lengths_k = [3, 7], [4, 6]
+    if varlen:
+        q, k, v, cu_q, cu_k = _varlen(lengths_q, lengths_k)
+        _, _, probs = hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, dropout_p=0.3, causal=True,
+                                                 return_attn_probs=True)
+    else:
+        q, k, v = (torch.randn(2, n, 4, 16) for n in (7, 6, 6))
+        lengths_q, lengths_k = [7, 7], [6, 6]
+        _, _, probs = hat.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
+    seed = kernels.dropouts[-1][2]
+    assert probs.shape == (2, 4, 128, 128) and probs.dtype == q.dtype
+    assert hat._get_block_size_n(q.device, 16, True, True) >= 128
+    for b, (len_q, len_k) in enumerate(zip(lengths_q, lengths_k, strict=True)):
+        rows, keys = torch.arange(len_q)[:, None], torch.arange(len_k)[None, :]
+        visible = keys <= rows + len_k - len_q
+        block = probs[b, :, :len_q, :len_k]
+        assert not probs[b, :, len_q:].any() and not probs[b, :, :, len_k:].any()
+        assert not block[:, ~visible].any(), "entries a row does not see are 0"
+        seen = visible.any(1)
+        assert torch.allclose(block.abs().amax(-1)[:, seen], torch.ones(4, int(seen.sum())))
+        for h in range(4):
+            kept = keep_mask(seed, b * 4 + h, rows, keys, 0.3)
+            assert torch.equal(block[h] < 0, visible & ~kept)
 
 
 def test_softmax_scale_is_checked_as_the_core_api_checks_it():
@@ -228,13 +286,14 @@ def test_the_ops_pass_torch_librarys_checks(kernels):
     """Schema, fake (meta) kernels against the real outputs, and the autograd registration."""
     q, k, v, cu_q, cu_k = _varlen([3, 4], [5, 2])
     slopes = torch.rand(4)
-    # ..., causal, window left, right, softcap, ALiBi slopes, deterministic
-    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False, 3, -1, 30.0, slopes, False)
+    seed = torch.tensor([12345], dtype=torch.int64)
+    # ..., causal, window left, right, softcap, ALiBi slopes, dropout_p, its seed, deterministic
+    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False, 3, -1, 30.0, slopes, 0.1, seed, False)
     torch.library.opcheck(torch.ops.hipattn.forward.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     out, lse = torch.ops.hipattn.forward(*args)
     backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 4, 5, 0.25, False, 3, -1,
-                     30.0, slopes, True)
+                     30.0, slopes, 0.1, seed, True)
     torch.library.opcheck(torch.ops.hipattn.backward.default, backward_args, test_utils=("test_schema", "test_faketensor"))
 
 

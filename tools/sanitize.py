@@ -156,6 +156,7 @@ class Case:
     max_seqlen_k: int = SMALLSEQ_TILE
     causal: bool = False
     window: tuple[int, int] = (-1, -1)  # flash-attn's window_size
+    dropout_p: float = 0.0  # flash kernels: flash-attn's dropout, under a fixed seed
     total_q: int = TOTAL_Q
     total_k: int = TOTAL_K
     allocate_outputs: bool = False  # let hipattn allocate out/lse/dq/dk/dv (valid, fully covered inputs only)
@@ -168,18 +169,18 @@ class Case:
     families: tuple[str, ...] = field(default=())
 
 
-def flash_forward_family(head_dim: int, kernel: str) -> str:
+def flash_forward_family(head_dim: int, kernel: str, dropout: bool = False) -> str:
     """The flash forward a case launches on the sanitizer's machine (SANITIZER_TARGET)."""
     if kernel == "mma.sync":
         return flash_forward_catalog.FLASH_FORWARD_MMA.name
-    return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET).family.name
+    return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET, dropout=dropout).family.name
 
 
-def flash_dkdv_family(head_dim: int, kernel: str) -> str:
+def flash_dkdv_family(head_dim: int, kernel: str, dropout: bool = False) -> str:
     """The backward's dK/dV kernel a case launches on the sanitizer's machine."""
     if kernel == "mma.sync":
         return flash_backward_catalog.FLASH_BACKWARD_DKDV_MMA.name
-    return flash_backward_catalog.tiles_for(head_dim, SANITIZER_TARGET)[0].family.name
+    return flash_backward_catalog.tiles_for(head_dim, SANITIZER_TARGET, dropout=dropout)[0].family.name
 
 
 def families_of(case: Case) -> tuple[str, ...]:
@@ -193,12 +194,13 @@ def families_of(case: Case) -> tuple[str, ...]:
         return ("smallseq_forward_mma", "smallseq_backward_mma" if mma_backward else "smallseq_backward")
     if case.kind == "flash_backward":  # the forward gives O and LSE, then the backward's kernels in order
         # (the forward is the device's own whatever the case's kernel)
-        return (flash_forward_family(case.head_dim, "device"),
+        dropout = case.dropout_p != 0.0
+        return (flash_forward_family(case.head_dim, "device", dropout),
                 *(("varlen_records",) if case.varlen_prep == "device" else ()), "bwd_dot_do_o",
-                flash_dkdv_family(case.head_dim, case.kernel),
+                flash_dkdv_family(case.head_dim, case.kernel, dropout),
                 "flash_backward_dq_mma" if case.deterministic else "bwd_convert_dq")
     if case.kind == "flash_forward":
-        return (flash_forward_family(case.head_dim, case.kernel),)
+        return (flash_forward_family(case.head_dim, case.kernel, case.dropout_p != 0.0),)
     return {"dot_do_o": ("bwd_dot_do_o",), "convert_dq": ("bwd_convert_dq",)}[case.kind]
 
 
@@ -277,10 +279,13 @@ def build_cases(quick: bool = False) -> list[Case]:
                 cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid window (20, 7) causal={causal} "
                                        f"kernel={kernel}", cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal,
                                   window=(20, 7), kernel=kernel, **base))
+            cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid dropout 0.17 causal={causal}",
+                              cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal, dropout_p=0.17, **base))
         bad_q, bad_k = adversarial_cu_seqlens(base["total_q"]), adversarial_cu_seqlens(base["total_k"])
-        for name in bad_q:
-            cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}", cu_seqlens_q=bad_q[name],
-                              cu_seqlens_k=bad_k[name], adversarial=True, **base))
+        for i, name in enumerate(bad_q):
+            cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}" + " dropout 0.17" * (i % 2),
+                              cu_seqlens_q=bad_q[name], cu_seqlens_k=bad_k[name], adversarial=True,
+                              dropout_p=0.17 * (i % 2), **base))
     # The flash backward, called directly, THD with its work list: key lengths across the dK/dV
     # tiles (128 keys, or 64 at head_dim 128 off Hopper: catalog.flash_backward.tiles_for), both dQ schedules, the
     # work list from the kernel and from the host path, the device's dK/dV kernel and the mma.sync one;
@@ -298,12 +303,16 @@ def build_cases(quick: bool = False) -> list[Case]:
                 if prep == "device":
                     cases.append(Case(name=f"{tag} valid window (40, 9) det={deterministic}", cu_seqlens_q=backward_q,
                                       cu_seqlens_k=backward_k, window=(40, 9), deterministic=deterministic, **base))
+                    cases.append(Case(name=f"{tag} valid dropout 0.17 det={deterministic}", cu_seqlens_q=backward_q,
+                                      cu_seqlens_k=backward_k, causal=deterministic, dropout_p=0.17,
+                                      deterministic=deterministic, **base))
         bad_q, bad_k = adversarial_cu_seqlens(base["total_q"]), adversarial_cu_seqlens(base["total_k"])
         for i, name in enumerate(bad_q):
             deterministic, prep = bool(i % 2), ("device", "host")[i // 2 % 2]
-            cases.append(Case(name=f"{tag} {name} det={deterministic} prep={prep}", cu_seqlens_q=bad_q[name],
-                              cu_seqlens_k=bad_k[name], causal=bool(i % 3 == 0), deterministic=deterministic,
-                              varlen_prep=prep, adversarial=True, window=(5, 3) if i % 3 == 1 else (-1, -1), **base))
+            cases.append(Case(name=f"{tag} {name} det={deterministic} prep={prep}" + " dropout 0.17" * (i % 3 == 2),
+                              cu_seqlens_q=bad_q[name], cu_seqlens_k=bad_k[name], causal=bool(i % 3 == 0),
+                              deterministic=deterministic, varlen_prep=prep, adversarial=True,
+                              window=(5, 3) if i % 3 == 1 else (-1, -1), dropout_p=0.17 * (i % 3 == 2), **base))
         for i, (name, used) in enumerate(ADVERSARIAL_SEQUSED.items()):
             cases.append(Case(name=f"{tag} {name} with valid cu_seqlens prep={('device', 'host')[i % 2]}",
                               cu_seqlens_q=backward_q, cu_seqlens_k=backward_k, seqused_q=used, seqused_k=used[::-1],
@@ -475,6 +484,16 @@ def run_smallseq(runner: Runner, case: Case) -> None:
     })
 
 
+def _dropout_seed(runner: Runner, case: Case):
+    """A case with dropout: its seed array (a fixed seed with both halves set), as a DeviceArray."""
+    if not case.dropout_p:
+        return None
+    from hipattn import arrays
+
+    seed = runner.torch.tensor([-0x3C6E_F372_FE94_F82B], dtype=runner.torch.int64, device="cuda")
+    return arrays.as_device_array(seed, "dropout_seed")  # which keeps the tensor alive
+
+
 def run_flash_forward(runner: Runner, case: Case) -> None:
     from hipattn import arrays, runtime
     from hipattn import problem as problem_mod
@@ -490,12 +509,14 @@ def run_flash_forward(runner: Runner, case: Case) -> None:
     lse = runner.output("lse", (case.heads_q, case.total_q), "fp32")
     qa, ka, va = (arrays.as_device_array(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     cu_qa, cu_ka = arrays.as_device_array(cu_q, "cu_seqlens_q"), arrays.as_device_array(cu_k, "cu_seqlens_k")
+    seed = _dropout_seed(runner, case)
     problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka, max_seqlen_q=case.max_seqlen_q,
-                                   max_seqlen_k=case.max_seqlen_k, causal=case.causal, window_size=case.window)
+                                   max_seqlen_k=case.max_seqlen_k, causal=case.causal, window_size=case.window,
+                                   dropout_p=case.dropout_p, dropout_seed=seed)
     with on_device(runtime.active().backend, problem.device):
         stream = resolve_stream((qa, ka, va), None, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
-                      stream, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka,
+                      stream, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka, dropout_seed=seed,
                       tiles=flash_forward_catalog.FLASH_FORWARD_MMA_TILES[case.head_dim] if case.kernel == "mma.sync"
                       else None)
     # The flash kernels pass max_seqlen as their tile (no tile limit of their own).
@@ -535,8 +556,10 @@ def run_flash_backward(runner: Runner, case: Case) -> None:
                      seqused_q=array(runner.int32(case.seqused_q), "seqused_q"),
                      seqused_k=array(runner.int32(case.seqused_k), "seqused_k"))
     qa, ka, va = array(q, "q"), array(k, "k"), array(v, "v")
+    seed = _dropout_seed(runner, case)
     problem = problem_mod.describe(qa, ka, va, max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k,
-                                   causal=case.causal, window_size=case.window, **sequences)
+                                   causal=case.causal, window_size=case.window, dropout_p=case.dropout_p,
+                                   dropout_seed=seed, **sequences)
     plan = backward_workspace(problem, case.deterministic)
     workspace = {section.name: array(runner.output(section.name, section.shape, section.dtype, fill=0), section.name)
                  for section in plan.sections}
@@ -546,11 +569,12 @@ def run_flash_backward(runner: Runner, case: Case) -> None:
         with on_device(runtime.active().backend, problem.device):
             stream = resolve_stream((qa, ka, va), None, device=problem.device)
             out_a, lse_a = array(out, "out"), array(lse, "lse")
-            flash.forward(problem, qa, ka, va, out_a, lse_a, stream, **sequences)
+            flash.forward(problem, qa, ka, va, out_a, lse_a, stream, dropout_seed=seed, **sequences)
             mma_rows = flash_backward_catalog.mma_tiles_for(case.head_dim, SANITIZER_TARGET)
             flash_backward.backward(problem, qa, ka, va, out_a, array(dout, "dout"), lse_a, array(dq, "dq"),
                                     array(dk, "dk"), array(dv, "dv"), stream, deterministic=case.deterministic,
-                                    tiles=mma_rows if case.kernel == "mma.sync" else None, **workspace, **sequences)
+                                    tiles=mma_rows if case.kernel == "mma.sync" else None, dropout_seed=seed,
+                                    **workspace, **sequences)
     finally:
         if previous is None:
             os.environ.pop(PREP_SWITCH, None)

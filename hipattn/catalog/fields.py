@@ -36,8 +36,15 @@ WINDOW_FIELDS: Fields = (("window_left", "i32"), ("window_right", "i32"))
 # none of them, see every other field where they saw it before.
 SCORE_MOD_FIELDS: Fields = (("softcap", "f32"), ("alibi_slopes", "const_ptr"), ("alibi_batch_stride", "i64"))
 
+# flash-attn's dropout (kernels/common/dropout.h), filled by hipattn.dropout.fields: the 16-bit keep
+# threshold (0: no dropout), 1 / (1 - dropout_p), and a device pointer to the call's 64-bit seed. The
+# flash kernels' structs end with them, after the score modifiers; their modified instantiation reads
+# them (the small-seq and decode kernels leave dropout to the flash path).
+DROPOUT_FIELDS: Fields = (("dropout_threshold", "i32"), ("dropout_scale", "f32"), ("dropout_seed", "const_ptr"))
+
 # The template parameter that selects a kernel's scores (score_mods.h's Scores<SCORE_MODS>): False is
-# plain attention, True reads the fields above. Every attention family takes it last.
+# plain attention, True reads the fields above (and, in the flash kernels, dropout's through
+# dropout.h's Dropout<SCORE_MODS>). Every attention family takes it last.
 SCORE_MODS_PARAM = "score_mods"
 # Both instantiations of every attention kernel ship.
 SCORE_MODS_VALUES = (False, True)

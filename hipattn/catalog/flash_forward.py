@@ -11,6 +11,7 @@ from ..jit.spec import KernelFamily
 from ..jit.target import Target
 from .common import DTYPES, FLASH_ROW_PAD, MFMA_ROW_PAD
 from .fields import (
+    DROPOUT_FIELDS,
     SCORE_MOD_FIELDS,
     SCORE_MODS_PARAM,
     SCORE_MODS_VALUES,
@@ -25,7 +26,8 @@ from .tiles import ELEMENT_BYTES, KernelTiles, WarpgroupTiles
 FLASH_FORWARD_PARAMS = ParamsStruct(
     "FlashForwardParams",
     strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr") + SEQUENCE_FIELDS
-    + (("heads_q", "i32"),) + SCORE_MOD_FIELDS,
+    + (("heads_q", "i32"),) + SCORE_MOD_FIELDS
+    + DROPOUT_FIELDS,
 )
 
 
@@ -150,11 +152,12 @@ FLASH_FORWARD_MFMA_TILES: dict[int, FlashForwardMfmaTiles] = {
 }
 
 
-def tiles_for(head_dim: int, target: Target | None) -> FlashForwardTiles:
+def tiles_for(head_dim: int, target: Target | None, *, dropout: bool = False) -> FlashForwardTiles:
     """The row ``target`` runs at ``head_dim``: MFMA on AMD gfx90a/gfx94x/gfx950, wgmma on sm_90a (but
-    head_dim 96), mma.sync on every other target."""
+    head_dim 96, and calls with ``dropout``, which the wgmma kernel does not apply), mma.sync on every
+    other target."""
     if runs_amd_mfma(target):
         return FLASH_FORWARD_MFMA_TILES[head_dim]
-    if runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WGMMA_TILES:
+    if runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WGMMA_TILES and not dropout:
         return FLASH_FORWARD_WGMMA_TILES[head_dim]
     return FLASH_FORWARD_MMA_TILES[head_dim]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import runtime
+from .. import dropout, runtime
 from ..catalog import flash_forward
 from ..catalog.common import FLASH_HEAD_DIMS
 from ..catalog.flash_forward import FlashForwardTiles
@@ -44,11 +44,13 @@ def grid_blocks(problem: Problem, block_m: int) -> int:
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, alibi_slopes=None, tiles: FlashForwardTiles | None = None) -> None:
+            seqused_q=None, seqused_k=None, alibi_slopes=None, dropout_seed=None,
+            tiles: FlashForwardTiles | None = None) -> None:
     """Enqueue O and LSE: one block per (query tile, sequence, query head).
 
     Rows beyond a sequence's length are not written (as flash-attn). A row that sees no key gets
-    O = 0 and LSE = +inf. ``tiles`` overrides the table row for head_dim, and with it the kernel
+    O = 0 and LSE = +inf. ``dropout_seed``: the seed array of a call with dropout (hipattn.dropout).
+    ``tiles`` overrides the table row for head_dim, and with it the kernel
     (tools/bench_flash.py sweeps tiles this way, and times mma.sync against wgmma on one device);
     the default is the row the device's target runs (catalog.flash_forward.tiles_for).
     """
@@ -58,7 +60,7 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     active = runtime.active()
     target = active.target(problem.device)
     if tiles is None:
-        tiles = flash_forward.tiles_for(problem.head_dim, target)
+        tiles = flash_forward.tiles_for(problem.head_dim, target, dropout=problem.dropout_p != 0.0)
     blocks = grid_blocks(problem, tiles.block_m)
     if blocks == 0:
         return  # batch 0 or max_seqlen_q 0: nothing to write
@@ -70,4 +72,5 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                             alibi_slopes)
     fields["heads_q"] = problem.heads_q
+    fields.update(dropout.fields(problem.dropout_p, dropout_seed))
     kernel.launch((blocks, 1, 1), (threads, 1, 1), shared, stream, kernel.params.from_dict(fields))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import runtime
+from .. import dropout, runtime
 from ..catalog import flash_backward
 from ..catalog.flash_backward import FlashDkdvTiles, FlashDqTiles
 from ..catalog.targets import check_grid
@@ -80,7 +80,7 @@ def _check_records(varlen_records: DeviceArray, problem: Problem) -> None:
 def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int, *, softmax_d: DeviceArray,
              dq_accum: DeviceArray | None = None, varlen_records: DeviceArray | None = None,
              deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-             alibi_slopes=None, tiles: tuple[FlashDkdvTiles, FlashDqTiles] | None = None) -> None:
+             alibi_slopes=None, dropout_seed=None, tiles: tuple[FlashDkdvTiles, FlashDqTiles] | None = None) -> None:
     """Enqueue dQ, dK and dV of attention ``out`` = softmax(scale q kᵀ) v, given dout and the forward's lse.
 
     All arguments are DeviceArrays in ``problem``'s layout; dq, dk, dv take q, k, v's shapes and dtype.
@@ -88,6 +88,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     ``dq_accum`` is contiguous fp32 workspace shaped like dq, needed unless ``deterministic``.
     ``varlen_records`` (THD only) is contiguous int32 workspace [batch, VARLEN_RECORD_WORDS]: the
     dK/dV kernel's work list, prepared here on ``stream`` (workspace.backward_workspace's section).
+    ``dropout_seed``: the forward's seed array, for a call with dropout (hipattn.dropout).
     ``tiles`` overrides the (dK/dV, dQ) table rows for head_dim, and with the dK/dV row's type its
     kernel (tools/sweep_flash_backward.py sweeps them this way, and times mma.sync against wgmma on one
     device); the default is the rows the device's target runs (catalog.flash_backward.tiles_for).
@@ -103,7 +104,8 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
         way = prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
     active = runtime.active()
     target = active.target(problem.device)
-    dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target)
+    dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target,
+                                                             dropout=problem.dropout_p != 0.0)
     dkdv_blocks = dkdv_grid_blocks(problem, work_list, dkdv_tiles.block_n)
     dq_blocks = dq_grid_blocks(problem, dq_tiles.block_m)
     check_grid(target, dkdv_blocks, dkdv_tiles.threads,
@@ -121,6 +123,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     put_row_statistic(fields, "lse", lse, problem)
     put_row_statistic(fields, "softmax_d", softmax_d, problem)
     fields["heads_q"] = problem.heads_q
+    fields.update(dropout.fields(problem.dropout_p, dropout_seed))
     fields["varlen_records"] = varlen_records.ptr if work_list else 0
 
     if work_list and dkdv_blocks:

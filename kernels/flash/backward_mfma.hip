@@ -26,6 +26,7 @@
 // What this file has not had: a run on AMD hardware (there is none here). tests/test_amd_emulation.py
 // runs both kernels on a gfx90a emulated on the CPU against float64; their speed is unmeasured.
 #pragma once
+#include "common/dropout.h"
 #include "common/mma_amd.h"
 #include "common/score_mods.h"
 #include "common/sequence.h"
@@ -80,24 +81,30 @@ HIPATTN_DEVICE RowStatistics row_statistics(const FlashBackwardParams& p, int ba
                                                  head * p.softmax_d_head_stride + token]};
 }
 
-// A lane's Sᵀ and dPᵀ (query `query`, keys first_key .. first_key + 3) into Pᵀ = exp(score(Sᵀ) - LSE)
-// in place, and dSᵀ = Pᵀ (dPᵀ - Delta) score'(Sᵀ), returned: `scores` (common/score_mods.h) is
-// softmax_scale·log2 e and any score modifiers, score' its gradient factor (1 but with softcap).
-// LSE = +inf (a row that saw no key) gives P = 0.
-template <typename Scores>
+// A lane's Sᵀ and dPᵀ (query `query`, keys first_key .. first_key + 3) into dV's probabilities Pᵀ in
+// place, and dSᵀ = P (dPᵀ - Delta) score'(Sᵀ), returned, with P = exp(score(Sᵀ) - LSE): `scores`
+// (common/score_mods.h) is softmax_scale·log2 e and any score modifiers, score' its gradient factor (1
+// but with softcap). With dropout (common/dropout.h), Pᵀ keeps the kept entries times 1 / (1 -
+// dropout_p) and dPᵀ reaches dS only through them, scaled alike. LSE = +inf (a row that saw no key)
+// gives P = 0.
+template <typename Scores, typename Dropout>
 HIPATTN_DEVICE mfma::Accumulator probabilities_and_dscores(mfma::Accumulator& s, const mfma::Accumulator& dp,
                                                            int query, int first_key, int len_q, int len_k,
                                                            int diagonal, KeyWindow window, const Scores& scores,
-                                                           RowStatistics row) {
+                                                           const Dropout& dropout, RowStatistics row) {
+  const unsigned int kept = dropout.active() ? dropout.keep_run4(query, first_key) : 0xfu;
   mfma::Accumulator ds;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int key = first_key + e;
     float gradient = 1.0f;  // d(score)/d(scaled dot product), dS's factor: 1 but with softcap
-    s[e] = key_visible_to(query, key, len_q, len_k, diagonal, window)
-               ? fast_exp2(scores(s[e], key - query - diagonal, gradient) - row.lse_log2)
-               : 0.0f;
-    ds[e] = s[e] * (dp[e] - row.delta) * gradient;
+    const float probability = key_visible_to(query, key, len_q, len_k, diagonal, window)
+                                  ? fast_exp2(scores(s[e], key - query - diagonal, gradient) - row.lse_log2)
+                                  : 0.0f;
+    const bool keep = (kept >> e & 1u) != 0;
+    s[e] = keep ? probability * dropout.scale() : 0.0f;
+    const float dp_kept = keep ? dp[e] * dropout.scale() : 0.0f;
+    ds[e] = probability * (dp_kept - row.delta) * gradient;
   }
   return ds;
 }
@@ -199,6 +206,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
     const T* const do_rows = static_cast<const T*>(p.dout) + batch_index * p.dout_batch_stride +
                              token * p.dout_token_stride + head * p.dout_head_stride;
     const Scores<SCORE_MODS> scores = block_scores.with_head(p, batch_index, head);
+    const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, batch_index, head);
 
     // ---- Qᵀ and dOᵀ of the tile into LDS, zero past the sequence (they meet P = dS = 0 there) ----
     __syncthreads();  // every wave is done with the previous tile's
@@ -229,7 +237,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
     // ---- Pᵀ = exp(score(Sᵀ) - LSE), dSᵀ = Pᵀ (dPᵀ - Delta) score'(Sᵀ): the lane's query, four keys ----
     const long long row_token = seq_q.start + (query_in ? query : 0);
     const mfma::Accumulator ds = flash::probabilities_and_dscores(
-        s, dp, query, wave_key0 + 4 * quarter, len_q, len_k, diagonal, window, scores,
+        s, dp, query, wave_key0 + 4 * quarter, len_q, len_k, diagonal, window, scores, dropout,
         flash::row_statistics(p, batch_index, head, row_token, query_in));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -325,6 +333,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
   }
   const flash::RowStatistics row = flash::row_statistics(p, batch_index, head, row_token, query_in);
   const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, batch_index, head);
+  const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, batch_index, head);
   const T* const k_rows = static_cast<const T*>(p.k) + batch_index * p.k_batch_stride +
                           static_cast<long long>(seq_k.start) * p.k_token_stride + head_kv * p.k_head_stride;
   const T* const v_rows = static_cast<const T*>(p.v) + batch_index * p.v_batch_stride +
@@ -349,7 +358,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_backward_dq_mfma(cons
       dp = mfma::mfma_two_steps<T>(v0, v1, do_fragment[d], do_fragment[d + 1], dp);
     }
     const mfma::Accumulator ds = flash::probabilities_and_dscores(s, dp, query, n0 + 4 * quarter, len_q, len_k,
-                                                                  diagonal, window, scores, row);
+                                                                  diagonal, window, scores, dropout, row);
     // dQᵀ += Kᵀ dSᵀ: the dSᵀ accumulator, rounded to T, is the B operand as it stands.
     const mfma::Operand ds_operand = mfma::to_operand<T>(ds);
     const int keys_here = len_k - (n0 + 4 * quarter);

@@ -26,7 +26,11 @@
 // grid is sized from host facts (max_seqlen, or the work list's bound), so blocks past a sequence's
 // real length, or past the work list, return at once.
 // Keys of a sequence that no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
+// With dropout (common/dropout.h) both kernels regenerate the forward's keep bits: dV takes the kept
+// probabilities times 1 / (1 - dropout_p), and dS = P (Z dP / (1 - dropout_p) - Delta), Z the keep
+// bits; Delta = rowsum(dO * O) is unchanged (O is the dropped output).
 #pragma once
+#include "common/dropout.h"
 #include "common/mma_nvidia.h"
 #include "common/score_mods.h"
 #include "flash/backward_common.h"
@@ -212,6 +216,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   const int column_base = column_group * Tiles::kWarpColumns;  // phase 2: this warp's dK/dV columns
   const int slice_row = 16 * key_slice;                        // the warp's keys in the block's tiles
   const Scores<SCORE_MODS> block_scores = scores_of<SCORE_MODS>(p, batch_index, first_head);
+  const Dropout<SCORE_MODS> block_dropout = dropout_of<SCORE_MODS>(p, batch_index, first_head);
 
   float dk[kDTiles][4];
   float dv[kDTiles][4];
@@ -229,6 +234,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
     const float* const lse_slot = stats + slot * 2 * BLOCK_M;
     const float* const delta_slot = lse_slot + BLOCK_M;
     const Scores<SCORE_MODS> scores = block_scores.with_head(p, batch_index, head);
+    const Dropout<SCORE_MODS> dropout = block_dropout.with_head(p, batch_index, head);
 
     mma::wait_async_copies();  // item i (and K, V) have landed for this thread: the only group in flight
     __syncthreads();           // ... for every thread; every warp is done with item i - 1's slot, Pᵀ, dSᵀ
@@ -282,6 +288,19 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
       const int column = query_base + 8 * n + 2 * t;  // this lane's queries: column, column + 1
       const float lse_log2[2] = {lse_slot[column] * kLog2e, lse_slot[column + 1] * kLog2e};
       const float delta[2] = {delta_slot[column], delta_slot[column + 1]};
+      // Dropout's keep bits of this lane's keys key0 and key0 + 8 (common/dropout.h: both are in one
+      // call's words (key0 % 32) / 8 and the next, at half key0 % 2), one call per query.
+      bool kept[4] = {true, true, true, true};
+      if (dropout.active()) {
+        const int key0 = n0 + slice_row + g;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          unsigned int x[4];
+          dropout.words(m0 + column + c, key0 / 32, (key0 % 8) / 2, x);
+          kept[c] = dropout.kept(select_word(x, (key0 % 32) / 8), (key0 & 1) != 0);
+          kept[2 + c] = dropout.kept(select_word(x, (key0 % 32) / 8 + 1), (key0 & 1) != 0);
+        }
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int query = m0 + column + (e & 1);
@@ -292,8 +311,10 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
         const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
         const float probability =
             visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
-        s[n][e] = probability;
-        dp[n][e] = probability * (dp[n][e] - delta[e & 1]) * gradient;
+        // With dropout, dV takes the kept probabilities scaled, and dP reaches only kept entries.
+        s[n][e] = kept[e] ? probability * dropout.scale() : 0.0f;
+        const float dp_kept = kept[e] ? dp[n][e] * dropout.scale() : 0.0f;
+        dp[n][e] = probability * (dp_kept - delta[e & 1]) * gradient;
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -470,6 +491,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
   const int g = lane / 4;
   const int t = lane % 4;
   const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, batch_index, head);
+  const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, batch_index, head);
   // Per accumulator row r (g, g + 8): LSE in base 2, Delta, and the keys [key_first, key_limit) it sees.
   float lse_log2[2], delta[2];
   int key_first[2], key_limit[2];
@@ -539,6 +561,12 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
     // The offset of key n0 + 8n + 2t + (e & 1) from row m0 + 16 warp + g + 8r's diagonal: a base
     // per tile plus constants.
     const float base = static_cast<float>(n0 + 2 * t - (m0 + 16 * warp + g) - diagonal);
+    // Dropout's keep masks of the two rows, as the forward computes them (packed pairs, m16n8 layout).
+    unsigned int kept[2][kNTiles];
+    if (dropout.active()) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) dropout.m16n8_masks(m0 + 16 * warp + g + 8 * r, n0, t, kept[r]);
+    }
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n)
 #pragma unroll
@@ -550,7 +578,10 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
         const float offset = base + static_cast<float>(8 * n + (e & 1) - 8 * r);
         const float probability =
             visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[r]) : 0.0f;
-        dp[n][e] = probability * (dp[n][e] - delta[r]) * gradient;
+        // With dropout, dP reaches only the kept entries, scaled as the forward scaled them.
+        const bool keep = !dropout.active() || (kept[r][n] >> (16 * (e & 1)) & 1u) != 0;
+        const float dp_kept = keep ? dp[n][e] * dropout.scale() : 0.0f;
+        dp[n][e] = probability * (dp_kept - delta[r]) * gradient;
       }
 
     // ---- dQ += dS K: n-tiles 2 kk and 2 kk + 1 of dS are the A operand of k-step kk ----

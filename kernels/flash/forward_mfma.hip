@@ -28,6 +28,7 @@
 //   schedule with one K and one V buffer, the copies overlapping the math through registers.
 // - O goes from registers straight to global memory: a lane holds 4 consecutive columns of its row.
 #pragma once
+#include "common/dropout.h"
 #include "common/mma_amd.h"
 #include "common/score_mods.h"
 #include "flash/forward_block.h"
@@ -182,6 +183,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   const int quarter = lane / 16;  // it holds keys (Sᵀ rows) and O columns (Oᵀ rows) 4 quarter .. + 3 of each 16
   const int row = b.m0 + 16 * wave + column;  // within the sequence
   const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, b.batch_index, b.head);
+  const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, b.batch_index, b.head);
   const int row_diagonal = row + b.diagonal;  // the key a score modifier measures this row's distances from
   // Keys [key_first, key_limit) are visible to this lane's row.
   const int key_first = first_visible_key(row, b.diagonal, b.window, len_k);
@@ -279,6 +281,15 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
         s[n][e] = fast_exp2(s[n][e] - reference);
         row_sum += s[n][e];
       }
+    // Dropout zeroes probabilities after the row sum took them (common/dropout.h): 4 keys per call pair.
+    if (dropout.active()) {
+#pragma unroll
+      for (int n = 0; n < kKeySteps; ++n) {
+        const unsigned int kept = dropout.keep_run4(row, n0 + 16 * n + 4 * quarter);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = (kept >> e & 1u) != 0 ? s[n][e] : 0.0f;
+      }
+    }
 
     __syncthreads();  // Vᵀ[i] is in LDS for every wave, and every wave is done with K[i]
     if (i + 1 < b.n_tiles) k_stage.put(k_tile, Tiles::kKPitch);
@@ -304,7 +315,8 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
     static_cast<float*>(p.lse)[b.batch_index * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq_q.start + row] =
         row_sum > 0.0f ? (row_max + fast_log2(row_sum)) * kLn2 : infinity();
   }
-  const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+  // With dropout, the kept probabilities' 1 / (1 - dropout_p) too.
+  const float inv_sum = row_sum > 0.0f ? dropout.scale() / row_sum : 0.0f;
   T* const o_row = static_cast<T*>(p.o) + b.batch_index * p.o_batch_stride +
                    static_cast<long long>(b.seq_q.start + row) * p.o_token_stride + b.head * p.o_head_stride;
 #pragma unroll

@@ -8,7 +8,8 @@
 // S = Q Kᵀ on the tensor cores, an online softmax on the accumulators in base 2 (softmax_scale·log2 e
 // folded into one multiply), and O += P V with the probabilities reused in registers as the A
 // operand (the m16n8 accumulator layout of two adjacent n-tiles is the m16k16 A layout). O stays in
-// fp32 registers until the end; LSE is written in fp32.
+// fp32 registers until the end; LSE is written in fp32. With dropout (the SCORE_MODS instantiation,
+// common/dropout.h) the dropped probabilities are zeroed between the softmax and P V.
 //
 // K and V tiles are staged in shared memory with cp.async through a ring of STAGES slots each,
 // interleaved as FlashAttention-2 does: V of a tile loads while S of that tile is computed, K of a
@@ -128,6 +129,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   const int g = lane / 4;  // accumulator rows g and g + 8 of each 16-row tile
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
   const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, b.batch_index, b.head);
+  const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, b.batch_index, b.head);
   const int warp_first = m0 + Tiles::kWarpRows * warp;  // the warp's first query row in the sequence
   flash::RowKeys keys[M_TILES];  // per m-tile: the keys each accumulator row sees
 #pragma unroll
@@ -199,6 +201,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
       flash::online_softmax<T>(s[mt], row_max[mt], row_sum[mt], p_packed[mt], correction, masked, n0, keys[mt],
                                scores, t);
       flash::rescale(o[mt], correction);
+      // Dropout zeroes probabilities after the row sums took them (common/dropout.h).
+      if (dropout.active()) flash::drop(p_packed[mt], dropout, warp_first + 16 * mt + g, n0, t);
     }
 
     mma::wait_async_copies_except<kInFlight>();  // V[i] has landed for this thread
@@ -241,6 +245,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   for (int mt = 0; mt < M_TILES; ++mt) {
     float inv_sum[2];
     flash::finish_rows(p, b, warp_first + 16 * mt + g, row_max[mt], row_sum[mt], inv_sum, t);
+    inv_sum[0] *= dropout.scale();  // the kept probabilities' 1 / (1 - dropout_p)
+    inv_sum[1] *= dropout.scale();
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d)
 #pragma unroll

@@ -3,6 +3,7 @@
 // online softmax of flash/online_softmax_m16n8.h: shared by the NVIDIA flash forwards (forward_mma.hip:
 // mma.sync; forward_wgmma.hip: Hopper's wgmma, whose accumulators have the same per-warp layout).
 #pragma once
+#include "common/dropout.h"
 #include "common/mma_nvidia.h"
 #include "flash/forward_block.h"
 #include "flash/online_softmax_m16n8.h"
@@ -21,6 +22,19 @@ HIPATTN_DEVICE RowKeys row_keys(const ForwardBlock& b, int row_g) {
     keys.diagonal[r] = row_g + 8 * r + b.diagonal;
   }
   return keys;
+}
+
+// Zeroes the dropped probabilities of a warp's 16-row tile of packed P (rows row_g and row_g + 8 of
+// the sequence, keys from n0): the m16n8 layout is the one common/dropout.h's counters are laid out for.
+template <int N_TILES, typename Dropout>
+HIPATTN_DEVICE void drop(unsigned int (&p_packed)[N_TILES][2], const Dropout& dropout, int row_g, int n0, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    unsigned int mask[N_TILES];
+    dropout.m16n8_masks(row_g + 8 * r, n0, t, mask);
+#pragma unroll
+    for (int n = 0; n < N_TILES; ++n) p_packed[n][r] &= mask[n];
+  }
 }
 
 // The end of a warp's 16-row tile: sums each row over its quad, writes LSE (natural log) for the

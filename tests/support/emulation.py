@@ -255,7 +255,8 @@ class EmulatedDevice:
     @staticmethod
     def array(values: np.ndarray):
         """A raw hipattn array over ``values``' memory (kept alive by the caller)."""
-        dtype = {np.dtype(np.float32): "fp32", np.dtype(np.int32): "int32", np.dtype(np.uint8): "uint8"}.get(values.dtype)
+        dtype = {np.dtype(np.float32): "fp32", np.dtype(np.int32): "int32", np.dtype(np.uint8): "uint8",
+                 np.dtype(np.int64): "int64"}.get(values.dtype)
         if dtype is None:
             raise TypeError(f"use to_16bit() for {values.dtype}")
         return raw_array(values.ctypes.data, values.shape, dtype, 0,

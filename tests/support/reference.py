@@ -1,10 +1,13 @@
 """float64 attention references for the emulated-device tests, in flash-attn's conventions: THD inputs
 (rows of all sequences packed, cu_seqlens boundaries), bottom-right aligned causal masks and sliding
-windows, softcap and ALiBi, and a row that sees no key gets O = 0 and LSE = +inf."""
+windows, softcap and ALiBi, dropout (hipattn.dropout's keep mask), and a row that sees no key gets
+O = 0 and LSE = +inf."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from hipattn.dropout import keep_mask
 
 # bf16/fp16 inputs, fp32 accumulation: relative error of O and gradients against float64.
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3}
@@ -45,15 +48,28 @@ def modified_scores(s, len_q, len_k, softcap=0.0, slope=0.0):
     return s - slope * np.abs(offset), gradient
 
 
+def dropout_factor(dropout, b, h, heads_q, len_q, len_k):
+    """[len_q, len_k]: what sequence b, query head h's probabilities are multiplied by under ``dropout``
+    = (dropout_p, seed) or None: 0 where dropped, 1 / (1 - dropout_p) where kept."""
+    if dropout is None:
+        return 1.0
+    dropout_p, seed = dropout
+    rows = np.arange(len_q, dtype=np.int64)[:, None]
+    keys = np.arange(len_k, dtype=np.int64)[None, :]
+    kept = keep_mask(np.int64(seed), b * heads_q + h, rows, keys, dropout_p)
+    return np.where(kept, 1.0 / (1.0 - dropout_p), 0.0)
+
+
 def _slope(slopes, b, h):
     if slopes is None:
         return 0.0
     return float(slopes[h] if slopes.ndim == 1 else slopes[b, h])
 
 
-def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, -1), softcap=0.0, alibi=None):
+def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, -1), softcap=0.0, alibi=None,
+                      dropout=None):
     """float64 O [total_q, Hq, D] and LSE [Hq, total_q] of THD inputs (flash-attn's conventions; ``alibi``:
-    slopes [Hq] or [batch, Hq])."""
+    slopes [Hq] or [batch, Hq]; ``dropout``: (dropout_p, seed) or None)."""
     heads_q, heads_kv = q.shape[1], k.shape[1]
     out = np.zeros(q.shape)
     lse = np.full((heads_q, q.shape[0]), np.inf)
@@ -65,12 +81,13 @@ def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, 
             vs = v[start_k:start_k + len_k, h // (heads_q // heads_kv)]
             s, _ = modified_scores(scale * qs @ ks.T, len_q, len_k, softcap, _slope(alibi, b, h))
             s = np.where(visible_keys(len_q, len_k, causal, window), s, -np.inf)
+            factor = np.broadcast_to(dropout_factor(dropout, b, h, heads_q, len_q, len_k), s.shape)
             for i in range(len_q):
                 if np.isneginf(s[i]).all():
                     continue  # sees no key: O = 0, LSE = +inf
                 m = s[i].max()
                 p = np.exp(s[i] - m)
-                out[start_q + i, h] = p @ vs / p.sum()
+                out[start_q + i, h] = (p * factor[i]) @ vs / p.sum()
                 lse[h, start_q + i] = m + np.log(p.sum())
         start_q += len_q
         start_k += len_k
@@ -78,8 +95,10 @@ def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, 
 
 
 def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal, window=(-1, -1), softcap=0.0,
-                       alibi=None):
-    """float64 dQ, dK, dV of THD inputs; dK and dV summed over each KV head's group of query heads."""
+                       alibi=None, dropout=None):
+    """float64 dQ, dK, dV of THD inputs; dK and dV summed over each KV head's group of query heads. With
+    ``dropout``, O = (P Z) V for the factor Z (dropout_factor): dV = (P Z)ᵀ dO, and dP = Z (dO Vᵀ)
+    enters dS = P (dP - rowsum(P dP))."""
     heads_q, heads_kv = q.shape[1], k.shape[1]
     group = heads_q // heads_kv
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
@@ -94,11 +113,12 @@ def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal, windo
             m = np.where(visible.any(1), s.max(1, initial=-np.inf), 0.0)
             p = np.where(visible, np.exp(s - m[:, None]), 0.0)
             p /= np.maximum(p.sum(1, keepdims=True), 1e-300)
-            dp = dos @ vs.T
+            factor = dropout_factor(dropout, b, h, heads_q, len_q, len_k)
+            dp = (dos @ vs.T) * factor
             ds = p * (dp - (p * dp).sum(1, keepdims=True)) * gradient
             dq[rows, h] = scale * ds @ ks
             dk[keys, h // group] += scale * ds.T @ qs
-            dv[keys, h // group] += p.T @ dos
+            dv[keys, h // group] += (p * factor).T @ dos
         start_q += len_q
         start_k += len_k
     return dq, dk, dv

@@ -1,0 +1,207 @@
+// Dropout of the attention probabilities: flash-attn's dropout_p, forward and backward.
+//
+// Which probabilities are dropped is a pure function of the call's 64-bit seed and the element's
+// place: (sequence, query head, query row, key), rows and keys counted from the sequence's start. No
+// kernel's tiling enters it, so a forward, both backward schedules, every vendor's kernels and the
+// host's reference (hipattn/dropout.py) agree on every element.
+//
+// The random numbers are Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"),
+// keyed by the seed. Element (row i, key j) of stream bh = sequence * heads_q + query head is 16-bit
+// lane 2 w + h of the counter (i, 4 (j / 32) + (j % 8) / 2, bh, 0), with w = (j % 32) / 8 and h = j % 2
+// (h = 0: the word's low half). It is kept when that value is at least `threshold`, round(dropout_p
+// · 65536): the drop rate is dropout_p to within 2^-17.
+//
+// The counter is laid out for the tensor cores' m16n8 accumulators, where a lane holds keys 2t and
+// 2t + 1 of every 8 for a row: one Philox call gives a lane all eight of its values among 32 keys, and
+// the word w of the result is the packed pair of 8-key tile w, in the order the kernels pack P. Other
+// layouts call it per pair of keys and use what they need.
+//
+// Kept probabilities are scaled by 1 / (1 - dropout_p) where P meets V (the forward folds the factor
+// into O's normalization; the backward into dV's and dP's products); the softmax's sum and the LSE
+// are those of the undropped probabilities, as flash-attn's.
+//
+// Dropout<false> keeps everything and compiles to nothing (its active() is a constant false, so the
+// kernels' `if (dropout.active())` blocks vanish): the plain instantiations are unchanged.
+// Dropout<true> is read from the parameter struct at run time; threshold 0 (dropout_p = 0) keeps
+// everything, and kernels test active() once per tile rather than once per element.
+#pragma once
+#include "common/platform.h"
+
+namespace hipattn {
+
+// 32 x 32 -> 64-bit product, returned as its high word with the low word in `low`: one mul.wide or
+// v_mul_hi/v_mul_lo pair on the hardware.
+HIPATTN_DEVICE unsigned int multiply_high_low(unsigned int a, unsigned int b, unsigned int& low) {
+  const unsigned long long product = static_cast<unsigned long long>(a) * b;
+  low = static_cast<unsigned int>(product);
+  return static_cast<unsigned int>(product >> 32);
+}
+
+// Philox4x32 with 10 rounds: the four 32-bit words of counter x under key (k0, k1), in place.
+HIPATTN_DEVICE void philox4x32_10(unsigned int (&x)[4], unsigned int k0, unsigned int k1) {
+  constexpr unsigned int kMultiplier0 = 0xD2511F53u;
+  constexpr unsigned int kMultiplier1 = 0xCD9E8D57u;
+  constexpr unsigned int kWeyl0 = 0x9E3779B9u;  // the golden ratio's fraction, and sqrt(3) - 1
+  constexpr unsigned int kWeyl1 = 0xBB67AE85u;
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    unsigned int low0, low1;
+    const unsigned int high0 = multiply_high_low(kMultiplier0, x[0], low0);
+    const unsigned int high1 = multiply_high_low(kMultiplier1, x[2], low1);
+    const unsigned int y0 = high1 ^ x[1] ^ k0;
+    const unsigned int y2 = high0 ^ x[3] ^ k1;
+    x[0] = y0;
+    x[1] = low1;
+    x[2] = y2;
+    x[3] = low0;
+    k0 += kWeyl0;
+    k1 += kWeyl1;
+  }
+}
+
+// Word w (0..3, known only at run time) of a Philox result, by selection: indexing the array with w
+// would place it in local memory.
+HIPATTN_DEVICE unsigned int select_word(const unsigned int (&x)[4], int w) {
+  return w == 0 ? x[0] : w == 1 ? x[1] : w == 2 ? x[2] : x[3];
+}
+
+template <bool ENABLED>
+struct Dropout;
+
+template <>
+struct Dropout<false> {
+  HIPATTN_DEVICE bool active() const { return false; }
+  HIPATTN_DEVICE float scale() const { return 1.0f; }
+  HIPATTN_DEVICE bool keep(int row, int key) const {
+    (void)row;
+    (void)key;
+    return true;
+  }
+  HIPATTN_DEVICE void words(int row, int stripe, int pair, unsigned int (&x)[4]) const {
+    (void)row;
+    (void)stripe;
+    (void)pair;
+    x[0] = x[1] = x[2] = x[3] = 0xffffffffu;
+  }
+  HIPATTN_DEVICE bool kept(unsigned int word, bool high) const {
+    (void)word;
+    (void)high;
+    return true;
+  }
+  HIPATTN_DEVICE unsigned int keep_run4(int row, int key) const {
+    (void)row;
+    (void)key;
+    return 0xfu;
+  }
+  template <int N_TILES>
+  HIPATTN_DEVICE void m16n8_masks(int row, int n0, int t, unsigned int (&mask)[N_TILES]) const {
+    (void)row;
+    (void)n0;
+    (void)t;
+#pragma unroll
+    for (int n = 0; n < N_TILES; ++n) mask[n] = 0xffffffffu;
+  }
+  template <typename Params>
+  HIPATTN_DEVICE Dropout with_head(const Params& p, int sequence, int head) const {
+    (void)p;
+    (void)sequence;
+    (void)head;
+    return *this;
+  }
+};
+
+template <>
+struct Dropout<true> {
+  unsigned int threshold;  // round(dropout_p · 65536); 0 keeps everything
+  float keep_scale;        // 1 / (1 - dropout_p)
+  unsigned int seed_low, seed_high;
+  unsigned int stream;  // sequence * heads_q + query head
+
+  HIPATTN_DEVICE bool active() const { return threshold != 0u; }
+  HIPATTN_DEVICE float scale() const { return keep_scale; }
+
+  // The random words of query row `row` for the keys j with j / 32 == stripe and (j % 8) / 2 == pair:
+  // word w holds keys 32 stripe + 8 w + 2 pair (low half) and + 1 (high half).
+  HIPATTN_DEVICE void words(int row, int stripe, int pair, unsigned int (&x)[4]) const {
+    x[0] = static_cast<unsigned int>(row);
+    x[1] = static_cast<unsigned int>(4 * stripe + pair);
+    x[2] = stream;
+    x[3] = 0u;
+    philox4x32_10(x, seed_low, seed_high);
+  }
+  // Whether the low (high = false) or high half of a random word keeps its element.
+  HIPATTN_DEVICE bool kept(unsigned int word, bool high) const {
+    return (high ? word >> 16 : word & 0xffffu) >= threshold;
+  }
+  // A word's keep mask for a packed pair of 16-bit values (low half: the pair's first element).
+  HIPATTN_DEVICE unsigned int pair_mask(unsigned int word) const {
+    return (kept(word, false) ? 0x0000ffffu : 0u) | (kept(word, true) ? 0xffff0000u : 0u);
+  }
+  // One element: a whole Philox call. Loops over a layout that shares calls use words() directly.
+  HIPATTN_DEVICE bool keep(int row, int key) const {
+    unsigned int x[4];
+    words(row, key / 32, (key % 8) / 2, x);
+    return kept(select_word(x, (key % 32) / 8), (key & 1) != 0);
+  }
+  // Four consecutive keys key .. key + 3 (key a multiple of 4) of one row, as bits 0..3: two calls.
+  HIPATTN_DEVICE unsigned int keep_run4(int row, int key) const {
+    unsigned int first[4], second[4];
+    words(row, key / 32, (key % 8) / 2, first);
+    words(row, key / 32, (key % 8) / 2 + 1, second);
+    const unsigned int low = select_word(first, (key % 32) / 8);
+    const unsigned int high = select_word(second, (key % 32) / 8);
+    return (kept(low, false) ? 1u : 0u) | (kept(low, true) ? 2u : 0u) | (kept(high, false) ? 4u : 0u) |
+           (kept(high, true) ? 8u : 0u);
+  }
+  // The packed-pair keep masks of row `row` in the m16n8 accumulator layout: mask[n] covers keys
+  // n0 + 8 n + 2 t and + 1 (n0 a multiple of 8 N_TILES). With whole 32-key stripes, one call per stripe.
+  template <int N_TILES>
+  HIPATTN_DEVICE void m16n8_masks(int row, int n0, int t, unsigned int (&mask)[N_TILES]) const {
+    unsigned int x[4];
+    if constexpr (N_TILES % 4 == 0) {
+#pragma unroll
+      for (int stripe = 0; stripe < N_TILES / 4; ++stripe) {
+        words(row, n0 / 32 + stripe, t, x);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) mask[4 * stripe + w] = pair_mask(x[w]);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < N_TILES; ++n) {
+        const int key = n0 + 8 * n;
+        words(row, key / 32, t, x);
+        mask[n] = pair_mask(select_word(x, (key % 32) / 8));
+      }
+    }
+  }
+  template <typename Params>
+  HIPATTN_DEVICE Dropout with_head(const Params& p, int sequence, int head) const {
+    Dropout d = *this;
+    d.stream = static_cast<unsigned int>(sequence * p.heads_q + head);
+    return d;
+  }
+};
+
+// The dropout of query head `head` of sequence `sequence`, from a parameter struct with the dropout
+// fields of hipattn/catalog/fields.py (dropout_threshold: 0 for none; dropout_scale; dropout_seed: a
+// device pointer to the call's 64-bit seed, read only when dropout is on). Plain kernels read none.
+template <bool ENABLED, typename Params>
+HIPATTN_DEVICE Dropout<ENABLED> dropout_of(const Params& p, int sequence, int head) {
+  Dropout<ENABLED> dropout;
+  if constexpr (ENABLED) {
+    dropout.threshold = static_cast<unsigned int>(p.dropout_threshold);
+    dropout.keep_scale = p.dropout_scale;
+    unsigned long long seed = 0;
+    if (dropout.threshold != 0u) seed = *static_cast<const unsigned long long*>(p.dropout_seed);
+    dropout.seed_low = static_cast<unsigned int>(seed);
+    dropout.seed_high = static_cast<unsigned int>(seed >> 32);
+    dropout.stream = static_cast<unsigned int>(sequence * p.heads_q + head);
+  } else {
+    (void)p;
+    (void)sequence;
+    (void)head;
+  }
+  return dropout;
+}
+
+}  // namespace hipattn
