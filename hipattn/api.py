@@ -75,6 +75,7 @@ def flash_attn_varlen_func(
     block_table: Any = None,
     *,
     dropout_seed: Any = None,
+    learnable_sink: Any = None,
     stream: Any = None,
 ):
     """Varlen attention forward, as flash-attn's.
@@ -95,7 +96,8 @@ def flash_attn_varlen_func(
     dropout_p drops each attention probability with that chance and scales the rest by
     1 / (1 - dropout_p); which are dropped follows from a 64-bit seed (hipattn.dropout), drawn from
     torch's generator for torch tensors, else passed as ``dropout_seed`` (a one-element int64
-    device array; hipattn.backward takes the same one).
+    device array; hipattn.backward takes the same one). learnable_sink, fp32 [nheads]
+    (FlashAttention-4's), adds a logit per query head to every row's softmax denominator, with no value.
     Returns out [total_q, nheads, headdim]; with return_attn_probs=True, (out, softmax_lse, None)
     where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key); hipattn.torch returns
     flash-attn's S_dmask in place of None for calls with dropout. Torch tensors that require grad, or
@@ -104,16 +106,19 @@ def flash_attn_varlen_func(
     """
     reject_paged_kv(block_table)
     dropout_p = check_dropout_p(dropout_p)
-    if _records_gradients(stream, q, k, v) or _draws_seed_in_torch(stream, dropout_p, dropout_seed, q):
+    if (_records_gradients(stream, q, k, v, learnable_sink)
+            or _draws_seed_in_torch(stream, dropout_p, dropout_seed, q)):
         from . import torch as autograd_api
 
         return autograd_api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    dropout_p, softmax_scale, causal, window_size, softcap,
-                                                   alibi_slopes, deterministic, return_attn_probs, block_table)
+                                                   alibi_slopes, deterministic, return_attn_probs, block_table,
+                                                   learnable_sink=learnable_sink)
     out, lse = attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                                  causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                 dropout_p=dropout_p, dropout_seed=dropout_seed, stream=stream)
+                                 dropout_p=dropout_p, dropout_seed=dropout_seed, learnable_sink=learnable_sink,
+                                 stream=stream)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -131,6 +136,7 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     dropout_seed: Any = None,
+    learnable_sink: Any = None,
     stream: Any = None,
 ):
     """Batch attention forward, as flash-attn's: q [batch, seqlen_q, nheads, headdim], k, v
@@ -138,12 +144,14 @@ def flash_attn_func(
     seqlen_q], None) with return_attn_probs=True). Records autograd, and takes dropout, as
     flash_attn_varlen_func does."""
     dropout_p = check_dropout_p(dropout_p)
-    if _records_gradients(stream, q, k, v) or _draws_seed_in_torch(stream, dropout_p, dropout_seed, q):
+    if (_records_gradients(stream, q, k, v, learnable_sink)
+            or _draws_seed_in_torch(stream, dropout_p, dropout_seed, q)):
         from . import torch as autograd_api
 
         return autograd_api.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                            alibi_slopes, deterministic, return_attn_probs)
+                                            alibi_slopes, deterministic, return_attn_probs,
+                                            learnable_sink=learnable_sink)
     out, lse = attention.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                  softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                 dropout_seed=dropout_seed, stream=stream)
+                                 dropout_seed=dropout_seed, learnable_sink=learnable_sink, stream=stream)
     return (out, lse, None) if return_attn_probs else out

@@ -85,6 +85,8 @@ def _named_inputs(call: _Inputs, more: tuple = ()) -> list:
         named.append((call.alibi_slopes, "alibi_slopes"))
     if call.dropout_seed is not None:
         named.append((call.dropout_seed, "dropout_seed"))
+    if call.learnable_sink is not None:
+        named.append((call.learnable_sink, "learnable_sink"))
     return named
 
 
@@ -120,12 +122,13 @@ class _Inputs(NamedTuple):
     sequences: dict  # cu_seqlens_q/k, seqused_q/k as DeviceArray or None, by keyword
     alibi_slopes: DeviceArray | None
     dropout_seed: DeviceArray | None
+    learnable_sink: DeviceArray | None
     problem: problem_mod.Problem
 
 
 def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                      causal, softmax_scale, stream, window_size=problem_mod.NO_WINDOW, softcap=0.0,
-                     alibi_slopes=None, dropout_p=0.0, dropout_seed=None) -> _Inputs:
+                     alibi_slopes=None, dropout_p=0.0, dropout_seed=None, learnable_sink=None) -> _Inputs:
     # A DLPack producer orders its pending writes before the consumer's stream, which must be named
     # at export: known here only when the caller passed a raw handle (otherwise the protocol's
     # default, the legacy stream, is what the producer syncs with).
@@ -140,19 +143,21 @@ def _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     used_k = _array(seqused_k, "seqused_k", consumer)
     slopes = _array(alibi_slopes, "alibi_slopes", consumer)
     seed = _array(dropout_seed, "dropout_seed", consumer)
+    sink = _array(learnable_sink, "learnable_sink", consumer)
     # Unknown devices (UNKNOWN_DEVICE, the only negative one a DeviceArray holds) are settled before
     # the devices are compared; spelled out, as this runs on every launch.
     if (qa.device < 0 or ka.device < 0 or va.device < 0 or (cu_q is not None and cu_q.device < 0)
             or (cu_k is not None and cu_k.device < 0) or (used_q is not None and used_q.device < 0)
             or (used_k is not None and used_k.device < 0) or (slopes is not None and slopes.device < 0)
-            or (seed is not None and seed.device < 0)):
-        qa, ka, va, cu_q, cu_k, used_q, used_k, slopes, seed = settle_devices(
-            (qa, ka, va, cu_q, cu_k, used_q, used_k, slopes, seed))
+            or (seed is not None and seed.device < 0) or (sink is not None and sink.device < 0)):
+        qa, ka, va, cu_q, cu_k, used_q, used_k, slopes, seed, sink = settle_devices(
+            (qa, ka, va, cu_q, cu_k, used_q, used_k, slopes, seed, sink))
     sequences = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_q": used_q, "seqused_k": used_k}
     problem = problem_mod.describe(qa, ka, va, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                   softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, dropout_seed=seed)
-    return _Inputs(qa, ka, va, sequences, slopes, seed, problem)
+                                   softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, dropout_seed=seed,
+                                   learnable_sink=sink)
+    return _Inputs(qa, ka, va, sequences, slopes, seed, sink, problem)
 
 
 def _order_after_inputs(backend, stream: int, call: _Inputs, *more: DeviceArray) -> None:
@@ -163,6 +168,8 @@ def _order_after_inputs(backend, stream: int, call: _Inputs, *more: DeviceArray)
         inputs += (call.alibi_slopes,)
     if call.dropout_seed is not None:
         inputs += (call.dropout_seed,)
+    if call.learnable_sink is not None:
+        inputs += (call.learnable_sink,)
     wait_for_producers(backend, inputs, stream)
     if checks.enabled():
         checks.check_sequences(backend, stream, call.problem, call.sequences)
@@ -177,9 +184,10 @@ def window_scalars(window_size: Any) -> tuple:
 
 
 # A forward call's array slots, by the kernel fields they fill (launch_plans): q, k, v, out, lse,
-# cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, dropout_seed; out and lse are its outputs.
+# cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, dropout_seed, learnable_sink; out and
+# lse are its outputs.
 _FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
-                  "alibi_slopes", "dropout_seed")
+                  "alibi_slopes", "dropout_seed", "learnable_sink")
 _FORWARD_OUTPUTS = (3, 4)
 
 
@@ -203,6 +211,7 @@ def forward(
     alibi_slopes: Any = None,
     dropout_p: float = 0.0,
     dropout_seed: Any = None,
+    learnable_sink: Any = None,
     stream: Any = None,
 ) -> tuple[Any, Any]:
     """Attention forward. Returns ``(out, lse)``: out like q, lse fp32 in flash-attn's layout.
@@ -216,11 +225,14 @@ def forward(
     ``dropout_p`` drops each probability with that chance (and scales the rest by 1 / (1 - dropout_p));
     ``dropout_seed``, a one-element int64 device array, holds the 64-bit seed that decides which
     (hipattn.dropout): the same seed drops the same entries, and the backward takes the forward's.
+    ``learnable_sink``: fp32 [Hq] sink logits (FlashAttention-4's): each row's softmax denominator
+    gains exp(sink) and the LSE includes it, so the backward needs nothing more.
 
     A repeat call with torch tensors of the same signature replays the launch the first one
     validated, checking only what depends on the pointers (launch_plans).
     """
-    given = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, dropout_seed)
+    given = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, dropout_seed,
+             learnable_sink)
     active = runtime.active()
     key = launch_plans.signature("forward", given,
                                  (max_seqlen_q, max_seqlen_k, softmax_scale, causal, *window_scalars(window_size),
@@ -234,7 +246,7 @@ def forward(
                 return replayed[3], replayed[4]
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                             max_seqlen_k, causal, softmax_scale, stream, window_size, softcap, alibi_slopes,
-                            dropout_p, dropout_seed)
+                            dropout_p, dropout_seed, learnable_sink)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     path = dispatch.choose_path(problem, "forward")
     backend = active.backend
@@ -256,12 +268,13 @@ def forward(
                                  alibi_slopes=call.alibi_slopes)
             else:
                 flash.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences,
-                              alibi_slopes=call.alibi_slopes, dropout_seed=call.dropout_seed)
+                              alibi_slopes=call.alibi_slopes, dropout_seed=call.dropout_seed,
+                              learnable_sink=call.learnable_sink)
     if key is not None and len(active.launch_plans) < launch_plans.MAX_PLANS:
         made = {slot: obj for slot, obj in zip(_FORWARD_OUTPUTS, (out_obj, lse_obj), strict=True) if given[slot] is None}
         plan = launch_plans.record(launches, given,
                                    (qa, ka, va, out_a, lse_a, *call.sequences.values(), call.alibi_slopes,
-                                    call.dropout_seed),
+                                    call.dropout_seed, call.learnable_sink),
                                    _FORWARD_SLOTS, made, _FORWARD_OUTPUTS)
         if plan is not None:
             active.launch_plans[key] = plan
@@ -292,6 +305,7 @@ def backward(
     alibi_slopes: Any = None,
     dropout_p: float = 0.0,
     dropout_seed: Any = None,
+    learnable_sink: Any = None,
     deterministic: bool = False,
     workspace: Any = None,
     stream: Any = None,
@@ -300,7 +314,9 @@ def backward(
 
     Same layouts and arguments as ``forward`` (the same ``softcap``, ``alibi_slopes``, ``dropout_p`` and
     ``dropout_seed`` as the forward that made ``out`` and ``lse``: the backward regenerates its dropout
-    mask from them). dK and dV are summed over the query heads of each
+    mask from them; and its ``learnable_sink``, which the LSE already includes: given, it sends the
+    call down the forward's path). The sinks' own gradient, -sum over rows of exp(sink - lse) *
+    rowsum(dout * out), is hipattn.torch's to compute. dK and dV are summed over the query heads of each
     KV group (GQA/MQA). The small-seq path is deterministic whatever ``deterministic`` says; the flash
     path is bit-identical run to run with ``deterministic=True`` (a separate dQ pass, no atomics).
 
@@ -311,7 +327,7 @@ def backward(
     """
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                             max_seqlen_k, causal, softmax_scale, stream, window_size, softcap, alibi_slopes,
-                            dropout_p, dropout_seed)
+                            dropout_p, dropout_seed, learnable_sink)
     qa, ka, va, problem = call.q, call.k, call.v, call.problem
     consumer = stream if type(stream) is int else None
     douta = arrays.as_device_array(dout, "dout", stream=consumer)

@@ -50,12 +50,15 @@ class Problem:
     # flash-attn's dropout_p (kernels/common/dropout.h; hipattn.dropout): 0.0 is none. The seed array
     # travels beside the problem.
     dropout_p: float = 0.0
+    # Whether learnable sinks were given (FlashAttention-4's learnable_sink: one logit per query head
+    # that joins each row's softmax denominator); the array travels beside the problem.
+    sink: bool = False
 
     @property
     def score_mods(self) -> bool:
-        """Whether the kernels' modified instantiation (softcap, ALiBi or dropout, read at run time)
-        serves this call, or the plain one."""
-        return self.softcap != 0.0 or self.alibi or self.dropout_p != 0.0
+        """Whether the kernels' modified instantiation (softcap, ALiBi, dropout or sinks, read at run
+        time) serves this call, or the plain one."""
+        return self.softcap != 0.0 or self.alibi or self.dropout_p != 0.0 or self.sink
 
 
 def dims(a: DeviceArray, name: str, layout: str) -> tuple[int, int, int, int]:
@@ -188,6 +191,23 @@ def check_alibi_slopes(slopes: DeviceArray | None, batch: int, heads_q: int, dev
         raise ValueError(f"alibi_slopes is on device {slopes.device} but q is on device {device}; move it to device {device}")
 
 
+def check_learnable_sink(sink: DeviceArray | None, heads_q: int, device: int) -> None:
+    """FlashAttention-4's ``learnable_sink``: fp32 of shape [Hq], contiguous, on q's device: query head
+    h's rows put weight exp(sink[h] - LSE) on a sink with no value, and the LSE includes it."""
+    if sink is None:
+        return
+    if sink.dtype != "fp32":
+        raise TypeError(f"learnable_sink has dtype {sink.dtype}; expected fp32")
+    if tuple(sink.shape) != (heads_q,):
+        raise ValueError(f"learnable_sink has shape {tuple(sink.shape)}; expected ({heads_q},): one logit per query head")
+    if heads_q > 1 and sink.strides[0] != 1:
+        raise ValueError(f"learnable_sink has strides {sink.strides}; it must be contiguous")
+    if sink.ptr % 4:
+        raise ValueError(f"learnable_sink's data pointer 0x{sink.ptr:x} is not aligned to its 4-byte fp32 elements")
+    if sink.device != device:
+        raise ValueError(f"learnable_sink is on device {sink.device} but q is on device {device}; move it to device {device}")
+
+
 def alibi_batch_stride(slopes: DeviceArray) -> int:
     """Elements between two sequences' slopes: 0 for [Hq] slopes, which every sequence shares."""
     return slopes.strides[0] if len(slopes.shape) == 2 else 0
@@ -245,9 +265,10 @@ def describe(
     alibi_slopes: DeviceArray | None = None,
     dropout_p: float = 0.0,
     dropout_seed: DeviceArray | None = None,
+    learnable_sink: DeviceArray | None = None,
 ) -> Problem:
-    """Check q, k, v, the sequence description, the score modifiers and dropout; the layout follows
-    from cu_seqlens being given."""
+    """Check q, k, v, the sequence description, the score modifiers, dropout and sinks; the layout
+    follows from cu_seqlens being given."""
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k (varlen) or neither (batch)")
     layout = THD if cu_seqlens_q is not None else BSHD
@@ -310,12 +331,13 @@ def describe(
     check_index_array(seqused_q, "seqused_q", batch, device)
     check_index_array(seqused_k, "seqused_k", batch, device)
     check_alibi_slopes(alibi_slopes, batch, heads_q, device)
+    check_learnable_sink(learnable_sink, heads_q, device)
     if max(total_q, total_k, batch, max_q, max_k, heads_q, heads_kv) > _INT32_MAX:
         check_fits_int32(total_q=total_q, total_k=total_k, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k,
                           heads_q=heads_q, heads_kv=heads_kv)
     return _problem(layout, q.dtype, batch, heads_q, heads_kv, head_dim, max_q, max_k, total_q, total_k,
                     causal, softmax_scale, device, window_left, window_right, softcap, alibi_slopes is not None,
-                    dropout_p)
+                    dropout_p, learnable_sink is not None)
 
 
 # The kernels take token counts, batch and bounds as 32-bit ints (ctypes would wrap larger values
@@ -356,7 +378,8 @@ _new_object = object.__new__
 
 
 def _problem(layout, dtype, batch, heads_q, heads_kv, head_dim, max_seqlen_q, max_seqlen_k, total_q, total_k,
-             causal, softmax_scale, device, window_left, window_right, softcap, alibi, dropout_p=0.0) -> Problem:
+             causal, softmax_scale, device, window_left, window_right, softcap, alibi, dropout_p=0.0,
+             sink=False) -> Problem:
     # The hot-path constructor (as device_array.unchecked_device_array): the frozen dataclass __init__
     # sets its fields one object.__setattr__ at a time (~2 us); filling __dict__ builds the same
     # object in a third.
@@ -365,7 +388,7 @@ def _problem(layout, dtype, batch, heads_q, heads_kv, head_dim, max_seqlen_q, ma
         layout=layout, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, total_q=total_q, total_k=total_k, causal=causal,
         softmax_scale=softmax_scale, device=device, window_left=window_left, window_right=window_right,
-        softcap=softcap, alibi=alibi, dropout_p=dropout_p,
+        softcap=softcap, alibi=alibi, dropout_p=dropout_p, sink=sink,
     )  # fmt: skip
     return problem
 

@@ -61,12 +61,13 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
 
 
 def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                 window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed):
+                 window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink):
     """hipattn's forward kernels on the op's arguments: (out, lse)."""
     return attention.forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                              causal=causal, window_size=(window_left, window_right), softcap=softcap,
-                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             learnable_sink=None if learnable_sink is None else learnable_sink.detach())
 
 
 def _dropout_seed(q: Tensor, dropout_p: float) -> Optional[Tensor]:
@@ -95,16 +96,18 @@ def _forward_op(
     alibi_slopes: Optional[Tensor],
     dropout_p: float,
     dropout_seed: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     del deterministic  # a forward is deterministic; the flag is kept for the backward (_setup_context)
     return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                        window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed)
+                        window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink)
 
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                  window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
+                  window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink,
+                  deterministic):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
@@ -128,27 +131,29 @@ def _backward_op(
     alibi_slopes: Optional[Tensor],
     dropout_p: float,
     dropout_seed: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return attention.backward(dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                               causal=causal, window_size=(window_left, window_right), softcap=softcap,
                               alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                              deterministic=deterministic)
+                              learnable_sink=learnable_sink, deterministic=deterministic)
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
+                   causal, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink,
+                   deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-     softcap, alibi_slopes, dropout_p, dropout_seed, deterministic) = inputs
+     softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink, deterministic) = inputs
     out, lse = output
     # The backward regenerates the forward's dropout mask from the same seed.
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, learnable_sink)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.window = (window_left, window_right)
@@ -156,14 +161,33 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, learnable_sink = ctx.saved_tensors
     # The kernels read rows with 16-byte accesses: a gradient that autograd hands over expanded or
     # transposed is made contiguous first.
-    dq, dk, dv = _backward_op(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+    grad_out = grad_out.contiguous()
+    dq, dk, dv = _backward_op(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                               ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, *ctx.window,
-                              ctx.softcap, alibi_slopes, ctx.dropout_p, dropout_seed, ctx.deterministic)
+                              ctx.softcap, alibi_slopes, ctx.dropout_p, dropout_seed,
+                              None if learnable_sink is None else learnable_sink.detach(), ctx.deterministic)
+    dsink = None
+    if learnable_sink is not None and ctx.needs_input_grad[15]:
+        dsink = _sink_gradient(grad_out, out, lse, learnable_sink.detach(), cu_seqlens_q)
     # No gradient for the ALiBi slopes, as flash-attn: they are fixed by the model, not learned.
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, dsink, None
+
+
+def _sink_gradient(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tensor:
+    """d loss / d learnable_sink[h] = -sum over h's rows of exp(sink[h] - lse) * rowsum(dout * out): a
+    row's sink weight is exp(sink - lse), and moving it moves every key's probability against the row's
+    Delta. Rows no sequence covers (varlen rows past cu_seqlens_q[-1]) count for nothing; nothing
+    here synchronizes."""
+    delta = (dout.float() * out.float()).sum(-1)  # [total, Hq] or [B, S, Hq]
+    if cu_seqlens_q is None:
+        weight = torch.exp(sink[None, :, None] - lse)  # lse [B, Hq, S]
+        return -(weight * delta.transpose(1, 2)).sum(dim=(0, 2))
+    covered = torch.arange(lse.shape[1], device=lse.device) < cu_seqlens_q[-1]
+    weight = torch.exp(sink[:, None] - lse).masked_fill(~covered, 0.0)  # lse [Hq, total]
+    return -(weight * delta.transpose(0, 1).masked_fill(~covered, 0.0)).sum(1)
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -176,9 +200,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
+                window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink,
+                deterministic):
         inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                  window_right, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic)
+                  window_right, softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink, deterministic)
         output = _run_forward(*inputs[:-1])
         ctx.mark_non_differentiable(output[1])
         _setup_context(ctx, inputs, output)
@@ -193,19 +218,20 @@ _TENSOR = torch.Tensor
 
 
 def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
-            softcap, alibi_slopes, dropout_p, dropout_seed, deterministic):
+            softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink, deterministic):
     """hipattn's forward with autograd: for plain tensors in eager mode, the autograd Function (or,
     when nothing needs a gradient, the forward alone); the custom op for everything traced."""
     if (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not torch.compiler.is_compiling()
             and not torch._C._len_torch_dispatch_stack() and not torch._C._is_torch_function_mode_enabled()):
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (learnable_sink is not None and learnable_sink.requires_grad)):
             return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          softmax_scale, causal, *window, softcap, alibi_slopes, dropout_p,
-                                         dropout_seed, deterministic)
+                                         dropout_seed, learnable_sink, deterministic)
         return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                            *window, softcap, alibi_slopes, dropout_p, dropout_seed)
+                            *window, softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink)
     return _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       *window, softcap, alibi_slopes, dropout_p, dropout_seed, deterministic)
+                       *window, softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink, deterministic)
 
 
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
@@ -239,6 +265,8 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: Optional[Tensor] = None,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ):
     """hipattn.flash_attn_varlen_func with autograd: see its docstring for shapes and conventions.
 
@@ -246,18 +274,20 @@ def flash_attn_varlen_func(
     hipattn's backward, bit-identical run to run with ``deterministic=True``. ``dropout_p`` draws its
     seed from torch's generator (hipattn.dropout); S_dmask is None without dropout, else
     flash-attn's testing output (hipattn.torch_attn_probs: it synchronizes, for testing only).
+    ``learnable_sink`` (FlashAttention-4's): fp32 [Hq] logits that join each row's softmax denominator
+    with no value; they get a gradient when they require one.
     """
     reject_paged_kv(block_table)
     causal, deterministic = _host_arguments(max_seqlen_q, max_seqlen_k, causal, deterministic)
     dropout_p = check_dropout_p(dropout_p)
-    _check_slopes(alibi_slopes)
+    _check_slopes(alibi_slopes, learnable_sink)
     scale = _scale(q, softmax_scale)
     window, softcap = check_window(window_size, causal), check_softcap(softcap)
     seed = _dropout_seed(q, dropout_p)
     original = (q, k)
     (q, k, v), head_dim = _padded(FLASH_HEAD_DIMS, q, k, v)
     out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window,
-                       softcap, alibi_slopes, dropout_p, seed, deterministic)
+                       softcap, alibi_slopes, dropout_p, seed, learnable_sink, deterministic)
     if head_dim is not None:
         out = out[..., :head_dim]
     if not return_attn_probs:
@@ -280,19 +310,21 @@ def flash_attn_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ):
-    """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd; dropout and
-    return_attn_probs as flash_attn_varlen_func's."""
+    """hipattn.flash_attn_func (q [B, S_q, Hq, D], k/v [B, S_k, Hkv, D]) with autograd; dropout,
+    learnable_sink and return_attn_probs as flash_attn_varlen_func's."""
     causal, deterministic = _host_arguments(None, None, causal, deterministic)
     dropout_p = check_dropout_p(dropout_p)
-    _check_slopes(alibi_slopes)
+    _check_slopes(alibi_slopes, learnable_sink)
     scale = _scale(q, softmax_scale)
     window, softcap = check_window(window_size, causal), check_softcap(softcap)
     seed = _dropout_seed(q, dropout_p)
     original = (q, k)
     (q, k, v), head_dim = _padded(FLASH_HEAD_DIMS, q, k, v)
     out, lse = _attend(q, k, v, None, None, None, None, scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       seed, deterministic)
+                       seed, learnable_sink, deterministic)
     if head_dim is not None:
         out = out[..., :head_dim]
     if not return_attn_probs:
@@ -402,11 +434,12 @@ def _padded(shipped: tuple[int, ...], q, *others) -> tuple[tuple, int | None]:
     return tuple(None if t is None else torch.nn.functional.pad(t, (0, target - head_dim)) for t in tensors), head_dim
 
 
-def _check_slopes(alibi_slopes) -> None:
-    """The op's schema takes a tensor or None: anything else is refused here, by name (its own error
+def _check_slopes(alibi_slopes, learnable_sink=None) -> None:
+    """The op's schema takes tensors or None: anything else is refused here, by name (its own error
     would name no argument); the shape, dtype and device checks are the core API's."""
-    if alibi_slopes is not None:
-        _check_tensors("flash_attn_func", alibi_slopes=alibi_slopes)
+    given = {name: t for name, t in (("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink))
+             if t is not None}
+    _check_tensors("flash_attn_func", **given)
 
 
 def _check_tensors(function: str, **given) -> None:

@@ -84,3 +84,29 @@ def dropped(monkeypatch):
             monkeypatch.setattr(raw_calls, name, functools.partial(getattr(raw_calls, name), dropout=(dropout_p, seed)))
 
     return use
+
+
+@pytest.fixture
+def sinked(monkeypatch):
+    """``sinked(device, sinks)`` makes the raw-array checks (support.raw_calls) run with learnable sinks
+    (fp32 [heads_q] logits): hipattn's forward and backward on ``device`` take them as learnable_sink,
+    and the float64 reference adds them to every row's denominator."""
+    import functools
+
+    import numpy as np
+    from support import raw_calls
+
+    import hipattn
+
+    arrays = []  # the sinks' memory, alive for the test
+
+    def use(device, sinks):
+        arrays.append(np.ascontiguousarray(sinks, dtype=np.float32))
+        for name in ("forward", "backward"):
+            monkeypatch.setattr(hipattn, name,
+                                functools.partial(getattr(hipattn, name), learnable_sink=device.array(arrays[-1])))
+        for name in ("reference_forward", "reference_backward"):
+            monkeypatch.setattr(raw_calls, name,
+                                functools.partial(getattr(raw_calls, name), sink=arrays[-1].astype(np.float64)))
+
+    return use

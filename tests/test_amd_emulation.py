@@ -137,3 +137,16 @@ def test_the_mfma_flash_kernels_match_float64_with_dropout(device, dropped, wind
     dq_kernels = ["flash_backward_dq_mfma"] if deterministic else ["bwd_convert_dq"]
     assert device.kernels == ["flash_forward_mfma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mfma",
                               *dq_kernels]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_mfma_flash_kernels_match_float64_with_learnable_sinks(device, sinked, causal):
+    """The MFMA forward's epilogue adds each head's sink to the denominator and the LSE (a row with no
+    key: O = 0, LSE = the sink); the backward reads that LSE."""
+    sinked(device, np.array([3.0, -4.0]))
+    lengths_q = [18, 70, 5, 33, 0, 40]
+    lengths_k = [100, 130, 19, 0, 7, 80]
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, 2, 1, 64, "bf16", causal,
+                               deterministic=False)
+    assert device.kernels == ["flash_forward_mfma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mfma",
+                              "bwd_convert_dq"]

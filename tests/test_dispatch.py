@@ -104,3 +104,11 @@ def test_dropout_takes_the_flash_path_even_when_short(arch, direction, name):
     short = varlen(17, 17)
     assert dispatch.choose_path(short, direction) == dispatch.SMALLSEQ
     assert dispatch.choose_path(dataclasses.replace(short, dropout_p=0.1), direction) == dispatch.FLASH
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_learnable_sinks_take_the_flash_path_even_when_short(arch, direction):
+    """The flash forwards add the sinks in their last normalization; the small-seq kernels do not."""
+    arch("sm_90a")
+    short = dataclasses.replace(varlen(9, 17), sink=True)
+    assert dispatch.choose_path(short, direction) == dispatch.FLASH

@@ -156,3 +156,19 @@ def test_the_flash_kernels_match_float64_with_dropout(device, dropped, windowed,
     dq_kernels = ["flash_backward_dq_mma"] if deterministic else ["bwd_convert_dq"]
     assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
                               *dq_kernels]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [FLASH_CASES[0], FLASH_CASES[2]])
+def test_the_flash_kernels_match_float64_with_learnable_sinks(device, sinked, dtype, head_dim, heads_q, heads_kv,
+                                                              causal):
+    """A sink logit per query head (one far above the scores, one far below) joins each row's
+    denominator in the forward's last normalization and its LSE, so a row that sees no key gets O = 0
+    and LSE = the sink; the backward, unchanged, reads that LSE."""
+    sinked(device, np.array([3.0, -4.0, 0.5, 1.5])[:heads_q])
+    lengths_q = [18, 150, 5, 33, 0, 40]
+    lengths_k = [40, 200, 19, 0, 7, 80]
+    check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
+                               causal, deterministic=True)
+    assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
+                              "flash_backward_dq_mma"]

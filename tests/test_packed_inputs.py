@@ -487,8 +487,10 @@ def attention_float64(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
 
 
 def stand_in_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             learnable_sink=None):
     """hipattn.torch.flash_attn_func in pure torch, differentiable on CPU tensors."""
+    assert learnable_sink is None, "the packed functions pass no sinks"
     scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
     out, lse = attention_float64(q, k, v, None, None, scale, causal)
     return (out, lse, None) if return_attn_probs else out
@@ -497,7 +499,8 @@ def stand_in_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=
 def stand_in_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                                    block_table=None):
+                                    block_table=None, *, learnable_sink=None):
+    assert learnable_sink is None, "the packed functions pass no sinks"
     scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
     out, lse = attention_float64(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
     return (out, lse, None) if return_attn_probs else out

@@ -75,8 +75,10 @@ class FlashStyleKernels:
         self.calls = []  # (thread name, "forward"/"backward", causal); list.append is atomic across threads
 
     def forward(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, stream=None):
-        assert softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0, "the stand-in has no modifiers"
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None,
+                learnable_sink=None, stream=None):
+        assert softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0 and learnable_sink is None, (
+            "the stand-in has no modifiers")
         self.calls.append((threading.current_thread().name, "forward", causal))
         group = q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float64)
@@ -90,8 +92,9 @@ class FlashStyleKernels:
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                 dropout_seed=None, deterministic=False):
-        assert softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0, "the stand-in has no modifiers"
+                 dropout_seed=None, learnable_sink=None, deterministic=False):
+        assert softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0 and learnable_sink is None, (
+            "the stand-in has no modifiers")
         self.calls.append((threading.current_thread().name, "backward", causal))
         heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))

@@ -90,18 +90,23 @@ class ReferenceKernels:
 
     def forward(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                 softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                dropout_seed=None, stream=None):
+                dropout_seed=None, learnable_sink=None, stream=None):
         self.forward_calls += 1
         self.windows.append(("forward", window_size))
         self.modifiers.append(("forward", softcap, alibi_slopes))
         self.dropouts.append(("forward", dropout_p, dropout_seed))
         self.head_dims.append(q.shape[-1])
         out, lse = _reference(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+        if learnable_sink is not None:  # the kernels' last normalization: one more term with no value
+            with_sink = torch.logaddexp(lse, learnable_sink.double()[:, None])
+            share = torch.exp(lse - with_sink)  # [Hq, total] or [B, Hq, S]
+            out = out * (share.transpose(0, 1) if cu_seqlens_q is not None else share.transpose(1, 2))[..., None]
+            lse = with_sink
         return out.to(q.dtype), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                 dropout_seed=None, deterministic=False):
+                 dropout_seed=None, learnable_sink=None, deterministic=False):
         self.backward_calls += 1
         self.windows.append(("backward", window_size))
         self.modifiers.append(("backward", softcap, alibi_slopes))
@@ -214,6 +219,36 @@ def test_return_attn_probs_gives_flash_attns_triple_with_the_lse_layout(kernels)
     assert out.shape == q.shape and lse.shape == (4, 5) and lse.dtype == torch.float32 and probs is None
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_learnable_sinks_get_the_gradient_of_attention_with_a_sink(kernels, varlen):
+    """hipattn.torch computes d loss / d learnable_sink from dout, out and the LSE (which includes the
+    sinks): it matches float64 autograd through softmax over [scores, sink] with the sink's value 0."""
+    sink = torch.tensor([0.7, -1.0, 2.5, 0.0], requires_grad=True)
+    if varlen:
+        q, k, v, cu_q, cu_k = _varlen([3, 7], [4, 6])
+        out = hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, learnable_sink=sink)
+        pieces = [(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]) for b in range(2)]
+    else:
+        q, k, v = (torch.randn(2, n, 4, 16) for n in (5, 6, 6))
+        out = hat.flash_attn_func(q, k, v, learnable_sink=sink)
+        pieces = [(q[b], k[b], v[b]) for b in range(2)]
+    grad = torch.randn(out.shape)
+    (out.float() * grad).sum().backward()
+    sink64 = sink.detach().double().requires_grad_()
+    outs = []
+    for qs, ks, vs in pieces:
+        group = qs.shape[1] // ks.shape[1]
+        ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", qs.double(), ks.double()) * qs.shape[-1] ** -0.5
+        padded = torch.cat([scores, sink64[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
+        probs = torch.softmax(padded, dim=-1)[..., :-1]
+        outs.append(torch.einsum("hij,jhd->ihd", probs, vs.double()))
+    expected = torch.cat(outs) if varlen else torch.stack(outs)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-3, atol=1e-3)
+    (expected * grad.double()).sum().backward()
+    torch.testing.assert_close(sink.grad.double(), sink64.grad, rtol=1e-3, atol=1e-4)
+
+
 def test_unsupported_arguments_are_named():
     q, k, v, cu_q, cu_k = _varlen([3, 2], [1, 4])
     with pytest.raises(ValueError, match="block_table in flash_attn_varlen_func"):
@@ -287,13 +322,14 @@ def test_the_ops_pass_torch_librarys_checks(kernels):
     q, k, v, cu_q, cu_k = _varlen([3, 4], [5, 2])
     slopes = torch.rand(4)
     seed = torch.tensor([12345], dtype=torch.int64)
-    # ..., causal, window left, right, softcap, ALiBi slopes, dropout_p, its seed, deterministic
-    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False, 3, -1, 30.0, slopes, 0.1, seed, False)
+    sink = torch.rand(4)
+    # ..., causal, window left, right, softcap, ALiBi slopes, dropout_p, its seed, learnable sinks, deterministic
+    args = (q, k, v, cu_q, cu_k, 4, 5, 0.25, False, 3, -1, 30.0, slopes, 0.1, seed, sink, False)
     torch.library.opcheck(torch.ops.hipattn.forward.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     out, lse = torch.ops.hipattn.forward(*args)
     backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 4, 5, 0.25, False, 3, -1,
-                     30.0, slopes, 0.1, seed, True)
+                     30.0, slopes, 0.1, seed, sink, True)
     torch.library.opcheck(torch.ops.hipattn.backward.default, backward_args, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -42,6 +42,12 @@ SCORE_MOD_FIELDS: Fields = (("softcap", "f32"), ("alibi_slopes", "const_ptr"), (
 # them (the small-seq and decode kernels leave dropout to the flash path).
 DROPOUT_FIELDS: Fields = (("dropout_threshold", "i32"), ("dropout_scale", "f32"), ("dropout_seed", "const_ptr"))
 
+# A learnable attention sink per query head (FlashAttention-4's learnable_sink, gpt-oss): fp32 [Hq], a
+# logit that joins every row's softmax denominator and no value; null: none. Only the flash forwards
+# read it, in their modified instantiation (flash/softmax_m16n8.h's finish_rows and the MFMA epilogue);
+# the backward needs nothing, as the LSE it reads includes the sink.
+SINK_FIELDS: Fields = (("learnable_sink", "const_ptr"),)
+
 # The template parameter that selects a kernel's scores (score_mods.h's Scores<SCORE_MODS>): False is
 # plain attention, True reads the fields above (and, in the flash kernels, dropout's through
 # dropout.h's Dropout<SCORE_MODS>). Every attention family takes it last.

@@ -16,6 +16,7 @@ from .fields import (
     SCORE_MODS_PARAM,
     SCORE_MODS_VALUES,
     SEQUENCE_FIELDS,
+    SINK_FIELDS,
     row_statistic,
     strided,
 )
@@ -27,7 +28,7 @@ FLASH_FORWARD_PARAMS = ParamsStruct(
     "FlashForwardParams",
     strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr") + SEQUENCE_FIELDS
     + (("heads_q", "i32"),) + SCORE_MOD_FIELDS
-    + DROPOUT_FIELDS,
+    + DROPOUT_FIELDS + SINK_FIELDS,
 )
 
 

@@ -44,12 +44,13 @@ def grid_blocks(problem: Problem, block_m: int) -> int:
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, alibi_slopes=None, dropout_seed=None,
+            seqused_q=None, seqused_k=None, alibi_slopes=None, dropout_seed=None, learnable_sink=None,
             tiles: FlashForwardTiles | None = None) -> None:
     """Enqueue O and LSE: one block per (query tile, sequence, query head).
 
     Rows beyond a sequence's length are not written (as flash-attn). A row that sees no key gets
-    O = 0 and LSE = +inf. ``dropout_seed``: the seed array of a call with dropout (hipattn.dropout).
+    O = 0 and LSE = +inf. ``dropout_seed``: the seed array of a call with dropout (hipattn.dropout);
+    ``learnable_sink``: fp32 [Hq] sink logits, or None.
     ``tiles`` overrides the table row for head_dim, and with it the kernel
     (tools/bench_flash.py sweeps tiles this way, and times mma.sync against wgmma on one device);
     the default is the row the device's target runs (catalog.flash_forward.tiles_for).
@@ -73,4 +74,5 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
                             alibi_slopes)
     fields["heads_q"] = problem.heads_q
     fields.update(dropout.fields(problem.dropout_p, dropout_seed))
+    fields["learnable_sink"] = learnable_sink.ptr if learnable_sink is not None else 0
     kernel.launch((blocks, 1, 1), (threads, 1, 1), shared, stream, kernel.params.from_dict(fields))

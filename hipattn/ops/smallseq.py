@@ -30,6 +30,8 @@ def ineligibility(problem: Problem) -> str | None:
         return f"head_dim {problem.head_dim} is not one of {SMALLSEQ_HEAD_DIMS}"
     if problem.dropout_p:
         return "dropout runs on the flash kernels"
+    if problem.sink:
+        return "learnable sinks run on the flash kernels"
     if problem.max_seqlen_q > SMALLSEQ_TILE or problem.max_seqlen_k > SMALLSEQ_TILE:
         return (
             f"max_seqlen_q={problem.max_seqlen_q}, max_seqlen_k={problem.max_seqlen_k}: "

@@ -311,12 +311,13 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   row_sum += shfl_xor(row_sum, 16, kWarpSize, group_mask(kWarpSize));
   row_sum += shfl_xor(row_sum, 32, kWarpSize, group_mask(kWarpSize));
   if (row >= len_q) return;  // after the last barrier and shuffle
+  float inv_sum, lse;
+  flash::finish_row(row_max, row_sum, flash::sink_log2<SCORE_MODS>(p, b.head), inv_sum, lse);
   if (quarter == 0) {
     static_cast<float*>(p.lse)[b.batch_index * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq_q.start + row] =
-        row_sum > 0.0f ? (row_max + fast_log2(row_sum)) * kLn2 : infinity();
+        lse;
   }
-  // With dropout, the kept probabilities' 1 / (1 - dropout_p) too.
-  const float inv_sum = row_sum > 0.0f ? dropout.scale() / row_sum : 0.0f;
+  inv_sum *= dropout.scale();  // with dropout, the kept probabilities' 1 / (1 - dropout_p) too
   T* const o_row = static_cast<T*>(p.o) + b.batch_index * p.o_batch_stride +
                    static_cast<long long>(b.seq_q.start + row) * p.o_token_stride + b.head * p.o_head_stride;
 #pragma unroll

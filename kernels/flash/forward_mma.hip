@@ -244,7 +244,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
     float inv_sum[2];
-    flash::finish_rows(p, b, warp_first + 16 * mt + g, row_max[mt], row_sum[mt], inv_sum, t);
+    flash::finish_rows(p, b, warp_first + 16 * mt + g, row_max[mt], row_sum[mt], inv_sum, t,
+                       flash::sink_log2<SCORE_MODS>(p, b.head));
     inv_sum[0] *= dropout.scale();  // the kept probabilities' 1 / (1 - dropout_p)
     inv_sum[1] *= dropout.scale();
 #pragma unroll

@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   // ---- epilogue: normalise, LSE, and O through the warpgroup's own Q rows (only it read them) ----
   const int o_row = 64 * warpgroup + 16 * warp + g;  // accumulator row g's row in the Q tile
   float inv_sum[2];
-  flash::finish_rows(p, b, warp_first + g, row_max, row_sum, inv_sum, t);
+  flash::finish_rows(p, b, warp_first + g, row_max, row_sum, inv_sum, t, flash::sink_log2<SCORE_MODS>(p, b.head));
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d)
 #pragma unroll

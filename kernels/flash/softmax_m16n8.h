@@ -38,20 +38,24 @@ HIPATTN_DEVICE void drop(unsigned int (&p_packed)[N_TILES][2], const Dropout& dr
 }
 
 // The end of a warp's 16-row tile: sums each row over its quad, writes LSE (natural log) for the
-// block's rows and returns 1 / sum in inv_sum (0 for a row that saw no key, whose LSE is +inf).
+// block's rows and returns in inv_sum what O's accumulators are multiplied by: 1 / sum (0 for a row
+// that saw no key, whose LSE is +inf). With a learnable sink (`sink_log2`, base 2; -inf: none,
+// flash/forward_block.h's sink_log2), the sink joins the sum and the LSE, and a row that saw no key
+// gets O = 0 and LSE = the sink.
 HIPATTN_DEVICE void finish_rows(const FlashForwardParams& p, const ForwardBlock& b, int row_g,
-                                const float (&row_max)[2], const float (&row_sum)[2], float (&inv_sum)[2], int t) {
+                                const float (&row_max)[2], const float (&row_sum)[2], float (&inv_sum)[2], int t,
+                                float sink_log2 = -infinity()) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float sum = row_sum[r];
     sum += shfl_xor(sum, 1, 32, 0xffffffffu);
     sum += shfl_xor(sum, 2, 32, 0xffffffffu);
-    inv_sum[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    float lse;
+    finish_row(row_max[r], sum, sink_log2, inv_sum[r], lse);
     const int row = row_g + 8 * r;
     if (t == 0 && row < b.row_end) {
       static_cast<float*>(p.lse)[b.batch_index * p.lse_batch_stride + b.head * p.lse_head_stride +
-                                 b.seq_q.start + row] =
-          sum > 0.0f ? (row_max[r] + fast_log2(sum)) * kLn2 : infinity();
+                                 b.seq_q.start + row] = lse;
     }
   }
 }

@@ -1,7 +1,7 @@
 """float64 attention references for the emulated-device tests, in flash-attn's conventions: THD inputs
 (rows of all sequences packed, cu_seqlens boundaries), bottom-right aligned causal masks and sliding
-windows, softcap and ALiBi, dropout (hipattn.dropout's keep mask), and a row that sees no key gets
-O = 0 and LSE = +inf."""
+windows, softcap and ALiBi, dropout (hipattn.dropout's keep mask), learnable sinks, and a row that sees
+no key gets O = 0 and LSE = +inf (the sink's logit with a sink)."""
 
 from __future__ import annotations
 
@@ -67,9 +67,10 @@ def _slope(slopes, b, h):
 
 
 def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, -1), softcap=0.0, alibi=None,
-                      dropout=None):
+                      dropout=None, sink=None):
     """float64 O [total_q, Hq, D] and LSE [Hq, total_q] of THD inputs (flash-attn's conventions; ``alibi``:
-    slopes [Hq] or [batch, Hq]; ``dropout``: (dropout_p, seed) or None)."""
+    slopes [Hq] or [batch, Hq]; ``dropout``: (dropout_p, seed) or None; ``sink``: learnable sink logits [Hq],
+    one more term exp(sink) of every row's denominator, with no value)."""
     heads_q, heads_kv = q.shape[1], k.shape[1]
     out = np.zeros(q.shape)
     lse = np.full((heads_q, q.shape[0]), np.inf)
@@ -83,11 +84,12 @@ def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, 
             s = np.where(visible_keys(len_q, len_k, causal, window), s, -np.inf)
             factor = np.broadcast_to(dropout_factor(dropout, b, h, heads_q, len_q, len_k), s.shape)
             for i in range(len_q):
-                if np.isneginf(s[i]).all():
+                row = s[i] if sink is None else np.append(s[i], sink[h])  # the sink: a key with no value
+                if np.isneginf(row).all():
                     continue  # sees no key: O = 0, LSE = +inf
-                m = s[i].max()
-                p = np.exp(s[i] - m)
-                out[start_q + i, h] = (p * factor[i]) @ vs / p.sum()
+                m = row.max()
+                p = np.exp(row - m)
+                out[start_q + i, h] = (p[:len_k] * factor[i]) @ vs / p.sum()
                 lse[h, start_q + i] = m + np.log(p.sum())
         start_q += len_q
         start_k += len_k
@@ -95,7 +97,7 @@ def reference_forward(q, k, v, lengths_q, lengths_k, scale, causal, window=(-1, 
 
 
 def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal, window=(-1, -1), softcap=0.0,
-                       alibi=None, dropout=None):
+                       alibi=None, dropout=None, sink=None):
     """float64 dQ, dK, dV of THD inputs; dK and dV summed over each KV head's group of query heads. With
     ``dropout``, O = (P Z) V for the factor Z (dropout_factor): dV = (P Z)ᵀ dO, and dP = Z (dO Vᵀ)
     enters dS = P (dP - rowsum(P dP))."""
@@ -112,7 +114,8 @@ def reference_backward(q, k, v, dout, lengths_q, lengths_k, scale, causal, windo
             s = np.where(visible, s, -np.inf)
             m = np.where(visible.any(1), s.max(1, initial=-np.inf), 0.0)
             p = np.where(visible, np.exp(s - m[:, None]), 0.0)
-            p /= np.maximum(p.sum(1, keepdims=True), 1e-300)
+            sink_weight = 0.0 if sink is None else np.exp(sink[h] - m)[:, None]  # in each row's denominator
+            p /= np.maximum(p.sum(1, keepdims=True) + sink_weight, 1e-300)
             factor = dropout_factor(dropout, b, h, heads_q, len_q, len_k)
             dp = (dos @ vs.T) * factor
             ds = p * (dp - (p * dp).sum(1, keepdims=True)) * gradient
