@@ -16,7 +16,7 @@ from support.raw_calls import (
     check_forward,
     check_forward_and_backward,
 )
-from support.reference import SCORE_MODIFIER_CASES
+from support.reference import DROPOUT_CASES, DROPOUT_P, DROPOUT_SEED, SCORE_MODIFIER_CASES
 
 from hipattn.ops import smallseq
 
@@ -118,8 +118,7 @@ def test_the_mfma_flash_kernels_match_float64_with_score_modifiers(device, score
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("window_causal", [((-1, -1), False), ((-1, -1), True), ((20, 8), False)],
-                         ids=["full", "causal", "window"])
+@pytest.mark.parametrize("window_causal", DROPOUT_CASES, ids=["full", "causal", "window"])
 @pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [("bf16", 64, 2, 1), ("fp16", 256, 2, 2)])
 def test_the_mfma_flash_kernels_match_float64_with_dropout(device, dropped, windowed, dtype, head_dim, heads_q,
                                                            heads_kv, window_causal, deterministic):
@@ -131,7 +130,7 @@ def test_the_mfma_flash_kernels_match_float64_with_dropout(device, dropped, wind
     windowed(window)
     lengths_q = [18, 70, 5, 33, 0, 40]
     lengths_k = [100, 130, 19, 0, 7, 80]
-    dropped(device, 0.17, seed=-0x3C6E_F372_FE94_F82B)
+    dropped(device, DROPOUT_P, seed=DROPOUT_SEED)
     check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
                                causal, deterministic=deterministic)
     dq_kernels = ["flash_backward_dq_mfma"] if deterministic else ["bwd_convert_dq"]

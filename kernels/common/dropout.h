@@ -72,11 +72,6 @@ template <>
 struct Dropout<false> {
   HIPATTN_DEVICE bool active() const { return false; }
   HIPATTN_DEVICE float scale() const { return 1.0f; }
-  HIPATTN_DEVICE bool keep(int row, int key) const {
-    (void)row;
-    (void)key;
-    return true;
-  }
   HIPATTN_DEVICE void words(int row, int stripe, int pair, unsigned int (&x)[4]) const {
     (void)row;
     (void)stripe;
@@ -136,12 +131,6 @@ struct Dropout<true> {
   // A word's keep mask for a packed pair of 16-bit values (low half: the pair's first element).
   HIPATTN_DEVICE unsigned int pair_mask(unsigned int word) const {
     return (kept(word, false) ? 0x0000ffffu : 0u) | (kept(word, true) ? 0xffff0000u : 0u);
-  }
-  // One element: a whole Philox call. Loops over a layout that shares calls use words() directly.
-  HIPATTN_DEVICE bool keep(int row, int key) const {
-    unsigned int x[4];
-    words(row, key / 32, (key % 8) / 2, x);
-    return kept(select_word(x, (key % 32) / 8), (key & 1) != 0);
   }
   // Four consecutive keys key .. key + 3 (key a multiple of 4) of one row, as bits 0..3: two calls.
   HIPATTN_DEVICE unsigned int keep_run4(int row, int key) const {

@@ -28,6 +28,13 @@ def visible_keys(len_q, len_k, causal, window=(-1, -1)):
 SCORE_MODIFIER_CASES = [(1.5, None, False), (0.0, "heads", False), (0.0, "sequences", True), (1.5, "heads", True)]
 
 
+# Dropout as the emulated-kernel tests run it, (window_size, causal): no mask, causal, and a window with
+# both sides bounded; with flash-attn's tests' dropout_p and a seed with both 32-bit halves (and the
+# sign bit) set.
+DROPOUT_CASES = [((-1, -1), False), ((-1, -1), True), ((20, 8), False)]
+DROPOUT_P, DROPOUT_SEED = 0.17, -0x3C6E_F372_FE94_F82B
+
+
 def alibi_slopes(batch, heads, per_sequence=False):
     """ALiBi slopes for tests: the geometric series of the ALiBi paper over the heads ([heads]), or
     ([batch, heads]) that series scaled differently per sequence."""
