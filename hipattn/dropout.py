@@ -73,7 +73,7 @@ def fields(dropout_p: float, seed: DeviceArray | None) -> dict:
     """catalog.fields.DROPOUT_FIELDS of a call."""
     return {
         "dropout_threshold": threshold(dropout_p),
-        "dropout_scale": keep_scale(dropout_p) if dropout_p else 1.0,
+        "dropout_scale": keep_scale(dropout_p),
         "dropout_seed": seed.ptr if seed is not None else 0,
     }
 

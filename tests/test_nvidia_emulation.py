@@ -66,6 +66,10 @@ def test_the_small_seq_tensor_core_forward_matches_float64_with_gqa(device, team
 # empty Q.
 FLASH_LENGTHS_Q = [18, 150, 5, 33, 0, 40]
 FLASH_LENGTHS_K = [40, 200, 19, 0, 7, 21]
+# The backward tests' sequences: FLASH_LENGTHS_Q with a KV past its longest query (80 > 40), so that
+# causal leaves keys no query sees.
+BACKWARD_LENGTHS_Q = FLASH_LENGTHS_Q
+BACKWARD_LENGTHS_K = [40, 200, 19, 0, 7, 80]
 # Every head_dim the flash kernels have, each with one dtype (every kernel is instantiated for both),
 # GQA at three of them.
 FLASH_CASES = [("bf16", 64, 2, 1), ("fp16", 96, 3, 1), ("bf16", 128, 2, 2), ("fp16", 256, 2, 1)]
@@ -88,8 +92,7 @@ def test_the_flash_backward_matches_float64(device, dtype, head_dim, heads_q, he
     (varlen_records). An empty KV (its rows get dQ = 0), an empty Q (its keys get dK = dV = 0), keys no
     query sees (causal); max_seqlen_q/k are upper bounds above the real maxima, as a graph captured
     for a capacity passes."""
-    lengths_q = [18, 150, 5, 33, 0, 40]
-    lengths_k = [40, 200, 19, 0, 7, 80]
+    lengths_q, lengths_k = BACKWARD_LENGTHS_Q, BACKWARD_LENGTHS_K
     check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
                                causal, max_q=max(lengths_q) + 37, max_k=max(lengths_k) + 50, deterministic=deterministic)
     dq_kernels = ["flash_backward_dq_mma"] if deterministic else ["bwd_convert_dq"]
@@ -111,8 +114,7 @@ def test_the_flash_kernels_match_float64_with_windows(device, windowed, dtype, h
     range (rows_seeing) and the deterministic dQ kernel's key-tile range."""
     window, causal = window_causal
     windowed(window)
-    lengths_q = [18, 150, 5, 33, 0, 40]
-    lengths_k = [40, 200, 19, 0, 7, 80]
+    lengths_q, lengths_k = BACKWARD_LENGTHS_Q, BACKWARD_LENGTHS_K
     check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
                                causal, deterministic=True)
     assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",
@@ -126,8 +128,7 @@ def test_the_flash_kernels_match_float64_with_score_modifiers(device, score_modi
                                                               heads_kv, softcap, alibi, causal, deterministic):
     """The forward's scores in its masked and unmasked tiles, the dK/dV kernel's recomputed P and dS
     (times 1 - tanh² under softcap) on both dQ schedules, and the dQ kernel's."""
-    lengths_q = [18, 150, 5, 33, 0, 40]
-    lengths_k = [40, 200, 19, 0, 7, 80]
+    lengths_q, lengths_k = BACKWARD_LENGTHS_Q, BACKWARD_LENGTHS_K
     score_modified(device, len(lengths_q), heads_q, softcap=softcap, alibi=alibi)
     check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
                                causal, deterministic=deterministic)
@@ -165,8 +166,7 @@ def test_the_flash_kernels_match_float64_with_learnable_sinks(device, sinked, dt
     denominator in the forward's last normalization and its LSE, so a row that sees no key gets O = 0
     and LSE = the sink; the backward, unchanged, reads that LSE."""
     sinked(device, np.array([3.0, -4.0, 0.5, 1.5])[:heads_q])
-    lengths_q = [18, 150, 5, 33, 0, 40]
-    lengths_k = [40, 200, 19, 0, 7, 80]
+    lengths_q, lengths_k = BACKWARD_LENGTHS_Q, BACKWARD_LENGTHS_K
     check_forward_and_backward(device, np.random.default_rng(), lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype,
                                causal, deterministic=True)
     assert device.kernels == ["flash_forward_mma", "varlen_records", "bwd_dot_do_o", "flash_backward_dkdv_mma",

@@ -196,6 +196,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
 #pragma unroll
   for (int d = 0; d < kDSteps; ++d) dk[d] = dv[d] = mfma::zero_accumulator();
   const Scores<SCORE_MODS> block_scores = scores_of<SCORE_MODS>(p, batch_index, first_head);
+  const Dropout<SCORE_MODS> block_dropout = dropout_of<SCORE_MODS>(p, batch_index, first_head);
 
   for (int i = 0; i < tiles; ++i) {
     const int head = first_head + i / seeing.count;
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
     const T* const do_rows = static_cast<const T*>(p.dout) + batch_index * p.dout_batch_stride +
                              token * p.dout_token_stride + head * p.dout_head_stride;
     const Scores<SCORE_MODS> scores = block_scores.with_head(p, batch_index, head);
-    const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, batch_index, head);
+    const Dropout<SCORE_MODS> dropout = block_dropout.with_head(p, batch_index, head);
 
     // ---- Qᵀ and dOᵀ of the tile into LDS, zero past the sequence (they meet P = dS = 0 there) ----
     __syncthreads();  // every wave is done with the previous tile's
