@@ -99,6 +99,12 @@ def philox4x32_10(x0, x1, x2, x3, k0, k1):
     return x0, x1, x2, x3
 
 
+def _lane(words, keys):
+    """The 16-bit value of key ``keys`` among its counter's four output words (``words[w]`` for
+    w < 4, any indexable of arrays): lane 2 ((key % 32) // 8) + key % 2, low half first."""
+    return (words >> (16 * (keys % 2))) & 0xFFFF
+
+
 def keep_mask(seed, stream, rows, keys, dropout_p: float):
     """Whether each element (query row ``rows``, key ``keys``) of stream ``stream`` (sequence *
     heads_q + query head) is kept, under the 64-bit ``seed``: int64 arrays of one kind (NumPy or
@@ -107,5 +113,20 @@ def keep_mask(seed, stream, rows, keys, dropout_p: float):
     x = philox4x32_10(rows, 4 * (keys // 32) + (keys % 8) // 2, stream, 0 * rows, seed_low, seed_high)
     word = (keys % 32) // 8
     chosen = sum(x[w] * (word == w) for w in range(4))
-    value = (chosen >> (16 * (keys % 2))) & 0xFFFF
-    return value >= threshold(dropout_p)
+    return _lane(chosen, keys) >= threshold(dropout_p)
+
+
+def keep_grid(seed, streams, num_rows: int, num_keys: int, dropout_p: float):
+    """``keep_mask`` of every (row, key) in [0, num_rows) x [0, num_keys) of each stream in the torch
+    int64 tensor ``streams``: a bool tensor of shape streams.shape + (num_rows, num_keys). One Philox
+    call per counter (eight keys) rather than per element, for S_dmask's whole-tensor masks."""
+    import torch  # the NumPy paths above need no torch
+
+    device = streams.device
+    seed_low, seed_high = seed & _WORD, (seed >> 32) & _WORD
+    rows = torch.arange(num_rows, device=device, dtype=torch.int64)[:, None]
+    counters = torch.arange(4 * -(-num_keys // 32), device=device, dtype=torch.int64)[None, :]
+    words = torch.stack(philox4x32_10(rows, counters, streams[..., None, None], 0 * rows, seed_low, seed_high), -1)
+    keys = torch.arange(num_keys, device=device, dtype=torch.int64)
+    chosen = words[..., 4 * (keys // 32) + (keys % 8) // 2, (keys % 32) // 8]
+    return _lane(chosen, keys) >= threshold(dropout_p)

@@ -49,6 +49,19 @@ def test_numpy_and_torch_keep_the_same_elements():
     assert np.array_equal(got.numpy(), expected)
 
 
+def test_the_grid_of_a_whole_tensor_keeps_what_keep_mask_keeps():
+    """keep_grid (one Philox call per eight keys, for S_dmask) against the per-element rule, on key
+    counts off the 32-key stripe, for several streams at once."""
+    torch = pytest.importorskip("torch")
+    seed = torch.tensor([0x7A5A_0000_FFFF_0001 - (1 << 63)])
+    streams = torch.tensor([[0, 1, 2], [9, 10, 11]])
+    grid = dropout.keep_grid(seed, streams, 37, 71, 0.3)
+    assert grid.shape == (2, 3, 37, 71)
+    rows, keys = torch.arange(37)[:, None], torch.arange(71)[None, :]
+    for index, stream in ((0, 0), (1, 2), (1, 1)):
+        assert torch.equal(grid[index][stream], dropout.keep_mask(seed, int(streams[index, stream]), rows, keys, 0.3))
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1, 0.5, 0.9])
 def test_the_drop_rate_is_dropout_p(dropout_p):
     rows, keys = np.arange(256, dtype=np.int64)[:, None], np.arange(256, dtype=np.int64)[None, :]
