@@ -1,15 +1,18 @@
 """The Hopper (wgmma) kernels' tile tables, the forward's and the dK/dV kernel's: only sm_90a ships and
 runs them, their rows fit Hopper's shared memory, the bytes the launcher passes agree with the layouts
 the kernels compute, and the header that holds the wgmma instructions refuses every other target (all
-checked by NVRTC, no GPU needed)."""
+checked by NVRTC, no GPU needed), and ptxas neither serialises their wgmmas nor spills."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from support.compilers import compile_family, compile_with_layout_checks, nvrtc_backend
 
 from hipattn.catalog import flash_backward, flash_forward
 from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
+from hipattn.catalog.fields import SCORE_MODS_PARAM
 from hipattn.catalog.targets import HOPPER_SHARED_BYTES, runs_nvidia_wgmma
 from hipattn.errors import CompileError
 from hipattn.jit.target import Target
@@ -128,3 +131,29 @@ def test_calls_with_dropout_run_the_mma_sync_kernels_on_sm_90a(head_dim):
 def test_kernel_layout_matches_the_launcher_bytes(family, table, layout_of):
     """One NVRTC compile of each kernel's unit with a static_assert per table row."""
     compile_with_layout_checks(nvrtc_backend(), family, Target.parse("sm_90a"), table, layout_of)
+
+
+# ptxas's performance warnings for wgmma (C7510-C7519) say that it serialised the kernel's wgmmas: each
+# waits for the one before, and the tensor cores idle while the softmax runs.
+_SERIALISED = re.compile(r"\(C751\d\)[^\n]*")
+_SPILL_STORES = re.compile(r"(\d+) bytes spill stores")
+# The dK/dV kernel's modified instantiations spill one 8-byte slot at their 255-register bound.
+DKDV_MODIFIED_SPILL_BYTES = 8
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("family", [flash_forward.FLASH_FORWARD_WGMMA, flash_backward.FLASH_BACKWARD_DKDV_WGMMA],
+                         ids=["forward", "dkdv"])
+def test_no_shipped_instantiation_is_serialised_by_ptxas(family):
+    """Every bf16 instantiation (fp16 compiles to the same schedule), plain and modified, through NVRTC
+    with ptxas's report: no wgmma serialisation warning, and no spills beyond the dK/dV kernel's one
+    modified slot."""
+    backend, target = nvrtc_backend(), Target.parse("sm_90a")
+    specs = [spec for spec in family.shipped(target) if spec.arg("dtype") == "bf16"]
+    assert {spec.arg(SCORE_MODS_PARAM) for spec in specs} == {False, True}
+    for spec in specs:
+        log = compile_family(backend, family, target, spec, options=("--ptxas-options=-v",)).log
+        assert not _SERIALISED.findall(log), f"{spec}: {_SERIALISED.findall(log)}"
+        allowed = DKDV_MODIFIED_SPILL_BYTES if family is flash_backward.FLASH_BACKWARD_DKDV_WGMMA and \
+            spec.arg(SCORE_MODS_PARAM) else 0
+        assert max(int(x) for x in _SPILL_STORES.findall(log)) <= allowed, f"{spec}: {log}"
