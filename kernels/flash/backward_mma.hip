@@ -114,6 +114,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   constexpr int kPitch = Tiles::kPitch;
   constexpr int kScorePitch = Tiles::kScorePitch;
   constexpr int kQTiles = Tiles::kWarpQueries / 8;  // 8-query accumulator tiles of Sᵀ per warp
+  static_assert(kQTiles <= 16, "a lane's dropout keep bits, 4 per query tile, fit one 64-bit word");
   constexpr int kDTiles = Tiles::kWarpColumns / 8;  // 8-column accumulator tiles of dK, dV per warp
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
@@ -283,26 +284,32 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
     // The offset of key (slice_row + g + 8 (e / 2)) from query (query_base + 8n + 2t + (e & 1))'s
     // diagonal: a base per tile plus constants.
     const float base = static_cast<float>(n0 + slice_row + g - m0 - query_base - 2 * t - diagonal);
+    // Dropout's keep bits of this lane's entries, bit 4n + e for entry e of query tile n: keys key0 and
+    // key0 + 8 (common/dropout.h: both are in one call's words (key0 % 32) / 8 and the next, at half
+    // key0 % 2), one call per query. A rolled loop: one Philox body in the kernel rather than one per
+    // query (the unrolled copies cost the kernel without dropout its instruction-cache footprint).
+    unsigned long long kept_bits = ~0ull;
+    if (dropout.active()) {
+      const int key0 = n0 + slice_row + g;
+      kept_bits = 0ull;
+#pragma unroll 1
+      for (int q = 0; q < 2 * kQTiles; ++q) {
+        const int n = q / 2, c = q % 2;
+        unsigned int x[4];
+        dropout.words(m0 + query_base + 8 * n + 2 * t + c, key0 / 32, (key0 % 8) / 2, x);
+        const bool near = dropout.kept(select_word(x, (key0 % 32) / 8), (key0 & 1) != 0);
+        const bool far = dropout.kept(select_word(x, (key0 % 32) / 8 + 1), (key0 & 1) != 0);
+        kept_bits |= ((near ? 1ull : 0ull) | (far ? 4ull : 0ull)) << (4 * n + c);
+      }
+    }
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
       const int column = query_base + 8 * n + 2 * t;  // this lane's queries: column, column + 1
       const float lse_log2[2] = {lse_slot[column] * kLog2e, lse_slot[column + 1] * kLog2e};
       const float delta[2] = {delta_slot[column], delta_slot[column + 1]};
-      // Dropout's keep bits of this lane's keys key0 and key0 + 8 (common/dropout.h: both are in one
-      // call's words (key0 % 32) / 8 and the next, at half key0 % 2), one call per query.
-      bool kept[4] = {true, true, true, true};
-      if (dropout.active()) {
-        const int key0 = n0 + slice_row + g;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          unsigned int x[4];
-          dropout.words(m0 + column + c, key0 / 32, (key0 % 8) / 2, x);
-          kept[c] = dropout.kept(select_word(x, (key0 % 32) / 8), (key0 & 1) != 0);
-          kept[2 + c] = dropout.kept(select_word(x, (key0 % 32) / 8 + 1), (key0 & 1) != 0);
-        }
-      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
+        const bool kept = ((kept_bits >> (4 * n + e)) & 1ull) != 0;
         const int query = m0 + column + (e & 1);
         const int key = n0 + slice_row + g + 8 * (e / 2);
         const bool visible =
@@ -312,8 +319,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
         const float probability =
             visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
         // With dropout, dV takes the kept probabilities scaled, and dP reaches only kept entries.
-        s[n][e] = kept[e] ? probability * dropout.scale() : 0.0f;
-        const float dp_kept = kept[e] ? dp[n][e] * dropout.scale() : 0.0f;
+        s[n][e] = kept ? probability * dropout.scale() : 0.0f;
+        const float dp_kept = kept ? dp[n][e] * dropout.scale() : 0.0f;
         dp[n][e] = probability * (dp_kept - delta[e & 1]) * gradient;
       }
 #pragma unroll
