@@ -208,8 +208,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   // serialises every wgmma of a loop whose S product is issued conditionally: warning C7514).
   // The modified kernels' loop is unrolled by two: NVRTC 13.0's ptxas otherwise serialises every wgmma
   // of the kernel (warning C7513: non-wgmma instructions define a wgmma's input registers inside a
-  // pipeline stage) once the softmax that overlaps P V measures ALiBi distances. Two iterations name
-  // P of alternate tiles in their own registers; the plain loop, unrolled, is serialised instead.
+  // pipeline stage) once the softmax that overlaps P V measures ALiBi distances. Unrolled, the two
+  // iterations hold alternate tiles' P in registers of their own, with no copy at the loop's end (the
+  // likely difference). The plain loop, unrolled, is the one serialised, so it stays rolled.
 #pragma unroll(SCORE_MODS ? 2 : 1)
   for (int i = 0; i + 1 < b.n_tiles; ++i) {
     await_tile(i);
