@@ -287,14 +287,14 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
     // Dropout's keep bits of this lane's entries, bit 4n + e for entry e of query tile n: keys key0 and
     // key0 + 8 (common/dropout.h: both are in one call's words (key0 % 32) / 8 and the next, at half
     // key0 % 2), one call per query. A rolled loop: one Philox body in the kernel rather than one per
-    // query (the unrolled copies cost the kernel without dropout its instruction-cache footprint).
+    // query, whose unrolled copies made the modified kernel a third larger, a cost with dropout off too.
     unsigned long long kept_bits = ~0ull;
     if (dropout.active()) {
       const int key0 = n0 + slice_row + g;
       kept_bits = 0ull;
 #pragma unroll 1
-      for (int q = 0; q < 2 * kQTiles; ++q) {
-        const int n = q / 2, c = q % 2;
+      for (int call = 0; call < 2 * kQTiles; ++call) {
+        const int n = call / 2, c = call % 2;  // query column + c of query tile n
         unsigned int x[4];
         dropout.words(m0 + query_base + 8 * n + 2 * t + c, key0 / 32, (key0 % 8) / 2, x);
         const bool near = dropout.kept(select_word(x, (key0 % 32) / 8), (key0 & 1) != 0);
