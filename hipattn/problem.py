@@ -279,6 +279,9 @@ def describe(
     qb, q_tokens, heads_q, head_dim = dims(q, "q", layout)
     kb, k_tokens, heads_kv, k_dim = dims(k, "k", layout)
     if tuple(v.shape) != tuple(k.shape):
+        if tuple(v.shape[:-1]) == tuple(k.shape[:-1]):
+            raise ValueError(f"v has head_dim {v.shape[-1]} but k has {k.shape[-1]}: the kernels take one head_dim for "
+                             "q, k and v; hipattn.torch (and hipattn.flash_attn_func with autograd) pads them to one")
         raise ValueError(f"v has shape {v.shape}; it must match k's {k.shape}")
     dims(v, "v", layout)
     if k_dim != head_dim:

@@ -285,7 +285,7 @@ def flash_attn_varlen_func(
     window, softcap = check_window(window_size, causal), check_softcap(softcap)
     seed = _dropout_seed(q, dropout_p)
     original = (q, k)
-    (q, k, v), head_dim = _padded(FLASH_HEAD_DIMS, q, k, v)
+    (q, k, v), head_dim = _padded_attention(q, k, v)
     out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window,
                        softcap, alibi_slopes, dropout_p, seed, learnable_sink, deterministic)
     if head_dim is not None:
@@ -322,7 +322,7 @@ def flash_attn_func(
     window, softcap = check_window(window_size, causal), check_softcap(softcap)
     seed = _dropout_seed(q, dropout_p)
     original = (q, k)
-    (q, k, v), head_dim = _padded(FLASH_HEAD_DIMS, q, k, v)
+    (q, k, v), head_dim = _padded_attention(q, k, v)
     out, lse = _attend(q, k, v, None, None, None, None, scale, causal, window, softcap, alibi_slopes, dropout_p,
                        seed, learnable_sink, deterministic)
     if head_dim is not None:
@@ -432,6 +432,21 @@ def _padded(shipped: tuple[int, ...], q, *others) -> tuple[tuple, int | None]:
     if target is None or any(not isinstance(t, Tensor) or t.shape[-1] != head_dim for t in tensors if t is not None):
         return tensors, None
     return tuple(None if t is None else torch.nn.functional.pad(t, (0, target - head_dim)) for t in tensors), head_dim
+
+
+def _padded_attention(q, k, v) -> tuple[tuple, int | None]:
+    """(q, k, v) as the attention kernels take them, and the head_dim to slice the output back to (None:
+    no slice). Equal head dims: ``_padded``'s. A v head_dim other than q's and k's (DeepSeek's MLA: 192
+    for q·k, 128 for v): all three padded with zero columns to the first head_dim the kernels have that
+    holds both, at q's softmax scale (the caller's), and the output sliced to v's head_dim. Other
+    mismatches are left for the core checks to refuse."""
+    if not all(isinstance(t, Tensor) and t.dim() > 0 for t in (q, k, v)) or v.shape[-1] == q.shape[-1]:
+        return _padded(FLASH_HEAD_DIMS, q, k, v)
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    target = next((d for d in FLASH_HEAD_DIMS if d >= max(qk_dim, v_dim)), None)
+    if target is None or k.shape[-1] != qk_dim or min(qk_dim, v_dim) < 1:
+        return (q, k, v), None
+    return tuple(torch.nn.functional.pad(t, (0, target - t.shape[-1])) for t in (q, k, v)), v_dim
 
 
 def _check_slopes(alibi_slopes, learnable_sink=None) -> None:

@@ -47,7 +47,7 @@ def _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dout=
 
     Gradients are written out by hand: custom-op implementations run below autograd.
     """
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float64)
     lse = torch.zeros(hat._lse_shape(q, cu_seqlens_q), dtype=torch.float64)
     grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
     group = q.shape[-2] // k.shape[-2]
@@ -69,10 +69,9 @@ def _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dout=
             dq = torch.einsum("hij,jhd->ihd", ds, ks) * softmax_scale
             dk = torch.einsum("hij,ihd->jhd", ds, qs) * softmax_scale
             # GQA: a KV head's gradient is the sum over the query heads of its group.
-            unflatten = (dk.shape[0], k.shape[-2], group, k.shape[-1])
             grads[0][rows_q] = dq
-            grads[1][rows_k] = dk.reshape(unflatten).sum(2)
-            grads[2][rows_k] = dv.reshape(unflatten).sum(2)
+            grads[1][rows_k] = dk.unflatten(-2, (k.shape[-2], group)).sum(-2)
+            grads[2][rows_k] = dv.unflatten(-2, (k.shape[-2], group)).sum(-2)
     return tuple(grads) if dout is not None else (out, lse)
 
 
@@ -172,6 +171,30 @@ def test_a_head_dim_the_kernels_lack_runs_zero_padded_to_the_next_they_have(kern
     torch.testing.assert_close(out.double(), want_out)
     for got, want in zip((q.grad, k.grad, v.grad), want_grads, strict=True):
         torch.testing.assert_close(got.double(), want)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_a_v_head_dim_other_than_qks_runs_padded_to_one_head_dim(kernels, varlen):
+    """DeepSeek's MLA shapes, q·k at 192 and v at 128: the kernels see all three zero-padded to 256; out
+    has v's head_dim, the softmax scale is q's, and out and the gradients are the unpadded call's."""
+    q, k, _, cu_q, cu_k = _varlen([3, 7], [4, 6], head_dim=192)
+    v = torch.randn(k.shape[0], k.shape[1], 128, requires_grad=True)
+    if varlen:
+        out = hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, causal=True)
+    else:  # one sequence of the batch layout
+        q, k, v = (t.detach()[None, :4].clone().requires_grad_() for t in (q, k, v))
+        cu_q = cu_k = None
+        out = hat.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert kernels.head_dims == [256] and out.shape == (*q.shape[:-1], 128)
+    plain = [t.detach()[0] if not varlen else t.detach() for t in (q, k, v)]
+    as_varlen = (torch.tensor([0, 4], dtype=torch.int32),) * 2 if not varlen else (cu_q, cu_k)
+    want_out, _ = _reference(*plain, *as_varlen, 192 ** -0.5, True)
+    want_grads = _reference(*plain, *as_varlen, 192 ** -0.5, True, dout[0] if not varlen else dout)
+    torch.testing.assert_close((out[0] if not varlen else out).double(), want_out)
+    for got, want in zip((q.grad, k.grad, v.grad), want_grads, strict=True):
+        torch.testing.assert_close((got[0] if not varlen else got).double(), want)
 
 
 @pytest.mark.parametrize("head_dim", [128, 264])

@@ -14,19 +14,21 @@ from .conftest import TOLERANCE, relative_error
 from .reference import attention_reference
 
 
-def _varlen(rng, lengths_q, lengths_k, heads_q=16, heads_kv=4, head_dim=128):
+def _varlen(rng, lengths_q, lengths_k, heads_q=16, heads_kv=4, head_dim=128, v_head_dim=128):
     cu_q = [0, *torch.tensor(lengths_q).cumsum(0).tolist()]
     cu_k = [0, *torch.tensor(lengths_k).cumsum(0).tolist()]
-    make = lambda rows, heads: torch.randn(rows, heads, head_dim, generator=rng, device="cuda").bfloat16()  # noqa: E731
-    q, k, v = make(cu_q[-1], heads_q), make(cu_k[-1], heads_kv), make(cu_k[-1], heads_kv)
+    make = lambda rows, heads, dim: torch.randn(rows, heads, dim, generator=rng, device="cuda").bfloat16()  # noqa: E731
+    q, k, v = make(cu_q[-1], heads_q, head_dim), make(cu_k[-1], heads_kv, head_dim), make(cu_k[-1], heads_kv, v_head_dim)
     return q, k, v, cu_q, cu_k
 
 
-def _check_gradients(step, rng, lengths_q=(17, 3, 0, 9, 12), lengths_k=(5, 17, 4, 0, 11), **modifiers):
-    """``step``'s output and gradients against float64; ``modifiers``: the softcap and ALiBi slopes
-    (alibi_slopes) ``step`` was given, for the reference."""
-    q, k, v, cu_q, cu_k = _varlen(rng, list(lengths_q), list(lengths_k))
-    dout = torch.randn(q.shape, generator=rng, device="cuda").bfloat16()
+def _check_gradients(step, rng, lengths_q=(17, 3, 0, 9, 12), lengths_k=(5, 17, 4, 0, 11), head_dims=(128, 128),
+                     **modifiers):
+    """``step``'s output and gradients against float64, with q·k and v head dims ``head_dims``;
+    ``modifiers``: the softcap and ALiBi slopes (alibi_slopes) ``step`` was given, for the reference."""
+    q, k, v, cu_q, cu_k = _varlen(rng, list(lengths_q), list(lengths_k), head_dim=head_dims[0],
+                                  v_head_dim=head_dims[1])
+    dout = torch.randn((*q.shape[:-1], v.shape[-1]), generator=rng, device="cuda").bfloat16()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     cu_q_dev = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
     cu_k_dev = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
@@ -67,3 +69,15 @@ def test_softcap_and_alibi_train_through_both_paths(lengths_q, lengths_k, compil
 
     _check_gradients(torch.compile(step, fullgraph=True) if compiled else step, rng, lengths_q, lengths_k,
                      **modifiers)
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k", [((17, 3, 0, 9, 12), (5, 17, 4, 0, 11)),
+                                                 ((300, 3, 0, 90, 129), (50, 170, 4, 0, 211))],
+                         ids=["short", "flash"])
+def test_a_v_head_dim_other_than_qks_trains_through_padding(lengths_q, lengths_k, rng):
+    """DeepSeek's MLA shapes, q·k at 192 and v at 128: hipattn.torch pads all three to the 256 kernels
+    and slices the output back to 128, at q's softmax scale."""
+    def step(q, k, v, cu_q, cu_k):
+        return hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+
+    _check_gradients(step, rng, lengths_q, lengths_k, head_dims=(192, 128))
