@@ -128,10 +128,6 @@ struct Dropout<true> {
   HIPATTN_DEVICE bool kept(unsigned int word, bool high) const {
     return (high ? word >> 16 : word & 0xffffu) >= threshold;
   }
-  // A word's keep mask for a packed pair of 16-bit values (low half: the pair's first element).
-  HIPATTN_DEVICE unsigned int pair_mask(unsigned int word) const {
-    return (kept(word, false) ? 0x0000ffffu : 0u) | (kept(word, true) ? 0xffff0000u : 0u);
-  }
   // Four consecutive keys key .. key + 3 (key a multiple of 4) of one row, as bits 0..3: two calls.
   HIPATTN_DEVICE unsigned int keep_run4(int row, int key) const {
     unsigned int first[4], second[4];
@@ -144,23 +140,30 @@ struct Dropout<true> {
   }
   // The packed-pair keep masks of row `row` in the m16n8 accumulator layout: mask[n] covers keys
   // n0 + 8 n + 2 t and + 1 (n0 a multiple of 8 N_TILES). With whole 32-key stripes, one call per stripe.
+  // The calls run in a rolled loop into keep bits 2n (low half) and 2n + 1, which an unrolled loop then
+  // spreads into the masks: one Philox body in the kernel rather than one per stripe, whose copies
+  // would grow the kernel with dropout off too.
   template <int N_TILES>
   HIPATTN_DEVICE void m16n8_masks(int row, int n0, int t, unsigned int (&mask)[N_TILES]) const {
-    unsigned int x[4];
-    if constexpr (N_TILES % 4 == 0) {
+    static_assert(N_TILES <= 32, "two keep bits per 8-key tile fit one 64-bit word");
+    constexpr int kTilesPerCall = N_TILES % 4 == 0 ? 4 : 1;  // a call's words are four 8-key tiles
+    unsigned long long bits = 0ull;
+#pragma unroll 1
+    for (int first = 0; first < N_TILES; first += kTilesPerCall) {
+      const int key = n0 + 8 * first;
+      unsigned int x[4];
+      words(row, key / 32, t, x);
 #pragma unroll
-      for (int stripe = 0; stripe < N_TILES / 4; ++stripe) {
-        words(row, n0 / 32 + stripe, t, x);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) mask[4 * stripe + w] = pair_mask(x[w]);
+      for (int w = 0; w < kTilesPerCall; ++w) {
+        const unsigned int word = kTilesPerCall == 4 ? x[w] : select_word(x, (key % 32) / 8);
+        const unsigned long long pair = (kept(word, false) ? 1ull : 0ull) | (kept(word, true) ? 2ull : 0ull);
+        bits |= pair << (2 * (first + w));
       }
-    } else {
+    }
 #pragma unroll
-      for (int n = 0; n < N_TILES; ++n) {
-        const int key = n0 + 8 * n;
-        words(row, key / 32, t, x);
-        mask[n] = pair_mask(select_word(x, (key % 32) / 8));
-      }
+    for (int n = 0; n < N_TILES; ++n) {
+      const unsigned long long pair = bits >> (2 * n);
+      mask[n] = ((pair & 1ull) != 0 ? 0x0000ffffu : 0u) | ((pair & 2ull) != 0 ? 0xffff0000u : 0u);
     }
   }
   template <typename Params>
