@@ -6,10 +6,8 @@ launch path sends Hq != Hkv there and refuses a grid past the limit before enque
 
 from __future__ import annotations
 
-import re
-
 import pytest
-from support.compilers import compile_family, nvrtc_backend
+from support.compilers import compile_family, nvrtc_backend, ptxas_resources
 from support.fake_backend import FakeBackend
 
 from hipattn import problem as problem_module
@@ -89,15 +87,6 @@ def test_the_launcher_reserves_the_bytes_the_kernel_lays_out(direction):
 SM_SHARED_BYTES = {"sm_80": 164 * 1024, "sm_90a": 228 * 1024}
 # The most a modified instantiation may spill: one 8-byte slot.
 MODIFIED_SPILL_BYTES = 8
-_REGISTERS = re.compile(r"Used (\d+) registers")
-_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-
-
-def _resources(log: str) -> tuple[int, int, int, int]:
-    """(registers, stack frame, spill stores, spill loads) from ptxas's -v report of one kernel."""
-    registers, frame = _REGISTERS.findall(log), _FRAME.findall(log)
-    assert len(registers) == 1 and len(frame) == 1, f"not one kernel's resource report:\n{log}"
-    return (int(registers[0]), *(int(x) for x in frame[0]))
 
 
 def _blocks_per_sm(arch: str, shared_bytes: int, warps: int, registers: int) -> tuple[int, int]:
@@ -122,7 +111,7 @@ def test_every_shipped_instantiation_compiles_without_spills(arch, direction):
     assert len(specs) == len(DTYPES) * len(SMALLSEQ_HEAD_DIMS) * len(SCORE_MODS_VALUES)
     for spec in specs:
         compiled = compile_family(backend, family, target, spec, options=("--ptxas-options=-v",))
-        registers, stack, stores, loads = _resources(compiled.log)
+        registers, stack, stores, loads = ptxas_resources(compiled.log)
         if spec.arg(SCORE_MODS_PARAM):
             assert stack <= MODIFIED_SPILL_BYTES and stores <= MODIFIED_SPILL_BYTES, f"{spec} on {arch}: {compiled.log}"
         else:

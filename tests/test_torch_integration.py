@@ -188,13 +188,12 @@ def test_a_v_head_dim_other_than_qks_runs_padded_to_one_head_dim(kernels, varlen
     dout = torch.randn_like(out)
     out.backward(dout)
     assert kernels.head_dims == [256] and out.shape == (*q.shape[:-1], 128)
-    plain = [t.detach()[0] if not varlen else t.detach() for t in (q, k, v)]
-    as_varlen = (torch.tensor([0, 4], dtype=torch.int32),) * 2 if not varlen else (cu_q, cu_k)
-    want_out, _ = _reference(*plain, *as_varlen, 192 ** -0.5, True)
-    want_grads = _reference(*plain, *as_varlen, 192 ** -0.5, True, dout[0] if not varlen else dout)
-    torch.testing.assert_close((out[0] if not varlen else out).double(), want_out)
+    plain = [t.detach() for t in (q, k, v)]
+    want_out, _ = _reference(*plain, cu_q, cu_k, 192 ** -0.5, True)
+    want_grads = _reference(*plain, cu_q, cu_k, 192 ** -0.5, True, dout)
+    torch.testing.assert_close(out.double(), want_out)
     for got, want in zip((q.grad, k.grad, v.grad), want_grads, strict=True):
-        torch.testing.assert_close((got[0] if not varlen else got).double(), want)
+        torch.testing.assert_close(got.double(), want)
 
 
 @pytest.mark.parametrize("head_dim", [128, 264])

@@ -3,6 +3,8 @@ compile kernels without a GPU (NVRTC for NVIDIA targets, hiprtc for AMD ones).""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hipattn.backends.cuda import CudaBackend  # both modules import their vendor packages lazily
@@ -52,6 +54,18 @@ def compile_family(backend, family, target, spec, extra_lines=(), options=()):
     source += "".join(f"{line}\n" for line in extra_lines)
     return backend.compile(source, headers, spec.name_expression(), target,
                            (*backend.compile_options(target), *options), spec.canonical())
+
+
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_resources(log: str) -> tuple[int, int, int, int]:
+    """(registers, stack frame, spill stores, spill loads) from ptxas's -v report of one kernel, in the
+    log of a ``compile_family`` call with ``--ptxas-options=-v``."""
+    registers, frame = _REGISTERS.findall(log), _FRAME.findall(log)
+    assert len(registers) == 1 and len(frame) == 1, f"not one kernel's resource report:\n{log}"
+    return (int(registers[0]), *(int(x) for x in frame[0]))
 
 
 def compile_with_layout_checks(backend, family, target, table, layout_of) -> None:
