@@ -21,9 +21,9 @@ from .workspace import kvcache_workspace
 
 # A call's array slots, in the order launch_plans indexes them (q, k_cache, v_cache, k, v, rotary_cos,
 # rotary_sin, cache_seqlens as an array, cache_batch_idx, cache_leftpad, block_table, out, lse,
-# alibi_slopes), by the kernel fields they fill; out and lse are its outputs.
+# alibi_slopes, learnable_sink), by the kernel fields they fill; out and lse are its outputs.
 _SLOTS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
-          "cache_leftpad", "block_table", "o", "lse", "alibi_slopes")
+          "cache_leftpad", "block_table", "o", "lse", "alibi_slopes", "learnable_sink")
 _OUTPUTS = (11, 12)
 
 
@@ -48,6 +48,7 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_softmax_lse: bool = False,
     *,
+    learnable_sink: Any = None,
     out: Any = None,
     lse: Any = None,
     workspace: Any = None,
@@ -71,6 +72,8 @@ def flash_attn_with_kvcache(
       ``alibi_slopes``, fp32 [Hq] or [B, Hq], then adds -slope * |i + len_k - len_q - j| to the score of
       query token i and key j, positions counted from cache_leftpad (len_k: the sequence's keys from
       there, the new ones included), as flash-attn does.
+    - ``learnable_sink``, fp32 [Hq] (FlashAttention-4's, gpt-oss): a logit per query head that joins
+      every row's softmax denominator with no value; the LSE includes it.
 
     The low-level keywords take caller buffers and a stream: ``out``, ``lse`` (needs
     ``return_softmax_lse``), ``workspace`` (``kvcache_workspace_bytes`` bytes; needed only with raw
@@ -81,7 +84,7 @@ def flash_attn_with_kvcache(
     """
     given = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
              None if cache_seqlens is None or type(cache_seqlens) is int else cache_seqlens, cache_batch_idx,
-             cache_leftpad, block_table, out, lse, alibi_slopes)
+             cache_leftpad, block_table, out, lse, alibi_slopes, learnable_sink)
     active = runtime.active()
     key = None
     if workspace is None:
@@ -98,7 +101,7 @@ def flash_attn_with_kvcache(
     call = kvcache_problem.describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                     rotary_interleaved, num_splits, return_softmax_lse, stream, window_size,
-                                    softcap, alibi_slopes)
+                                    softcap, alibi_slopes, learnable_sink)
     p = call.problem
     if lse is not None and not p.return_lse:
         raise ValueError("lse= was given but return_softmax_lse is False; pass return_softmax_lse=True")
@@ -133,7 +136,7 @@ def flash_attn_with_kvcache(
         decode.attend(call, q_rotated if q_rotated is not None else call.q, out_a, lse_a, splits,
                       sections.get("o_partial"), sections.get("lse_partial"), launch_stream, tiles)
     if key is not None and len(active.launch_plans) < launch_plans.MAX_PLANS:
-        described = (*call[:11], out_a, lse_a, call.alibi_slopes)
+        described = (*call[:11], out_a, lse_a, call.alibi_slopes, call.learnable_sink)
         made = {slot: obj for slot, obj in zip(_OUTPUTS, (out_obj, lse_obj), strict=True)
                 if given[slot] is None and obj is not None}
         written_slots = _OUTPUTS + ((1, 2) if p.seqlen_new else ())

@@ -52,11 +52,13 @@ class KvCacheProblem:
     # slopes were given (the array travels in the KvCacheCall, as the other inputs do).
     softcap: float = 0.0
     alibi: bool = False
+    # Whether learnable sinks were given (kernels/common/sink.h; the array travels in the KvCacheCall).
+    sink: bool = False
 
     @property
     def score_mods(self) -> bool:
-        """Whether the attention kernel's modified scores (softcap or ALiBi) serve this call."""
-        return self.softcap != 0.0 or self.alibi
+        """Whether the attention kernel's modified instantiation (softcap, ALiBi or sinks) serves this call."""
+        return self.softcap != 0.0 or self.alibi or self.sink
 
     @property
     def keys_bound(self) -> int:
@@ -95,6 +97,7 @@ class KvCacheCall(NamedTuple):
     cache_leftpad: DeviceArray | None
     block_table: DeviceArray | None
     alibi_slopes: DeviceArray | None
+    learnable_sink: DeviceArray | None
     problem: KvCacheProblem
 
     def inputs(self) -> list[tuple[DeviceArray, str]]:
@@ -102,7 +105,8 @@ class KvCacheCall(NamedTuple):
         named = [(self.q, "q"), (self.k, "k"), (self.v, "v"), (self.rotary_cos, "rotary_cos"),
                  (self.rotary_sin, "rotary_sin"), (self.cache_seqlens, "cache_seqlens"),
                  (self.cache_batch_idx, "cache_batch_idx"), (self.cache_leftpad, "cache_leftpad"),
-                 (self.block_table, "block_table"), (self.alibi_slopes, "alibi_slopes")]
+                 (self.block_table, "block_table"), (self.alibi_slopes, "alibi_slopes"),
+                 (self.learnable_sink, "learnable_sink")]
         return [(a, name) for a, name in named if a is not None]
 
 
@@ -129,7 +133,8 @@ def _check_host_int(value: Any, name: str) -> int:
 
 def describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, rotary_interleaved, num_splits, return_softmax_lse,
-             stream, window_size=problem_mod.NO_WINDOW, softcap=0.0, alibi_slopes=None) -> KvCacheCall:
+             stream, window_size=problem_mod.NO_WINDOW, softcap=0.0, alibi_slopes=None,
+             learnable_sink=None) -> KvCacheCall:
     """Describe and validate every argument of a KV-cache call."""
     consumer = stream if type(stream) is int else None
     qa = arrays.as_device_array(q, "q", stream=consumer)
@@ -145,9 +150,10 @@ def describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     leftpad = _described(cache_leftpad, "cache_leftpad", consumer)
     table = _described(block_table, "block_table", consumer)
     slopes = _described(alibi_slopes, "alibi_slopes", consumer)
-    described = (qa, kc, vc, ka, va, cos, sin, seqlens, batch_idx, leftpad, table, slopes)
+    sink = _described(learnable_sink, "learnable_sink", consumer)
+    described = (qa, kc, vc, ka, va, cos, sin, seqlens, batch_idx, leftpad, table, slopes, sink)
     if any(a is not None and a.device == UNKNOWN_DEVICE for a in described):
-        qa, kc, vc, ka, va, cos, sin, seqlens, batch_idx, leftpad, table, slopes = settle_devices(described)
+        qa, kc, vc, ka, va, cos, sin, seqlens, batch_idx, leftpad, table, slopes, sink = settle_devices(described)
 
     problem_mod.check_dtype(qa, "q", SUPPORTED_DTYPES)
     dtype, device = qa.dtype, qa.device
@@ -242,6 +248,7 @@ def describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     window_left, window_right = problem_mod.check_window(window_size, causal)
     softcap = problem_mod.check_softcap(softcap)
     problem_mod.check_alibi_slopes(slopes, batch, heads_q, device)
+    problem_mod.check_learnable_sink(sink, heads_q, device)
     splits = _check_host_int(num_splits, "num_splits")
     if not 0 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits is {splits}; expected 0 (choose) to {MAX_SPLITS}")
@@ -252,6 +259,7 @@ def describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         rotary_positions=rotary_positions, rotary_interleaved=check_bool(rotary_interleaved, "rotary_interleaved"),
         softmax_scale=problem_mod.resolve_softmax_scale(softmax_scale, head_dim), causal=causal,
         num_splits=splits, return_lse=check_bool(return_softmax_lse, "return_softmax_lse"),
-        window_left=window_left, window_right=window_right, softcap=softcap, alibi=slopes is not None)
+        window_left=window_left, window_right=window_right, softcap=softcap, alibi=slopes is not None,
+        sink=sink is not None)
     problem_mod.check_fits_int32(capacity=capacity, rows=batch * seqlen_q * heads_q, cache_entries=entries)
-    return KvCacheCall(qa, kc, vc, ka, va, cos, sin, seqlens, batch_idx, leftpad, table, slopes, problem)
+    return KvCacheCall(qa, kc, vc, ka, va, cos, sin, seqlens, batch_idx, leftpad, table, slopes, sink, problem)

@@ -3,8 +3,8 @@
     out = hipattn.flash_attn_qkvpacked_func(qkv, causal=True)              # qkv [batch, seqlen, 3, nheads, headdim]
     out = hipattn.flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
-Arguments, order, defaults and return values are flash-attn 2's, plus the keyword-only ``stream=`` of
-hipattn.flash_attn_func. Each function splits the packed array into q, k and v views of its memory (no
+Arguments, order, defaults and return values are flash-attn 2's, plus the keyword-only ``dropout_seed=``,
+``learnable_sink=`` and ``stream=`` of hipattn.flash_attn_func. Each function splits the packed array into q, k and v views of its memory (no
 copy) and calls ``api.flash_attn_func`` or ``api.flash_attn_varlen_func`` with every other argument as it
 was given: what those functions support, refuse (ValueError naming the argument) or record (autograd, for
 torch tensors that require grad: the views carry it back to the packed tensor) is the same here, and an
@@ -104,6 +104,8 @@ def flash_attn_qkvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
+    dropout_seed: Any = None,
+    learnable_sink: Any = None,
     stream: Any = None,
 ):
     """hipattn.flash_attn_func on q, k, v stacked in ``qkv`` [batch, seqlen, 3, nheads, headdim]
@@ -114,7 +116,8 @@ def flash_attn_qkvpacked_func(
     q, k, v = split(qkv, QKV_BATCH, stream)
     return api.flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                               deterministic=deterministic, return_attn_probs=return_attn_probs, stream=stream)
+                               deterministic=deterministic, return_attn_probs=return_attn_probs,
+                               dropout_seed=dropout_seed, learnable_sink=learnable_sink, stream=stream)
 
 
 def flash_attn_kvpacked_func(
@@ -129,6 +132,8 @@ def flash_attn_kvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
+    dropout_seed: Any = None,
+    learnable_sink: Any = None,
     stream: Any = None,
 ):
     """hipattn.flash_attn_func on q [batch, seqlen_q, nheads, headdim] and k, v stacked in ``kv``
@@ -137,7 +142,8 @@ def flash_attn_kvpacked_func(
     k, v = split(kv, KV_BATCH, stream)
     return api.flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                               deterministic=deterministic, return_attn_probs=return_attn_probs, stream=stream)
+                               deterministic=deterministic, return_attn_probs=return_attn_probs,
+                               dropout_seed=dropout_seed, learnable_sink=learnable_sink, stream=stream)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -153,6 +159,8 @@ def flash_attn_varlen_qkvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
+    dropout_seed: Any = None,
+    learnable_sink: Any = None,
     stream: Any = None,
 ):
     """hipattn.flash_attn_varlen_func on q, k, v stacked in ``qkv`` [total, 3, nheads, headdim], one
@@ -164,7 +172,8 @@ def flash_attn_varlen_qkvpacked_func(
     return api.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                       softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                      return_attn_probs=return_attn_probs, stream=stream)
+                                      return_attn_probs=return_attn_probs,
+                               dropout_seed=dropout_seed, learnable_sink=learnable_sink, stream=stream)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -183,6 +192,8 @@ def flash_attn_varlen_kvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
+    dropout_seed: Any = None,
+    learnable_sink: Any = None,
     stream: Any = None,
 ):
     """hipattn.flash_attn_varlen_func on q [total_q, nheads, headdim] and k, v stacked in ``kv``
@@ -193,4 +204,4 @@ def flash_attn_varlen_kvpacked_func(
                                       dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                       deterministic=deterministic, return_attn_probs=return_attn_probs,
-                                      stream=stream)
+                                      dropout_seed=dropout_seed, learnable_sink=learnable_sink, stream=stream)

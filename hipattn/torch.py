@@ -356,17 +356,18 @@ def _kvcache_op(
     rotary_interleaved: bool,
     alibi_slopes: Optional[Tensor],
     num_splits: int,
+    learnable_sink: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
     return kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if cache_seqlens is not None else cache_seqlen,
         cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
-        rotary_interleaved, alibi_slopes, num_splits, True)
+        rotary_interleaved, alibi_slopes, num_splits, True, learnable_sink=learnable_sink)
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx,
                   cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                  rotary_interleaved, alibi_slopes, num_splits):
+                  rotary_interleaved, alibi_slopes, num_splits, learnable_sink):
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
@@ -377,13 +378,14 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
                             causal: bool = False, window_size: tuple = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
-                            num_splits: int = 0, return_softmax_lse: bool = False):
+                            num_splits: int = 0, return_softmax_lse: bool = False, *,
+                            learnable_sink: Optional[Tensor] = None):
     """hipattn.flash_attn_with_kvcache on torch tensors, on torch's current stream (flash-attn's
-    arguments; k_cache and v_cache are appended to in place). Traced calls (torch.compile) go through
+    arguments, and hipattn's learnable_sink; k_cache and v_cache are appended to in place). Traced calls (torch.compile) go through
     the ``hipattn::kvcache`` custom op, which declares that it mutates the caches."""
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
              "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
-             "block_table": block_table, "alibi_slopes": alibi_slopes}
+             "block_table": block_table, "alibi_slopes": alibi_slopes, "learnable_sink": learnable_sink}
     if not isinstance(cache_seqlens, int):
         given["cache_seqlens"] = cache_seqlens
     _check_tensors("flash_attn_with_kvcache", **{name: value for name, value in given.items() if value is not None})
@@ -394,7 +396,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         result = flash_attn_with_kvcache(*padded, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                          cache_leftpad, block_table, resolve_softmax_scale(softmax_scale, head_dim),
                                          causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                         return_softmax_lse)
+                                         return_softmax_lse, learnable_sink=learnable_sink)
         if k is not None:
             k_cache.copy_(padded[1][..., :head_dim])
             v_cache.copy_(padded[2][..., :head_dim])
@@ -404,14 +406,14 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         return kvcache.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-            return_softmax_lse)
+            return_softmax_lse, learnable_sink=learnable_sink)
     host_length = cache_seqlens if isinstance(cache_seqlens, int) else None
     causal = check_bool(causal, "causal")
     out, lse = _kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                            None if host_length is not None else cache_seqlens, host_length, cache_batch_idx,
                            cache_leftpad, block_table, softmax_scale, causal, *check_window(window_size, causal),
                            check_softcap(softcap), check_bool(rotary_interleaved, "rotary_interleaved"), alibi_slopes,
-                           num_splits)
+                           num_splits, learnable_sink)
     return (out, lse) if check_bool(return_softmax_lse, "return_softmax_lse") else out
 
 
@@ -483,6 +485,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ):
     """flash_attn_func with autograd on q, k, v stacked in qkv [B, S, 3, H, D]: the gradient arrives in
     qkv.grad, one tensor of qkv's shape (hipattn.flash_attn_qkvpacked_func's docstring)."""
@@ -490,7 +494,8 @@ def flash_attn_qkvpacked_func(
     q, k, v = _unpack(qkv, QKV_BATCH)
     return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                           deterministic=deterministic, return_attn_probs=return_attn_probs)
+                           deterministic=deterministic, return_attn_probs=return_attn_probs,
+                                  learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(
@@ -504,13 +509,16 @@ def flash_attn_kvpacked_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ):
     """flash_attn_func with autograd on q [B, S_q, Hq, D] and k, v stacked in kv [B, S_k, 2, Hkv, D]."""
     _check_tensors("flash_attn_kvpacked_func", q=q, kv=kv)
     k, v = _unpack(kv, KV_BATCH)
     return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                           deterministic=deterministic, return_attn_probs=return_attn_probs)
+                           deterministic=deterministic, return_attn_probs=return_attn_probs,
+                                  learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -525,6 +533,8 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ):
     """flash_attn_varlen_func with autograd on q, k, v stacked in qkv [total, 3, H, D], cu_seqlens and
     max_seqlen serving queries and keys alike."""
@@ -533,7 +543,7 @@ def flash_attn_varlen_qkvpacked_func(
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                  return_attn_probs=return_attn_probs)
+                                  return_attn_probs=return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -551,6 +561,8 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ):
     """flash_attn_varlen_func with autograd on q [total_q, Hq, D] and k, v stacked in kv [total_k, 2, Hkv, D]."""
     _check_tensors("flash_attn_varlen_kvpacked_func", q=q, kv=kv, cu_seqlens_q=cu_seqlens_q,
@@ -559,7 +571,8 @@ def flash_attn_varlen_kvpacked_func(
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                  deterministic=deterministic, return_attn_probs=return_attn_probs)
+                                  deterministic=deterministic, return_attn_probs=return_attn_probs,
+                                  learnable_sink=learnable_sink)
 
 
 torch_sdpa.register()

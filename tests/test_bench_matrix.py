@@ -29,11 +29,12 @@ def test_cell_names_are_unique_and_every_section_is_there():
     assert len(names) == len(set(names))
     counts = {s: sum(1 for c in every if c.section == s) for s in cells.SECTIONS}
     # 3 head_dims x 6 head groupings x 2 directions; 4 x 2 x 2 x 6 x 2; 2 x 2 x 2; the decode shapes;
-    # the window shapes x 2 directions and the window decode steps; the score-modifier shapes x 2 directions
+    # the window shapes x 2 directions and the window decode steps; the score-modifier and dropout
+    # shapes x 2 directions
     assert counts == {"smallseq": 36, "batch": 192, "varlen": 8,
                       "decode": len(cells.DECODE_SHAPES) + len(cells.DECODE_PAGED_SHAPES),
                       "window": 2 * len(cells.WINDOW_SHAPES) + len(cells.WINDOW_DECODE_SHAPES),
-                      "scoremod": 2 * len(cells.SCOREMOD_SHAPES)}
+                      "scoremod": 2 * len(cells.SCOREMOD_SHAPES), "dropout": 2 * len(cells.DROPOUT_SHAPES)}
     assert counts["scoremod"] == 14
     assert "smallseq/d128/h16:4/fwd" in names
     assert "batch/d96/h16:4/s16384/causal/fwdbwd" in names
@@ -190,6 +191,19 @@ def test_scoremod_peers_and_where_the_bias_reference_is_not_run():
     long = cells.by_name("scoremod/d128/h16:4/s16384/alibi/causal/fwd")
     assert cells.prescreen(long, "sdpa_bias").startswith(
         "not run: its [Hq, S_q, S_k] bf16 ALiBi bias would be 8192 MiB (> 1024 MiB)")
+
+
+def test_dropout_cells_are_plain_shapes_with_dropout_p_and_no_peer_is_checked():
+    chosen = [c for c in cells.all_cells() if c.section == "dropout"]
+    assert "dropout/d128/h16:16/s4096/p0.1/causal/fwdbwd" in {c.name for c in chosen}
+    batch = {c.name for c in cells.all_cells() if c.section == "batch"}
+    for c in chosen:
+        assert c.dropout_p == cells.DROPOUT_P and not c.score_modified and not c.windowed
+        assert cells.plain_twin(c).name in batch, "every dropout shape has its plain batch cell"
+        assert cells.peers(c) == ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+        assert not any(cells.checked_peer(c, p) for p in cells.peers(c)), "each library draws its own mask"
+    assert all(c.dropout_p == 0.0 for c in cells.all_cells() if c.section != "dropout")
+    assert cells.checked_peer(cells.by_name("batch/d128/h16:16/s4096/causal/fwd"), "sdpa_flash")
 
 
 # ---- floors --------------------------------------------------------------------------------------
@@ -412,7 +426,7 @@ def _record(name: str, hipattn_ms: float | None, peers: dict, floor_ms: float = 
         runners[peer] = {"median_ms": value, "samples": [[value, clock - 15]]} if isinstance(value, float) else {"error": value}
         if cells.padded_peer(cells.by_name(name), peer):
             runners[peer]["padded"] = True
-    comparable = [p for p, v in peers.items() if isinstance(v, float) and not cells.padded_peer(cells.by_name(name), p)]
+    comparable = [p for p, v in peers.items() if isinstance(v, float) and cells.checked_peer(cells.by_name(name), p)]
     checks = {p: {"ok": check_ok, "rel_l2": 3e-3 if check_ok else 0.4, "max_abs_diff": 0.01 if check_ok else 2.0}
               for p in comparable} if check_ok is not None else {}
     record = {"name": name, "section": name.split("/")[0], "params": cells.by_name(name).params(),
@@ -443,6 +457,7 @@ def _synthetic() -> dict:
         _record("window/d128/h16:4/s4096/w512,512/noncausal/fwdbwd", 0.8,
                 {"flex": 1.0, "varlen_attn": 0.9, "sdpa_masked": 4.0}),
         _record("scoremod/d128/h16:4/s4096/alibi/noncausal/fwd", 0.9, {"flex": 0.75, "sdpa_bias": 4.5}),
+        _record("dropout/d128/h16:16/s4096/p0.1/causal/fwdbwd", 1.1, {"sdpa_flash": 1.25, "sdpa_cudnn": 1.0}),
         {"name": "decode/d128/h32:8/b64/kv4096/fwd", "section": "decode",
          "params": cells.by_name("decode/d128/h32:8/b64/kv4096/fwd").params(),
          "error": "the worker ended with status -11 during setup of sdpa_cudnn"},
@@ -472,20 +487,23 @@ def test_a_cell_whose_peers_all_failed_has_a_floor_ratio_and_no_peer_ratio():
 
 def test_the_summary_counts_wins_failures_and_the_worst_cells():
     summary = report.summarize(_synthetic())
-    assert summary["compared"] == 5  # small-seq, batch non-causal and causal, window, scoremod
+    assert summary["compared"] == 6  # small-seq, batch non-causal and causal, window, scoremod, dropout
     assert summary["wins"] == 2  # small-seq and window; the causal cell is faster but its check failed
     assert summary["check_failures"] == ["batch/d128/h16:16/s1024/causal/fwd"]
     assert summary["worst"] == [("batch/d128/h16:16/s1024/noncausal/fwd", pytest.approx(2.0), "sdpa_cudnn"),
-                                ("scoremod/d128/h16:4/s4096/alibi/noncausal/fwd", pytest.approx(1.2), "flex")]
+                                ("scoremod/d128/h16:4/s4096/alibi/noncausal/fwd", pytest.approx(1.2), "flex"),
+                                ("dropout/d128/h16:16/s4096/p0.1/causal/fwdbwd", pytest.approx(1.1), "sdpa_cudnn")]
     assert summary["no_peer"] == ["varlen/d128/h16:16/noncausal/fwd"]
     assert set(summary["hipattn_failed"]) == {"decode/d128/h32:8/b1/kv131072/fwd", "decode/d128/h32:8/b64/kv4096/fwd"}
     assert summary["skipped"] == ["batch/d256/h16:4/s16384/causal/fwdbwd"]
-    assert summary["geomean_vs_best_peer"] == pytest.approx((0.7 / 5.5 * 2.0 * 0.5 * 0.8 / 0.9 * 1.2) ** (1 / 5))
+    assert summary["geomean_vs_best_peer"] == pytest.approx((0.7 / 5.5 * 2.0 * 0.5 * 0.8 / 0.9 * 1.2 * 1.1) ** (1 / 6))
     assert report.summarize(_synthetic(), "smallseq")["wins"] == 1
     window = report.summarize(_synthetic(), "window")
     assert (window["cells"], window["wins"], window["geomean_vs_best_peer"]) == (1, 1, pytest.approx(0.8 / 0.9))
     scoremod = report.summarize(_synthetic(), "scoremod")
     assert (scoremod["cells"], scoremod["wins"], scoremod["geomean_vs_best_peer"]) == (1, 0, pytest.approx(1.2))
+    dropout = report.summarize(_synthetic(), "dropout")
+    assert (dropout["compared"], dropout["check_failures"]) == (1, []), "unchecked (each draws its own mask): no failure"
 
 
 def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
@@ -496,7 +514,7 @@ def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
     assert "SM clock 1965-1980 MHz" in text
     for section in cells.SECTIONS:
         assert f"### {report.SECTION_TITLES[section]}" in text
-    assert text.count("| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |") == 6
+    assert text.count("| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |") == 7
     assert "| `d128/h16:16/fwd` | 0.7 | cuDNN (SDPA) padded | 5.5 | **0.13×** | 1.25× | ok (3.0e-03) |" in text
     assert "| `d128/h16:16/s1024/noncausal/fwd` | 0.4 | cuDNN (SDPA) | 0.2 | 2.00× | 0.40× | ok (3.0e-03) |" in text
     assert "**FAIL**" in text
@@ -509,7 +527,7 @@ def test_the_markdown_has_a_titled_table_per_section_and_a_summary():
     assert "| `d128/h16:4/s4096/alibi/noncausal/fwd` | 0.9 | FlexAttention | 0.75 | 1.20× | 0.90× | ok (3.0e-03) |" in text
     assert f"Peers: {report.SECTION_PEERS['scoremod']}. hipattn wins 0 of 1" in text
     assert "Without the modifier" not in text  # no plain twin in this run
-    assert "**Summary:** hipattn is faster than the best peer in 2 of 5 cells" in text
+    assert "**Summary:** hipattn is faster than the best peer in 2 of 6 cells" in text
     assert "Prewarm: `python -m hipattn warm --arch sm_90a --jobs 16`, exit 0, 71.2 s." in text
 
 
@@ -535,6 +553,7 @@ def test_the_heat_map_puts_each_cell_at_its_parameters():
     assert scoremod["entries"][("d128 h16:4 alibi noncausal", "s4096\nfwd")] == (pytest.approx(1.2), "1.20")
     both = cells.by_name("scoremod/d64/h16:4/s4096/cap50/causal/fwdbwd").params()
     assert report.panel_position(both) == ("d64 h16:4 cap50 causal", "s4096\nfwdbwd")
+    assert laid_out["dropout"]["entries"][("d128 h16:16 p0.1 causal", "s4096\nfwdbwd")] == (pytest.approx(1.1), "1.10")
 
 
 def test_the_scoremod_section_says_what_the_modifiers_cost_against_the_plain_twin():
@@ -579,7 +598,7 @@ def test_report_renders_the_markdown_and_the_png_from_a_json(tmp_path):
     done = subprocess.run([*TOOL, "--report", str(tmp_path / "run"), "--out", str(tmp_path / "new")],
                           capture_output=True, text=True, timeout=120, cwd=REPOSITORY)
     assert done.returncode == 0, done.stderr
-    assert "hipattn is faster than the best peer in 2 of 5" in done.stdout
+    assert "hipattn is faster than the best peer in 2 of 6" in done.stdout
     assert (tmp_path / "new" / report.MARKDOWN_NAME).read_text() == report.markdown(_synthetic())
     try:
         import matplotlib  # noqa: F401

@@ -58,8 +58,10 @@ def _run(device, case_bits: dict, case: KvCacheCase, dtype, num_splits, *, cache
     workspace_bytes = hipattn.kvcache_workspace_bytes(q, k_cache, v_cache, **arguments)
     workspace = aligned_bytes(workspace_bytes)
     slopes = device.array(np.ascontiguousarray(case.alibi, dtype=np.float32)) if case.alibi is not None else None
+    sink = device.array(np.ascontiguousarray(case.sink, dtype=np.float32)) if case.sink is not None else None
     hipattn.flash_attn_with_kvcache(q, k_cache, v_cache, **arguments, rotary_interleaved=case.interleaved,
-                                    softcap=case.softcap, alibi_slopes=slopes, return_softmax_lse=True,
+                                    softcap=case.softcap, alibi_slopes=slopes, learnable_sink=sink,
+                                    return_softmax_lse=True,
                                     out=array_16bit(out, dtype), lse=device.array(lse),
                                     workspace=device.array(workspace) if workspace_bytes else None)
     return (from_16bit(out, dtype), lse.astype(np.float64), from_16bit(case_bits["k_cache"], dtype),
@@ -68,8 +70,9 @@ def _run(device, case_bits: dict, case: KvCacheCase, dtype, num_splits, *, cache
 
 def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64, capacity=80, seqlen_new=0,
           rotary_dim=0, interleaved=True, page_size=None, batch_idx=False, leftpad=False, causal=False, lengths=None,
-          window=(-1, -1), softcap=0.0, alibi=None):
-    """A call's inputs; ``alibi``: None, "heads" (slopes [Hq]) or "sequences" ([batch, Hq])."""
+          window=(-1, -1), softcap=0.0, alibi=None, sink=False):
+    """A call's inputs; ``alibi``: None, "heads" (slopes [Hq]) or "sequences" ([batch, Hq]); ``sink``:
+    learnable sink logits [Hq] (float32 values), from well below to well above the scores."""
     bits, case = {}, {}
     bits["q"], case["q"] = _values(rng, (batch, seqlen_q, heads_q, head_dim), dtype)
     if page_size is None:
@@ -98,8 +101,9 @@ def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64
     if leftpad:
         case["leftpad"] = np.array([rng.integers(0, n + 1) for n in case["cache_seqlens"]])
     slopes = None if alibi is None else alibi_slopes(batch, heads_q, per_sequence=alibi == "sequences")
+    sinks = np.linspace(-4.0, 3.0, heads_q).astype(np.float32).astype(np.float64) if sink else None
     return bits, KvCacheCase(**case, interleaved=interleaved, causal=causal, window=window, softcap=softcap,
-                             alibi=slopes)
+                             alibi=slopes, sink=sinks)
 
 
 def _check(device, bits, case, dtype, num_splits, portable=False, **options):
@@ -109,7 +113,7 @@ def _check(device, bits, case, dtype, num_splits, portable=False, **options):
     assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output element was never written"
     assert relative_error(out, want_out) < TOLERANCE[dtype]
     finite = np.isfinite(want_lse)
-    assert (np.isinf(lse) == ~finite).all(), "rows that see no key have LSE = +inf, all others a finite one"
+    assert (np.isinf(lse) == ~finite).all(), "rows that see no key have LSE = +inf (without sinks), all others a finite one"
     assert np.abs(lse[finite] - want_lse[finite]).max(initial=0.0) < 1e-3
     assert np.array_equal(v_cache, want_v), "values are appended bit for bit, and nothing else changes"
     # Rotated keys are rounded once from fp32; the model rounds from float64: at most one unit apart.
@@ -218,24 +222,41 @@ def test_score_modifiers_match_float64(device, softcap, alibi, cache, seqlen_q, 
     _check(device, bits, case, "bf16", num_splits)
 
 
+# Learnable sinks: in the one-split kernels' merge and in the combine; a sequence with an empty cache
+# and no new token (length 0) whose rows see only the sink, with and without a softcap beside them.
+SINKS = [(0.0, "leftpad", 1, 1), (0.0, "paged", 3, 3), (1.5, "leftpad", 2, 0)]
+
+
+@pytest.mark.parametrize("softcap,cache,seqlen_q,num_splits", SINKS, ids=lambda m: str(m))
+def test_learnable_sinks_match_float64(device, softcap, cache, seqlen_q, num_splits):
+    """A sink per query head joins every row's softmax sum and the LSE; a row that sees no key gets
+    O = 0 and LSE = its sink (6 query heads over 2 KV heads, the group's rows with different sinks)."""
+    rng = np.random.default_rng()
+    layout = dict(page_size=16) if cache == "paged" else dict(leftpad=True)
+    bits, case = _case(rng, "bf16", heads_q=6, heads_kv=2, seqlen_q=seqlen_q, causal=seqlen_q > 1,
+                       lengths=[0, 37, 70], softcap=softcap, sink=True, **layout)
+    _check(device, bits, case, "bf16", num_splits)
+
+
 @pytest.mark.parametrize("heads_q,heads_kv,seqlen_q", [(4, 1, 1), (4, 2, 3)])
 def test_the_portable_kernel_matches_float64_with_score_modifiers(emulation_dirs, monkeypatch, heads_q, heads_kv,
                                                                   seqlen_q):
     """The portable kernel, forced on the emulated gfx90a, forms its scores from the raw dot products
-    when modified (the plain kernel pre-scales q): a 4-row block of a group of 4, and an 8-row one of 3
-    causal tokens of a group of 2; softcap and ALiBi per sequence, leftpad, three splits."""
+    when modified (the plain kernel pre-scales q): a 4-row block of a group of 4 (one split), and an
+    8-row one of 3 causal tokens of a group of 2 (three splits); softcap, ALiBi per sequence and sinks,
+    leftpad."""
     monkeypatch.setattr(catalog_decode, "DECODE_MFMA_TILES", {})
     device = EmulatedDevice(*emulation_dirs, monkeypatch, arch="gfx90a")
     rng = np.random.default_rng()
     bits, case = _case(rng, "bf16", heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q, causal=seqlen_q > 1,
-                       seqlen_new=1, leftpad=True, lengths=[0, 37, 79], softcap=1.5, alibi="sequences")
-    _check(device, bits, case, "bf16", 3, portable=True)
+                       seqlen_new=1, leftpad=True, lengths=[0, 37, 79], softcap=1.5, alibi="sequences", sink=True)
+    _check(device, bits, case, "bf16", 1 if seqlen_q == 1 else 3, portable=True)
 
 
 def test_the_mfma_kernel_on_an_emulated_gfx950_matches_float64_with_score_modifiers(emulation_dirs, monkeypatch):
-    """gfx950's 16x16x32 MFMA kernel with softcap and ALiBi per head: GQA, 2 causal tokens, leftpad."""
+    """gfx950's 16x16x32 MFMA kernel with softcap, ALiBi per head and sinks: GQA, 2 causal tokens, leftpad."""
     device = EmulatedDevice(*emulation_dirs, monkeypatch, arch="gfx950")
     rng = np.random.default_rng()
     bits, case = _case(rng, "fp16", head_dim=128, heads_q=8, heads_kv=2, seqlen_q=2, causal=True, seqlen_new=1,
-                       leftpad=True, lengths=[0, 40, 79], softcap=1.5, alibi="heads")
+                       leftpad=True, lengths=[0, 40, 79], softcap=1.5, alibi="heads", sink=True)
     _check(device, bits, case, "fp16", 3)

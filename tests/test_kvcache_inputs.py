@@ -94,6 +94,10 @@ INVALID = {
                      ValueError, "alibi_slopes is on device 1"),
     "out over the slopes": (dict(alibi_slopes=lambda m, a: m.array((8,), "fp32", at=a["out"].ptr)), ValueError,
                             "out overlaps alibi_slopes"),
+    "sink dtype": (dict(learnable_sink=lambda m, a: m.array((8,), "bf16")), TypeError, "learnable_sink has dtype bf16"),
+    "sink shape": (dict(learnable_sink=lambda m, a: m.array((2, 8), "fp32")), ValueError, "learnable_sink has shape"),
+    "out over the sinks": (dict(learnable_sink=lambda m, a: m.array((8,), "fp32", at=a["out"].ptr)), ValueError,
+                           "out overlaps learnable_sink"),
     "lse without asking": (dict(lse=lambda m, a: m.array((2, 8, 1), "fp32")), ValueError, "return_softmax_lse is False"),
     "new keys inside the cache": (dict(k=lambda m, a: m.array((2, 1, 2, 128), at=a["k_cache"].ptr),
                                        v=lambda m, a: m.array((2, 1, 2, 128))), ValueError, "k_cache overlaps k"),
@@ -133,3 +137,12 @@ def test_score_modifiers_launch_the_modified_kernel_with_their_fields(backend):
     name = modified[1].split(b"|")[1].decode()
     assert name.startswith("hipattn::decode_forward_mma<") and name.endswith("true>")
     assert plain[1].split(b"|")[1].decode().endswith("false>")
+
+
+def test_sinks_reach_the_modified_kernel_and_the_combine(backend):
+    arguments = _call(learnable_sink=lambda m, a: m.array((8,), "fp32"))
+    hipattn.flash_attn_with_kvcache(**arguments, num_splits=3,
+                                    workspace=raw_array(0x20_0000_0000, (1 << 20,), "uint8", 0))
+    (attention, *_, params), (_, *_, combine_params) = backend.launches
+    assert attention[1].split(b"|")[1].decode().endswith("true>"), "sinks take the modified instantiation"
+    assert params.learnable_sink == combine_params.learnable_sink == arguments["learnable_sink"].ptr

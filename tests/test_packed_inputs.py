@@ -162,8 +162,11 @@ def test_the_signature_is_flash_attns_with_the_same_names_order_and_defaults(mod
     required = [(name, inspect.Parameter.empty) for name in FLASH_ATTN_SIGNATURES[case.function]]
     assert positional == required + FEATURE_DEFAULTS
     keyword_only = [(p.name, p.default) for p in parameters if p.kind is p.KEYWORD_ONLY]
-    # hipattn's raw-array functions add flash_attn_func's stream=; hipattn.torch runs on torch's stream.
-    assert keyword_only == ([("stream", None)] if module is hipattn else [])
+    # The unpacked functions' keyword-only arguments: learnable sinks; hipattn's raw-array functions add
+    # flash_attn_func's dropout_seed= and stream= (hipattn.torch draws seeds and runs on torch's stream).
+    expected = [("dropout_seed", None), ("learnable_sink", None), ("stream", None)] if module is hipattn \
+        else [("learnable_sink", None)]
+    assert keyword_only == expected
     assert case.function in module.__all__
 
 
@@ -181,7 +184,8 @@ def test_the_unpacked_function_gets_views_of_the_packed_tensor_and_every_argumen
     cu_q, cu_k = _sequence_tensors()
     given_sequences, expected_sequences = case.sequences(cu_q, cu_k)
     features = {name: Marker(name) for name in FEATURES}
-    extra = {"stream": Marker("stream")} if module is hipattn else {}
+    keyword_only = ("dropout_seed", "learnable_sink", "stream") if module is hipattn else ("learnable_sink",)
+    extra = {name: Marker(name) for name in keyword_only}
     function = getattr(module, case.function)
     leading = case.arguments(packed, q, given_sequences)
     if spelling == "keywords":
@@ -489,8 +493,9 @@ def attention_float64(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
 def stand_in_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                              learnable_sink=None):
-    """hipattn.torch.flash_attn_func in pure torch, differentiable on CPU tensors."""
-    assert learnable_sink is None, "the packed functions pass no sinks"
+    """hipattn.torch.flash_attn_func in pure torch, differentiable on CPU tensors (without sinks, which
+    the test does not pass)."""
+    assert learnable_sink is None
     scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
     out, lse = attention_float64(q, k, v, None, None, scale, causal)
     return (out, lse, None) if return_attn_probs else out
@@ -500,7 +505,7 @@ def stand_in_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False,
                                     block_table=None, *, learnable_sink=None):
-    assert learnable_sink is None, "the packed functions pass no sinks"
+    assert learnable_sink is None
     scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
     out, lse = attention_float64(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
     return (out, lse, None) if return_attn_probs else out

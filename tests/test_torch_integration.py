@@ -476,7 +476,7 @@ def test_a_kvcache_call_of_a_head_dim_the_kernels_lack_runs_padded_and_appends_t
     seen = []
 
     def kernels(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, softmax_scale, *arguments):
+                block_table, softmax_scale, *arguments, **keywords):
         seen.append((q.shape[-1], k_cache.shape[-1], k.shape[-1], softmax_scale))
         k_cache[:, 3:3 + k.shape[1]] = k  # an append at cache_seqlens = 3
         v_cache[:, 3:3 + v.shape[1]] = v

@@ -169,18 +169,18 @@ class Case:
     families: tuple[str, ...] = field(default=())
 
 
-def flash_forward_family(head_dim: int, kernel: str, dropout: bool = False) -> str:
+def flash_forward_family(head_dim: int, kernel: str) -> str:
     """The flash forward a case launches on the sanitizer's machine (SANITIZER_TARGET)."""
     if kernel == "mma.sync":
         return flash_forward_catalog.FLASH_FORWARD_MMA.name
-    return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET, dropout=dropout).family.name
+    return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET).family.name
 
 
-def flash_dkdv_family(head_dim: int, kernel: str, dropout: bool = False) -> str:
+def flash_dkdv_family(head_dim: int, kernel: str) -> str:
     """The backward's dK/dV kernel a case launches on the sanitizer's machine."""
     if kernel == "mma.sync":
         return flash_backward_catalog.FLASH_BACKWARD_DKDV_MMA.name
-    return flash_backward_catalog.tiles_for(head_dim, SANITIZER_TARGET, dropout=dropout)[0].family.name
+    return flash_backward_catalog.tiles_for(head_dim, SANITIZER_TARGET)[0].family.name
 
 
 def families_of(case: Case) -> tuple[str, ...]:
@@ -194,13 +194,12 @@ def families_of(case: Case) -> tuple[str, ...]:
         return ("smallseq_forward_mma", "smallseq_backward_mma" if mma_backward else "smallseq_backward")
     if case.kind == "flash_backward":  # the forward gives O and LSE, then the backward's kernels in order
         # (the forward is the device's own whatever the case's kernel)
-        dropout = case.dropout_p != 0.0
-        return (flash_forward_family(case.head_dim, "device", dropout),
+        return (flash_forward_family(case.head_dim, "device"),
                 *(("varlen_records",) if case.varlen_prep == "device" else ()), "bwd_dot_do_o",
-                flash_dkdv_family(case.head_dim, case.kernel, dropout),
+                flash_dkdv_family(case.head_dim, case.kernel),
                 "flash_backward_dq_mma" if case.deterministic else "bwd_convert_dq")
     if case.kind == "flash_forward":
-        return (flash_forward_family(case.head_dim, case.kernel, case.dropout_p != 0.0),)
+        return (flash_forward_family(case.head_dim, case.kernel),)
     return {"dot_do_o": ("bwd_dot_do_o",), "convert_dq": ("bwd_convert_dq",)}[case.kind]
 
 

@@ -20,6 +20,7 @@ from .fields import (
     SCORE_MOD_FIELDS,
     SCORE_MODS_PARAM,
     SCORE_MODS_VALUES,
+    SINK_FIELDS,
     WINDOW_FIELDS,
     Fields,
     row_statistic,
@@ -68,13 +69,13 @@ DECODE_FORWARD_PARAMS = ParamsStruct(
     "DecodeForwardParams",
     strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr")
     + (("o_partial", "ptr"), ("lse_partial", "ptr"), ("cache_leftpad", "const_ptr")) + _CACHE_FIELDS
-    + (("splits", "i32"), ("softmax_scale", "f32")) + WINDOW_FIELDS + SCORE_MOD_FIELDS,
+    + (("splits", "i32"), ("softmax_scale", "f32")) + WINDOW_FIELDS + SCORE_MOD_FIELDS + SINK_FIELDS,
 )
 DECODE_COMBINE_PARAMS = ParamsStruct(
     "DecodeCombineParams",
     strided("o") + row_statistic("lse", "ptr")
     + (("o_partial", "const_ptr"), ("lse_partial", "const_ptr"), ("batch", "i32"), ("heads_q", "i32"),
-       ("seqlen_q", "i32"), ("head_dim", "i32"), ("splits", "i32")),
+       ("seqlen_q", "i32"), ("head_dim", "i32"), ("splits", "i32")) + SINK_FIELDS,
 )
 DECODE_APPEND_PARAMS = ParamsStruct(
     "DecodeAppendParams",

@@ -43,9 +43,9 @@ SCORE_MOD_FIELDS: Fields = (("softcap", "f32"), ("alibi_slopes", "const_ptr"), (
 DROPOUT_FIELDS: Fields = (("dropout_threshold", "i32"), ("dropout_scale", "f32"), ("dropout_seed", "const_ptr"))
 
 # A learnable attention sink per query head (FlashAttention-4's learnable_sink, gpt-oss): fp32 [Hq], a
-# logit that joins every row's softmax denominator and no value; null: none. Only the flash forwards
-# read it, in their modified instantiation (flash/softmax_m16n8.h's finish_rows and the MFMA epilogue);
-# the backward needs nothing, as the LSE it reads includes the sink.
+# logit that joins every row's softmax denominator and no value; null: none (kernels/common/sink.h).
+# The flash forwards and the decode attention read it in their modified instantiation, the decode
+# combine always; the backward needs nothing, as the LSE it reads includes the sink.
 SINK_FIELDS: Fields = (("learnable_sink", "const_ptr"),)
 
 # The template parameter that selects a kernel's scores (score_mods.h's Scores<SCORE_MODS>): False is

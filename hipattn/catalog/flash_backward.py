@@ -255,14 +255,13 @@ def mma_tiles_for(head_dim: int, target: Target | None) -> tuple[FlashDkdvMmaTil
     return table[head_dim]
 
 
-def tiles_for(head_dim: int, target: Target | None, *, dropout: bool = False) -> tuple[FlashDkdvTiles, FlashDqTiles]:
+def tiles_for(head_dim: int, target: Target | None) -> tuple[FlashDkdvTiles, FlashDqTiles]:
     """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: MFMA's on AMD; the wgmma dK/dV kernel on
-    sm_90a where its table has the head_dim (and the call has no ``dropout``, which that kernel does
-    not apply), else the mma.sync rows. (On NVIDIA the deterministic schedule's dQ kernel is mma.sync
-    everywhere.)"""
+    sm_90a where its table has the head_dim, else the mma.sync rows. (On NVIDIA the deterministic
+    schedule's dQ kernel is mma.sync everywhere.)"""
     if runs_amd_mfma(target):
         return FLASH_BACKWARD_DKDV_MFMA_TILES, FLASH_BACKWARD_DQ_MFMA_TILES
     dkdv, dq = mma_tiles_for(head_dim, target)
-    if runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES and not dropout:
+    if runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES:
         dkdv = FLASH_BACKWARD_DKDV_WGMMA_TILES[head_dim]
     return dkdv, dq

@@ -153,12 +153,11 @@ FLASH_FORWARD_MFMA_TILES: dict[int, FlashForwardMfmaTiles] = {
 }
 
 
-def tiles_for(head_dim: int, target: Target | None, *, dropout: bool = False) -> FlashForwardTiles:
+def tiles_for(head_dim: int, target: Target | None) -> FlashForwardTiles:
     """The row ``target`` runs at ``head_dim``: MFMA on AMD gfx90a/gfx94x/gfx950, wgmma on sm_90a (but
-    head_dim 96, and calls with ``dropout``, which the wgmma kernel does not apply), mma.sync on every
-    other target."""
+    head_dim 96), mma.sync on every other target."""
     if runs_amd_mfma(target):
         return FLASH_FORWARD_MFMA_TILES[head_dim]
-    if runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WGMMA_TILES and not dropout:
+    if runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WGMMA_TILES:
         return FLASH_FORWARD_WGMMA_TILES[head_dim]
     return FLASH_FORWARD_MMA_TILES[head_dim]

@@ -149,7 +149,8 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
     shared = tiles.shared_bytes(p.head_dim)
     if shared:
         kernel.reserve_dynamic_shared_memory(shared)
-    fields = {**_cache_fields(call), **score_mod_fields(p.softcap, call.alibi_slopes)}
+    sink = call.learnable_sink.ptr if call.learnable_sink is not None else 0
+    fields = {**_cache_fields(call), **score_mod_fields(p.softcap, call.alibi_slopes), "learnable_sink": sink}
     for name, a in (("q", q), ("k", call.k_cache), ("v", call.v_cache), ("o", out)):
         _tensor(fields, name, a)
     lse_batch, lse_head = lse.strides[:2] if lse is not None else (0, 0)  # [B, Hq, S_q], tokens contiguous
@@ -168,7 +169,7 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
     combine = active.kernel(decode.combine_spec(p.dtype), p.device)
     merged = {"lse": fields["lse"], "lse_batch_stride": lse_batch, "lse_head_stride": lse_head,
               "o_partial": o_partial.ptr, "lse_partial": lse_partial.ptr, "batch": p.batch, "heads_q": p.heads_q,
-              "seqlen_q": p.seqlen_q, "head_dim": p.head_dim, "splits": splits}
+              "seqlen_q": p.seqlen_q, "head_dim": p.head_dim, "splits": splits, "learnable_sink": sink}
     _tensor(merged, "o", out)
     combine.launch((combine_blocks, 1, 1), (decode.DECODE_BLOCK_THREADS, 1, 1), 0, stream,
                    combine.params.from_dict(merged))

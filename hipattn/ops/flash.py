@@ -61,7 +61,7 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     active = runtime.active()
     target = active.target(problem.device)
     if tiles is None:
-        tiles = flash_forward.tiles_for(problem.head_dim, target, dropout=problem.dropout_p != 0.0)
+        tiles = flash_forward.tiles_for(problem.head_dim, target)
     blocks = grid_blocks(problem, tiles.block_m)
     if blocks == 0:
         return  # batch 0 or max_seqlen_q 0: nothing to write

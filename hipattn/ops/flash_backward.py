@@ -104,8 +104,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
         way = prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
     active = runtime.active()
     target = active.target(problem.device)
-    dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target,
-                                                             dropout=problem.dropout_p != 0.0)
+    dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target)
     dkdv_blocks = dkdv_grid_blocks(problem, work_list, dkdv_tiles.block_n)
     dq_blocks = dq_grid_blocks(problem, dq_tiles.block_m)
     check_grid(target, dkdv_blocks, dkdv_tiles.threads,

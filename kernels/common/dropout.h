@@ -89,12 +89,18 @@ struct Dropout<false> {
     return 0xfu;
   }
   template <int N_TILES>
-  HIPATTN_DEVICE void m16n8_masks(int row, int n0, int t, unsigned int (&mask)[N_TILES]) const {
+  HIPATTN_DEVICE unsigned long long m16n8_bits(int row, int n0, int t) const {
     (void)row;
     (void)n0;
     (void)t;
-#pragma unroll
-    for (int n = 0; n < N_TILES; ++n) mask[n] = 0xffffffffu;
+    return ~0ull;
+  }
+  template <int Q_TILES>
+  HIPATTN_DEVICE unsigned long long transposed_m16n8_bits(int key0, int query0, int t) const {
+    (void)key0;
+    (void)query0;
+    (void)t;
+    return ~0ull;
   }
   template <typename Params>
   HIPATTN_DEVICE Dropout with_head(const Params& p, int sequence, int head) const {
@@ -109,7 +115,9 @@ template <>
 struct Dropout<true> {
   unsigned int threshold;  // round(dropout_p · 65536); 0 keeps everything
   float keep_scale;        // 1 / (1 - dropout_p)
-  unsigned int seed_low, seed_high;
+  // The call's 64-bit seed, read where words() needs it (an L1 hit) rather than held: two registers
+  // live through a whole kernel pushed the modified wgmma dK/dV kernel past its 255-register bound.
+  const unsigned long long* seed;
   unsigned int stream;  // sequence * heads_q + query head
 
   HIPATTN_DEVICE bool active() const { return threshold != 0u; }
@@ -122,7 +130,8 @@ struct Dropout<true> {
     x[1] = static_cast<unsigned int>(4 * stripe + pair);
     x[2] = stream;
     x[3] = 0u;
-    philox4x32_10(x, seed_low, seed_high);
+    const unsigned long long key = *seed;
+    philox4x32_10(x, static_cast<unsigned int>(key), static_cast<unsigned int>(key >> 32));
   }
   // Whether the low (high = false) or high half of a random word keeps its element.
   HIPATTN_DEVICE bool kept(unsigned int word, bool high) const {
@@ -138,13 +147,12 @@ struct Dropout<true> {
     return (kept(low, false) ? 1u : 0u) | (kept(low, true) ? 2u : 0u) | (kept(high, false) ? 4u : 0u) |
            (kept(high, true) ? 8u : 0u);
   }
-  // The packed-pair keep masks of row `row` in the m16n8 accumulator layout: mask[n] covers keys
-  // n0 + 8 n + 2 t and + 1 (n0 a multiple of 8 N_TILES). With whole 32-key stripes, one call per stripe.
-  // The calls run in a rolled loop into keep bits 2n (low half) and 2n + 1, which an unrolled loop then
-  // spreads into the masks: one Philox body in the kernel rather than one per stripe, whose copies
-  // would grow the kernel with dropout off too.
+  // The keep bits of row `row` in the m16n8 accumulator layout: bit 2n (and 2n + 1) for key
+  // n0 + 8 n + 2 t (and + 1), n0 a multiple of 8 N_TILES; m16n8_masks spreads them into packed-pair
+  // masks. With whole 32-key stripes, one call per stripe. The calls run in a rolled loop: one Philox
+  // body in the kernel rather than one per stripe, whose copies would grow the kernel with dropout off too.
   template <int N_TILES>
-  HIPATTN_DEVICE void m16n8_masks(int row, int n0, int t, unsigned int (&mask)[N_TILES]) const {
+  HIPATTN_DEVICE unsigned long long m16n8_bits(int row, int n0, int t) const {
     static_assert(N_TILES <= 32, "two keep bits per 8-key tile fit one 64-bit word");
     constexpr int kTilesPerCall = N_TILES % 4 == 0 ? 4 : 1;  // a call's words are four 8-key tiles
     unsigned long long bits = 0ull;
@@ -160,11 +168,27 @@ struct Dropout<true> {
         bits |= pair << (2 * (first + w));
       }
     }
-#pragma unroll
-    for (int n = 0; n < N_TILES; ++n) {
-      const unsigned long long pair = bits >> (2 * n);
-      mask[n] = ((pair & 1ull) != 0 ? 0x0000ffffu : 0u) | ((pair & 2ull) != 0 ? 0xffff0000u : 0u);
+    return bits;
+  }
+  // The keep bits of a lane's entries in a transposed m16n8 tile (keys as rows, queries as columns:
+  // the backward's dK/dV kernels): bit 4 n + e for entry e of query tile n, keys key0 (e < 2) and
+  // key0 + 8, queries query0 + 8 n + 2 t + (e & 1). With key0 % 16 < 8 both keys lie in one call's
+  // words (key0 % 32) / 8 and the next, at half key0 % 2: one call per query. A rolled loop, as
+  // m16n8_bits's: unrolled, the Philox copies made the modified kernels a third larger.
+  template <int Q_TILES>
+  HIPATTN_DEVICE unsigned long long transposed_m16n8_bits(int key0, int query0, int t) const {
+    static_assert(Q_TILES <= 16, "four keep bits per 8-query tile fit one 64-bit word");
+    unsigned long long bits = 0ull;
+#pragma unroll 1
+    for (int call = 0; call < 2 * Q_TILES; ++call) {
+      const int n = call / 2, c = call % 2;  // query 2 t + c of query tile n
+      unsigned int x[4];
+      words(query0 + 8 * n + 2 * t + c, key0 / 32, (key0 % 8) / 2, x);
+      const bool near = kept(select_word(x, (key0 % 32) / 8), (key0 & 1) != 0);
+      const bool far = kept(select_word(x, (key0 % 32) / 8 + 1), (key0 & 1) != 0);
+      bits |= ((near ? 1ull : 0ull) | (far ? 4ull : 0ull)) << (4 * n + c);
     }
+    return bits;
   }
   template <typename Params>
   HIPATTN_DEVICE Dropout with_head(const Params& p, int sequence, int head) const {
@@ -173,6 +197,17 @@ struct Dropout<true> {
     return d;
   }
 };
+
+// m16n8_bits's keep bits as the packed-pair masks of a row: mask[n] keeps (0xffff) or drops (0) the low
+// and high halves of 8-key tile n's pair, as the kernels pack P.
+template <int N_TILES>
+HIPATTN_DEVICE void m16n8_masks(unsigned long long bits, unsigned int (&mask)[N_TILES]) {
+#pragma unroll
+  for (int n = 0; n < N_TILES; ++n) {
+    const unsigned long long pair = bits >> (2 * n);
+    mask[n] = ((pair & 1ull) != 0 ? 0x0000ffffu : 0u) | ((pair & 2ull) != 0 ? 0xffff0000u : 0u);
+  }
+}
 
 // The dropout of query head `head` of sequence `sequence`, from a parameter struct with the dropout
 // fields of hipattn/catalog/fields.py (dropout_threshold: 0 for none; dropout_scale; dropout_seed: a
@@ -183,10 +218,7 @@ HIPATTN_DEVICE Dropout<ENABLED> dropout_of(const Params& p, int sequence, int he
   if constexpr (ENABLED) {
     dropout.threshold = static_cast<unsigned int>(p.dropout_threshold);
     dropout.keep_scale = p.dropout_scale;
-    unsigned long long seed = 0;
-    if (dropout.threshold != 0u) seed = *static_cast<const unsigned long long*>(p.dropout_seed);
-    dropout.seed_low = static_cast<unsigned int>(seed);
-    dropout.seed_high = static_cast<unsigned int>(seed >> 32);
+    dropout.seed = static_cast<const unsigned long long*>(p.dropout_seed);
     dropout.stream = static_cast<unsigned int>(sequence * p.heads_q + head);
   } else {
     (void)p;

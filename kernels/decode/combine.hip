@@ -1,12 +1,14 @@
 // The second step of a split-KV decode: merge the splits' partial O and LSE of each query row.
 //
 // decode/forward.hip wrote, per split s, an fp32 O_s normalised over its own keys and LSE_s (-inf for
-// a split that saw no key). The row's LSE is log Σ_s exp(LSE_s), and O = Σ_s exp(LSE_s - LSE) O_s.
+// a split that saw no key). The row's LSE is log Σ_s exp(LSE_s), and O = Σ_s exp(LSE_s - LSE) O_s. A
+// learnable sink (common/sink.h: learnable_sink given) is one more term of the first sum.
 // One block per row: its threads weigh the splits (one split each, at most MAX_SPLITS), then each
 // warp sums a quarter of the splits over the whole row, 4 elements per lane per load, and the four
 // partial sums meet in shared memory. Many splits with few rows (batch 1 at long context) is the
 // common case, so the splits, not the rows, are spread over the threads.
 #pragma once
+#include "common/sink.h"
 #include "common/types.h"
 
 namespace hipattn {
@@ -27,6 +29,9 @@ __global__ void __launch_bounds__(128) decode_combine(const DecodeCombineParams 
   const int lane = threadIdx.x % 32;
   const unsigned int mask = group_mask(32);
   const float* const lse_partial = static_cast<const float*>(p.lse_partial);
+  const int token = static_cast<int>(row % p.seqlen_q);
+  const int head = static_cast<int>((row / p.seqlen_q) % p.heads_q);
+  const int b = static_cast<int>(row / (static_cast<long long>(p.seqlen_q) * p.heads_q));
 
   // ---- weights: exp(LSE_s - LSE) per split ----
   const float mine = threadIdx.x < splits ? lse_partial[threadIdx.x * rows + row] : -infinity();
@@ -47,9 +52,10 @@ __global__ void __launch_bounds__(128) decode_combine(const DecodeCombineParams 
   __syncthreads();
   sum = 0.0f;
   for (int w = 0; w < kWarps; ++w) sum += reduce[w];
-  // No split saw a key: O = 0 and LSE = +inf, as the one-split kernel writes.
-  const float lse = sum > 0.0f ? reference + fast_log2(sum) * kLn2 : infinity();
-  if (threadIdx.x < splits) weight[threadIdx.x] = sum > 0.0f ? fast_exp2((mine - lse) * kLog2e) : 0.0f;
+  // No split saw a key: O = 0 and LSE = +inf, or the sink's logit, as the one-split kernel writes.
+  float inv_sum, lse;
+  finish_row(max_lse * kLog2e, sum, sink_log2<true>(p, head), inv_sum, lse);
+  if (threadIdx.x < splits) weight[threadIdx.x] = fast_exp2((mine - reference) * kLog2e) * inv_sum;
   __syncthreads();
 
   // ---- O: warp w sums splits w, w + 4, ...; lane l owns elements 4l .. 4l + 3 of each 128 ----
@@ -68,9 +74,6 @@ __global__ void __launch_bounds__(128) decode_combine(const DecodeCombineParams 
     for (int e = 0; e < 4; ++e) sums[group][4 * quad + e] = acc[e];
   }
   __syncthreads();
-  const int token = static_cast<int>(row % p.seqlen_q);
-  const int head = static_cast<int>((row / p.seqlen_q) % p.heads_q);
-  const int b = static_cast<int>(row / (static_cast<long long>(p.seqlen_q) * p.heads_q));
   T* const out = static_cast<T*>(p.o) + b * p.o_batch_stride + token * p.o_token_stride + head * p.o_head_stride;
   for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
     float value = 0.0f;

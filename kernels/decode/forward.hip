@@ -221,8 +221,9 @@ __global__ void __launch_bounds__(128) decode_forward(const DecodeForwardParams 
     }
   }
   __syncthreads();
-  decode::merge_and_store<T, HEAD_DIM, ROWS>(p, {&merge_max[0][0], &merge_sum[0][0], &merge_o[0][0], L::kRowPitch},
-                                            L::kTeams, rows, row0, group, b, kv_head, split, L::kThreads);
+  decode::merge_and_store<T, HEAD_DIM, ROWS, SCORE_MODS>(
+      p, {&merge_max[0][0], &merge_sum[0][0], &merge_o[0][0], L::kRowPitch}, L::kTeams, rows, row0, group, b, kv_head,
+      split, L::kThreads);
 }
 
 }  // namespace hipattn

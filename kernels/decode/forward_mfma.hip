@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(64 * WAVES) decode_forward_mfma(const DecodeFo
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_row[32 * j + 8 * quarter + 4 * h + e] = o[2 * j + h][e];
   __syncthreads();
-  decode::merge_and_store<T, HEAD_DIM, L::kRows>(p, {merge_max, merge_sum, merge_o, L::kMergePitch}, WAVES, rows, row0,
-                                                 group, b, kv_head, split, L::kThreads);
+  decode::merge_and_store<T, HEAD_DIM, L::kRows, SCORE_MODS>(p, {merge_max, merge_sum, merge_o, L::kMergePitch}, WAVES,
+                                                             rows, row0, group, b, kv_head, split, L::kThreads);
 }
 
 }  // namespace hipattn

@@ -244,8 +244,8 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
     }
   }
   __syncthreads();
-  decode::merge_and_store<T, HEAD_DIM, L::kRows>(p, {merge_max, merge_sum, merge_o, L::kMergePitch}, L::kWarps, rows,
-                                                 row0, group, b, kv_head, split, kThreads);
+  decode::merge_and_store<T, HEAD_DIM, L::kRows, SCORE_MODS>(p, {merge_max, merge_sum, merge_o, L::kMergePitch},
+                                                             L::kWarps, rows, row0, group, b, kv_head, split, kThreads);
 }
 
 }  // namespace hipattn

@@ -114,7 +114,6 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   constexpr int kPitch = Tiles::kPitch;
   constexpr int kScorePitch = Tiles::kScorePitch;
   constexpr int kQTiles = Tiles::kWarpQueries / 8;  // 8-query accumulator tiles of Sᵀ per warp
-  static_assert(kQTiles <= 16, "a lane's dropout keep bits, 4 per query tile, fit one 64-bit word");
   constexpr int kDTiles = Tiles::kWarpColumns / 8;  // 8-column accumulator tiles of dK, dV per warp
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
@@ -284,24 +283,10 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
     // The offset of key (slice_row + g + 8 (e / 2)) from query (query_base + 8n + 2t + (e & 1))'s
     // diagonal: a base per tile plus constants.
     const float base = static_cast<float>(n0 + slice_row + g - m0 - query_base - 2 * t - diagonal);
-    // Dropout's keep bits of this lane's entries, bit 4n + e for entry e of query tile n: keys key0 and
-    // key0 + 8 (common/dropout.h: both are in one call's words (key0 % 32) / 8 and the next, at half
-    // key0 % 2), one call per query. A rolled loop: one Philox body in the kernel rather than one per
-    // query, whose unrolled copies made the modified kernel a third larger, a cost with dropout off too.
-    unsigned long long kept_bits = ~0ull;
-    if (dropout.active()) {
-      const int key0 = n0 + slice_row + g;
-      kept_bits = 0ull;
-#pragma unroll 1
-      for (int call = 0; call < 2 * kQTiles; ++call) {
-        const int n = call / 2, c = call % 2;  // query column + c of query tile n
-        unsigned int x[4];
-        dropout.words(m0 + query_base + 8 * n + 2 * t + c, key0 / 32, (key0 % 8) / 2, x);
-        const bool near = dropout.kept(select_word(x, (key0 % 32) / 8), (key0 & 1) != 0);
-        const bool far = dropout.kept(select_word(x, (key0 % 32) / 8 + 1), (key0 & 1) != 0);
-        kept_bits |= ((near ? 1ull : 0ull) | (far ? 4ull : 0ull)) << (4 * n + c);
-      }
-    }
+    // Dropout's keep bits of this lane's entries, bit 4n + e for entry e of query tile n.
+    const unsigned long long kept_bits =
+        dropout.active() ? dropout.template transposed_m16n8_bits<kQTiles>(n0 + slice_row + g, m0 + query_base, t)
+                         : ~0ull;
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
       const int column = query_base + 8 * n + 2 * t;  // this lane's queries: column, column + 1
@@ -572,7 +557,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
     unsigned int kept[2][kNTiles];
     if (dropout.active()) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) dropout.m16n8_masks(m0 + 16 * warp + g + 8 * r, n0, t, kept[r]);
+      for (int r = 0; r < 2; ++r)
+        m16n8_masks(dropout.template m16n8_bits<kNTiles>(m0 + 16 * warp + g + 8 * r, n0, t), kept[r]);
     }
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n)

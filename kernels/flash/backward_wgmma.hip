@@ -21,8 +21,12 @@
 // wgmma's 128-byte swizzled layout (common/wgmma_nvidia.h).
 //
 // Conventions are the forward's: the keys a row sees are common/key_window.h's bottom-right aligned
-// window; keys no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0.
+// window; keys no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0. With dropout
+// (common/dropout.h) the forward's keep bits are regenerated per query tile: dV takes the kept
+// probabilities times 1 / (1 - dropout_p), and dSᵀ = Pᵀ (Z dPᵀ / (1 - dropout_p) - Delta), Z the keep
+// mask.
 #pragma once
+#include "common/dropout.h"
 #include "common/score_mods.h"
 #include "flash/backward_common.h"
 #include "flash/stage_swizzled_cp_async.h"
@@ -180,6 +184,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   const int own_first_key = 64 * warpgroup;  // the warpgroup's keys in the block's tile
   const int own_n0 = n0 + own_first_key;
   const Scores<SCORE_MODS> block_scores = scores_of<SCORE_MODS>(p, batch_index, first_head);
+  const Dropout<SCORE_MODS> block_dropout = dropout_of<SCORE_MODS>(p, batch_index, first_head);
 
   float dk[kDTiles][4];
   float dv[kDTiles][4];
@@ -217,11 +222,18 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     const float* const lse_slot = stats + slot * 2 * kBlockM;
     const float* const delta_slot = lse_slot + kBlockM;
     const Scores<SCORE_MODS> scores = block_scores.with_head(p, batch_index, head);
+    const Dropout<SCORE_MODS> dropout = block_dropout.with_head(p, batch_index, head);
 
     mma::wait_async_copies();  // item i (and K, V) have landed for this thread: the only group in flight
     wgmma::fence_shared_for_async_proxy();
     __syncthreads();  // ... for every thread; every warpgroup is done with item i - 1's slot and dSᵀ
     load_query_tile(i + 1);
+
+    const int key = own_n0 + 16 * warp + g;  // this lane's keys: key, key + 8
+    // Dropout's keep bits of this lane's entries (bit 4n + e for entry e of query tile n), before the
+    // products are issued: made while they run, the Philox rounds measured slower on the H200.
+    const unsigned int kept_bits = static_cast<unsigned int>(
+        dropout.active() ? dropout.template transposed_m16n8_bits<kQTiles>(key, m0, t) : ~0ull);
 
     // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, 64 keys x 64 queries per warpgroup, two groups ----
     float s[kQTiles][4];
@@ -246,9 +258,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     const bool masked = m0 + kBlockM > len_q || own_n0 + 64 > len_k ||
                         !key_in_window(m0, own_n0 + 63, diagonal, window) ||
                         !key_in_window(m0 + kBlockM - 1, own_n0, diagonal, window);
-    const int key = own_n0 + 16 * warp + g;  // this lane's keys: key, key + 8
-    unsigned int p_packed[kQTiles][2];       // Pᵀ in T: the A operand of dV += Pᵀ dO
-    float gradient[kQTiles][4];              // d(score)/d(scaled dot product), dSᵀ's factor: 1 but with softcap
+    unsigned int p_packed[kQTiles][2];  // Pᵀ in T: the A operand of dV += Pᵀ dO
     // The offset of key + 8 (e / 2) from query m0 + 8n + 2t + (e & 1)'s diagonal: a base plus constants.
     const float base = static_cast<float>(key - m0 - 2 * t - diagonal);
 #pragma unroll
@@ -256,6 +266,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       const int column = 8 * n + 2 * t;  // this lane's queries in the tile: column, column + 1
       const float2 lse = *reinterpret_cast<const float2*>(lse_slot + column);
       const float lse_log2[2] = {lse.x * kLog2e, lse.y * kLog2e};
+      float kept[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int query = m0 + column + (e & 1);
@@ -263,11 +274,23 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
         const bool visible =
             !masked || (query < len_q && row_key < len_k && key_in_window(query, row_key, diagonal, window));
         const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
-        gradient[n][e] = 1.0f;
-        s[n][e] = visible ? fast_exp2(scores(s[n][e], offset, gradient[n][e]) - lse_log2[e & 1]) : 0.0f;
+        float gradient = 1.0f;  // d(score)/d(scaled dot product), dSᵀ's factor: 1 but with softcap
+        const float probability =
+            visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
+        // dV takes the kept probabilities, scaled. s keeps what dSᵀ needs of the entry, P times the
+        // gradient (>= 0), negated where dropout drops it: neither an array of gradients nor the keep
+        // bits stay live until dPᵀ lands (a product of 0 gives dSᵀ = 0 whatever its sign). The
+        // modified kernel runs at its 255-register bound; those arrays made it spill.
+        kept[e] = probability;
+        s[n][e] = probability * gradient;
+        if (dropout.active()) {
+          const bool keep = ((kept_bits >> (4 * n + e)) & 1u) != 0;
+          kept[e] = keep ? probability * dropout.scale() : 0.0f;
+          s[n][e] = keep ? s[n][e] : -s[n][e];
+        }
       }
-      p_packed[n][0] = mma::pack2<T>(s[n][0], s[n][1]);  // key row g
-      p_packed[n][1] = mma::pack2<T>(s[n][2], s[n][3]);  // key row g + 8
+      p_packed[n][0] = mma::pack2<T>(kept[0], kept[1]);  // key row g
+      p_packed[n][1] = mma::pack2<T>(kept[2], kept[3]);  // key row g + 8
     }
     wgmma::wait<0>();
     wgmma::pin(dp);
@@ -275,10 +298,16 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
       const float2 delta = *reinterpret_cast<const float2*>(delta_slot + 8 * n + 2 * t);
-      ds_packed[n][0] = mma::pack2<T>(s[n][0] * (dp[n][0] - delta.x) * gradient[n][0],
-                                      s[n][1] * (dp[n][1] - delta.y) * gradient[n][1]);
-      ds_packed[n][1] = mma::pack2<T>(s[n][2] * (dp[n][2] - delta.x) * gradient[n][2],
-                                      s[n][3] * (dp[n][3] - delta.y) * gradient[n][3]);
+      // With dropout, dPᵀ reaches only the kept entries (s > 0), scaled as the forward scaled them.
+      if (dropout.active()) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dp[n][e] = s[n][e] > 0.0f ? dp[n][e] * dropout.scale() : 0.0f;
+          s[n][e] = fabsf(s[n][e]);
+        }
+      }
+      ds_packed[n][0] = mma::pack2<T>(s[n][0] * (dp[n][0] - delta.x), s[n][1] * (dp[n][1] - delta.y));
+      ds_packed[n][1] = mma::pack2<T>(s[n][2] * (dp[n][2] - delta.x), s[n][3] * (dp[n][3] - delta.y));
     }
 
     // ---- dV += Pᵀ dO and dK += dSᵀ Q over the tile's 64 queries, one group ----

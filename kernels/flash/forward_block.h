@@ -11,6 +11,7 @@
 // unmasked middle, then the left edge's.
 #pragma once
 #include "common/key_window.h"
+#include "common/sink.h"
 
 namespace hipattn {
 namespace flash {
@@ -79,38 +80,6 @@ HIPATTN_DEVICE ForwardBlock forward_block(const FlashForwardParams& p, bool& emp
   b.v = static_cast<const T*>(p.v) + b.batch_index * p.v_batch_stride +
         static_cast<long long>(b.seq_k.start) * p.v_token_stride + b.head_kv * p.v_head_stride;
   return b;
-}
-
-// A row's end in the base-2 domain: from its running max and sum, what O's accumulators are multiplied
-// by (`inv_sum`) and the LSE (natural log). A row that saw no key (sum 0) gets O = 0 and LSE = +inf.
-// A learnable sink (`sink_log2`: the head's sink logit times log2 e, -inf for none) is one more term of
-// the sum with no value: it scales O down and raises the LSE, and a row that saw no key gets LSE = the
-// sink. The plain kernels pass the constant -inf, so they compile the first branch alone.
-HIPATTN_DEVICE void finish_row(float row_max, float sum, float sink_log2, float& inv_sum, float& lse) {
-  if (sink_log2 == -infinity()) {
-    inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-    lse = sum > 0.0f ? (row_max + fast_log2(sum)) * kLn2 : infinity();
-    return;
-  }
-  const float top = fmaxf(row_max, sink_log2);  // row_max is -inf for a row that saw no key
-  const float keys = fast_exp2(row_max - top);   // the keys' sum's scale at the new maximum: 0 without keys
-  const float total = sum * keys + fast_exp2(sink_log2 - top);
-  inv_sum = keys / total;
-  lse = (top + fast_log2(total)) * kLn2;
-}
-
-// Query head `head`'s learnable sink times log2 e, or -inf without one (FlashForwardParams'
-// learnable_sink, fp32 [Hq], read by the modified instantiation only).
-template <bool MODIFIED>
-HIPATTN_DEVICE float sink_log2(const FlashForwardParams& p, int head) {
-  if constexpr (MODIFIED) {
-    const float* const sinks = static_cast<const float*>(p.learnable_sink);
-    return sinks != nullptr ? sinks[head] * kLog2e : -infinity();
-  } else {
-    (void)p;
-    (void)head;
-    return -infinity();
-  }
 }
 
 }  // namespace flash

@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
   row_sum += shfl_xor(row_sum, 32, kWarpSize, group_mask(kWarpSize));
   if (row >= len_q) return;  // after the last barrier and shuffle
   float inv_sum, lse;
-  flash::finish_row(row_max, row_sum, flash::sink_log2<SCORE_MODS>(p, b.head), inv_sum, lse);
+  finish_row(row_max, row_sum, sink_log2<SCORE_MODS>(p, b.head), inv_sum, lse);
   if (quarter == 0) {
     static_cast<float*>(p.lse)[b.batch_index * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq_q.start + row] =
         lse;

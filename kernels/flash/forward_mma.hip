@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
                                scores, t);
       flash::rescale(o[mt], correction);
       // Dropout zeroes probabilities after the row sums took them (common/dropout.h).
-      if (dropout.active()) flash::drop(p_packed[mt], dropout, warp_first + 16 * mt + g, n0, t);
+      if (dropout.active())
+        flash::drop(p_packed[mt], flash::keep_bits<kNTiles>(dropout, warp_first + 16 * mt + g, n0, t));
     }
 
     mma::wait_async_copies_except<kInFlight>();  // V[i] has landed for this thread
@@ -245,7 +246,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   for (int mt = 0; mt < M_TILES; ++mt) {
     float inv_sum[2];
     flash::finish_rows(p, b, warp_first + 16 * mt + g, row_max[mt], row_sum[mt], inv_sum, t,
-                       flash::sink_log2<SCORE_MODS>(p, b.head));
+                       sink_log2<SCORE_MODS>(p, b.head));
     inv_sum[0] *= dropout.scale();  // the kept probabilities' 1 / (1 - dropout_p)
     inv_sum[1] *= dropout.scale();
 #pragma unroll

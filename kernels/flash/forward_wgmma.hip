@@ -7,6 +7,8 @@
 // mma.sync kernel stay free), the online softmax on the accumulators (flash/softmax_m16n8.h, the same
 // code as the mma.sync forward: a wgmma accumulator holds each warp's 16 rows in mma.sync's layout),
 // and O += P V with P from registers and V read from shared memory transposed by the tensor cores.
+// With dropout (the SCORE_MODS instantiation, common/dropout.h) the dropped probabilities are zeroed
+// between the softmax and P V, as the mma.sync forward zeroes them, so the two agree on every element.
 //
 // The tensor cores run asynchronously to the warps that issue them, which the schedule uses: per key
 // tile i, the warpgroup issues S of tile i + 1 and O += P V of tile i together, runs the softmax of
@@ -116,6 +118,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   const int g = lane / 4;
   const int t = lane % 4;
   const Scores<SCORE_MODS> scores = scores_of<SCORE_MODS>(p, b.batch_index, b.head);
+  const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, b.batch_index, b.head);
   const int warpgroup_first = b.m0 + 64 * warpgroup;  // the warpgroup's first query row in the sequence
   const int warp_first = warpgroup_first + 16 * warp;
   const flash::RowKeys keys = flash::row_keys(b, warp_first + g);
@@ -167,6 +170,11 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     flash::online_softmax<T>(s, row_max, row_sum, p_packed, correction,
                              n0 < b.unmasked_begin || n0 + BLOCK_N > b.unmasked_end, n0, keys, scores, t);
   };
+  // Dropout zeroes tile i's probabilities after the row sums took them (common/dropout.h).
+  auto drop = [&](unsigned int(&p_packed)[kNTiles][2], int i) {
+    if (dropout.active())
+      flash::drop(p_packed, flash::keep_bits<kNTiles>(dropout, warp_first + g, key_start(i), t));
+  };
 
   // Software pipeline, one key tile deep: while the tensor cores compute P V of tile i, they also
   // compute S of tile i + 1, whose softmax then runs on the CUDA cores. O is rescaled for tile i + 1
@@ -185,6 +193,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     wgmma::pin(s);
     float correction[2];  // O is still 0: nothing to rescale
     softmax(s, 0, p_packed, correction);
+    drop(p_packed, 0);
   }
   // Iteration i's copies: {V[i], K[i + 1]} have landed for every thread, and every warpgroup is done
   // with V[i - 1] and K[i], whose slots the copies of tile i + STAGES - 1 then take.
@@ -232,6 +241,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     wgmma::pin(o);
     wgmma::pin(p_packed);
     flash::rescale(o, correction);
+    // Dropped only now, after P V has landed: the Philox rounds made while the products run left
+    // ptxas no registers at head_dim 256 and measured slower at 128 (they delay the softmax).
+    drop(p_next, i + 1);
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n) p_packed[n][0] = p_next[n][0], p_packed[n][1] = p_next[n][1];
   }
@@ -253,7 +265,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   // ---- epilogue: normalise, LSE, and O through the warpgroup's own Q rows (only it read them) ----
   const int o_row = 64 * warpgroup + 16 * warp + g;  // accumulator row g's row in the Q tile
   float inv_sum[2];
-  flash::finish_rows(p, b, warp_first + g, row_max, row_sum, inv_sum, t, flash::sink_log2<SCORE_MODS>(p, b.head));
+  flash::finish_rows(p, b, warp_first + g, row_max, row_sum, inv_sum, t, sink_log2<SCORE_MODS>(p, b.head));
+  inv_sum[0] *= dropout.scale();  // the kept probabilities' 1 / (1 - dropout_p)
+  inv_sum[1] *= dropout.scale();
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d)
 #pragma unroll

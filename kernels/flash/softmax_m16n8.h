@@ -24,14 +24,23 @@ HIPATTN_DEVICE RowKeys row_keys(const ForwardBlock& b, int row_g) {
   return keys;
 }
 
-// Zeroes the dropped probabilities of a warp's 16-row tile of packed P (rows row_g and row_g + 8 of
-// the sequence, keys from n0): the m16n8 layout is the one common/dropout.h's counters are laid out for.
+// Dropout's keep bits of a warp's 16-row tile (rows row_g and row_g + 8 of the sequence, keys from n0),
+// the m16n8 layout common/dropout.h's counters are laid out for: row g's m16n8_bits, then row g + 8's
+// from bit 2 N_TILES.
 template <int N_TILES, typename Dropout>
-HIPATTN_DEVICE void drop(unsigned int (&p_packed)[N_TILES][2], const Dropout& dropout, int row_g, int n0, int t) {
+HIPATTN_DEVICE unsigned long long keep_bits(const Dropout& dropout, int row_g, int n0, int t) {
+  static_assert(N_TILES <= 16, "both rows' keep bits fit one 64-bit word");
+  return dropout.template m16n8_bits<N_TILES>(row_g, n0, t) |
+         dropout.template m16n8_bits<N_TILES>(row_g + 8, n0, t) << (2 * N_TILES);
+}
+
+// Zeroes the dropped probabilities of a warp's 16-row tile of packed P, by keep_bits's bits.
+template <int N_TILES>
+HIPATTN_DEVICE void drop(unsigned int (&p_packed)[N_TILES][2], unsigned long long bits) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     unsigned int mask[N_TILES];
-    dropout.m16n8_masks(row_g + 8 * r, n0, t, mask);
+    m16n8_masks(bits >> (2 * N_TILES * r), mask);
 #pragma unroll
     for (int n = 0; n < N_TILES; ++n) p_packed[n][r] &= mask[n];
   }
@@ -40,7 +49,7 @@ HIPATTN_DEVICE void drop(unsigned int (&p_packed)[N_TILES][2], const Dropout& dr
 // The end of a warp's 16-row tile: sums each row over its quad, writes LSE (natural log) for the
 // block's rows and returns in inv_sum what O's accumulators are multiplied by: 1 / sum (0 for a row
 // that saw no key, whose LSE is +inf). With a learnable sink (`sink_log2`, base 2; -inf: none,
-// flash/forward_block.h's sink_log2), the sink joins the sum and the LSE, and a row that saw no key
+// common/sink.h's sink_log2), the sink joins the sum and the LSE, and a row that saw no key
 // gets O = 0 and LSE = the sink.
 HIPATTN_DEVICE void finish_rows(const FlashForwardParams& p, const ForwardBlock& b, int row_g,
                                 const float (&row_max)[2], const float (&row_sum)[2], float (&inv_sum)[2], int t,

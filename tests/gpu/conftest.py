@@ -81,7 +81,7 @@ def device_array_or_none(t, name: str):
 
 def describe_call(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                   max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None, window_size=(-1, -1),
-                  softcap=0.0, alibi_slopes=None):
+                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     """attention.forward's first step, for tests that call an ops launcher directly: returns
     ((q, k, v) as DeviceArrays, the sequence DeviceArrays and the ALiBi slopes as the launchers' keyword
     arguments, the Problem)."""
@@ -95,8 +95,59 @@ def describe_call(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=No
     slopes = device_array_or_none(alibi_slopes, "alibi_slopes")
     problem = problem_mod.describe(*qkv, **sequences, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                   softcap=softcap, alibi_slopes=slopes)
+                                   softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p,
+                                   dropout_seed=device_array_or_none(dropout_seed, "dropout_seed"))
     return qkv, {**sequences, "alibi_slopes": slopes}, problem
+
+
+def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                           seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
+                           deterministic=False, out=None, lse=None, work_list=True, tiles=None, forward_tiles=None,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+    """The flash forward (O, LSE), then the flash backward into dq, dk, dv, through the ops launchers
+    (hipattn.ops.flash, .flash_backward: every case reaches the kernel asked for, whatever dispatch
+    would choose); returns (out, lse, softmax_d), the last the backward's Delta = rowsum(dout * out).
+
+    ``out`` and ``lse`` are allocated unless given (a given pair is reused as it is: the deterministic
+    test replays the backward on one forward's output). ``work_list``: THD calls pass the
+    varlen_records section (poisoned: the backward prepares it). ``tiles`` overrides the device's
+    (dK/dV, dQ) rows, and with the dK/dV row's type the kernel; ``forward_tiles`` the forward's row.
+    ``dropout_seed``: the one-element int64 seed tensor of a call with ``dropout_p``."""
+    from hipattn import arrays
+    from hipattn import problem as problem_mod
+    from hipattn.backends import get_backend
+    from hipattn.ops import flash, flash_backward
+    from hipattn.streams import on_device, resolve_stream
+    from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
+
+    (qa, ka, va), sequences, problem = describe_call(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+        dropout_seed=dropout_seed)
+    seed = device_array_or_none(dropout_seed, "dropout_seed")
+    run_forward = out is None
+    if run_forward:
+        out = poisoned(q.shape, q.dtype)
+        lse = poisoned(problem_mod.lse_shape(problem), torch.float32)
+    softmax_d = poisoned(problem_mod.lse_shape(problem), torch.float32)
+    dq_accum = None if deterministic else poisoned(q.shape, torch.float32)  # zeroed by the backward
+    records = None
+    if work_list and cu_seqlens_q is not None:
+        records = torch.full((problem.batch, VARLEN_RECORD_WORDS), -1, dtype=torch.int32, device="cuda")
+    with on_device(get_backend(), problem.device):
+        stream = resolve_stream((qa, ka, va), None, device=problem.device)
+        out_a, lse_a = arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse")
+        if run_forward:
+            flash.forward(problem, qa, ka, va, out_a, lse_a, stream, tiles=forward_tiles, dropout_seed=seed,
+                          **sequences)
+        flash_backward.backward(
+            problem, qa, ka, va, out_a, arrays.as_device_array(dout, "dout"), lse_a, arrays.as_device_array(dq, "dq"),
+            arrays.as_device_array(dk, "dk"), arrays.as_device_array(dv, "dv"), stream,
+            softmax_d=arrays.as_device_array(softmax_d, "softmax_d"), dq_accum=device_array_or_none(dq_accum, "dq_accum"),
+            varlen_records=device_array_or_none(records, "varlen_records"), deterministic=deterministic, tiles=tiles,
+            dropout_seed=seed, **sequences)
+    return out, lse, softmax_d
 
 
 def relative_error(actual, expected) -> float:

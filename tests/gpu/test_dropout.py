@@ -1,6 +1,7 @@
-"""flash-attn's dropout on the GPU: the flash kernels (mma.sync on NVIDIA, where dropout takes them on
-every target) against float64 with hipattn.dropout's keep mask, through hipattn.forward and
-hipattn.backward with an explicit seed; the keep rate and its independence across heads and
+"""flash-attn's dropout on the GPU: the flash kernels against float64 with hipattn.dropout's keep mask,
+both the ones the device runs (wgmma on sm_90a where it has the head_dim), through hipattn.forward and
+hipattn.backward with an explicit seed, and the mma.sync ones every sm_80+ part runs, through the ops
+launchers; the keep rate and its independence across heads and
 sequences; bit-reproducibility for a given torch generator state through hipattn.torch; the backward
 regenerating the forward's mask; and CUDA-graph replays drawing new seeds."""
 
@@ -13,10 +14,22 @@ import torch
 
 import hipattn
 import hipattn.torch as hat
+from hipattn import runtime
 from hipattn.catalog.common import FLASH_HEAD_DIMS
+from hipattn.catalog.flash_backward import mma_tiles_for
+from hipattn.catalog.flash_forward import FLASH_FORWARD_MMA_TILES
 from hipattn.dropout import keep_mask
 
-from .conftest import TOLERANCE, TORCH_DTYPE, cumulative, fresh_seed, poisoned, record_errors, relative_error
+from .conftest import (
+    TOLERANCE,
+    TORCH_DTYPE,
+    cumulative,
+    flash_forward_backward,
+    fresh_seed,
+    poisoned,
+    record_errors,
+    relative_error,
+)
 from .reference import attention_reference
 
 DROPOUT_P = 0.17
@@ -44,10 +57,11 @@ def _varlen_inputs(heads_q, heads_kv, head_dim, dtype, rng):
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (48, 16))],
                          ids=["full", "causal", "window"])
 @pytest.mark.parametrize("heads_q,heads_kv", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("kernel", ["device's", "mma.sync"])
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_forward_and_backward_match_float64_with_the_keep_mask(dtype, head_dim, heads_q, heads_kv, causal, window,
-                                                               deterministic, rng):
+def test_forward_and_backward_match_float64_with_the_keep_mask(dtype, head_dim, kernel, heads_q, heads_kv, causal,
+                                                               window, deterministic, rng):
     q, k, v, cu_q, cu_k = _varlen_inputs(heads_q, heads_kv, head_dim, dtype, rng)
     dout = torch.randn(q.shape, generator=rng, device="cuda").to(q.dtype)
     seed = _seed_tensor()
@@ -55,10 +69,15 @@ def test_forward_and_backward_match_float64_with_the_keep_mask(dtype, head_dim, 
                      cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
                      max_seqlen_q=max(LENGTHS_Q), max_seqlen_k=max(LENGTHS_K), causal=causal, window_size=window,
                      dropout_p=DROPOUT_P, dropout_seed=seed)
-    out, lse = poisoned(q.shape, q.dtype), poisoned((heads_q, q.shape[0]), torch.float32)
-    hipattn.forward(q, k, v, out=out, lse=lse, **sequences)
     dq, dk, dv = (poisoned(x.shape, x.dtype) for x in (q, k, v))
-    hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, deterministic=deterministic, **sequences)
+    if kernel == "device's":
+        out, lse = poisoned(q.shape, q.dtype), poisoned((heads_q, q.shape[0]), torch.float32)
+        hipattn.forward(q, k, v, out=out, lse=lse, **sequences)
+        hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, deterministic=deterministic, **sequences)
+    else:
+        out, lse, _ = flash_forward_backward(q, k, v, dout, dq, dk, dv, deterministic=deterministic,
+                                             forward_tiles=FLASH_FORWARD_MMA_TILES[head_dim],
+                                             tiles=mma_tiles_for(head_dim, runtime.active().target(0)), **sequences)
     torch.cuda.synchronize()
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference(
         q, k, v, cu_q, cu_k, causal=causal, scale=1 / math.sqrt(head_dim), dout=dout, window=window,
@@ -70,7 +89,8 @@ def test_forward_and_backward_match_float64_with_the_keep_mask(dtype, head_dim, 
     assert (lse.double()[finite] - ref_lse[finite]).abs().max() < 1e-3
     errors = {"out": relative_error(out, ref_out), "dq": relative_error(dq, ref_dq),
               "dk": relative_error(dk, ref_dk), "dv": relative_error(dv, ref_dv)}
-    record_errors(f"dropout {dtype} d{head_dim} {heads_q}/{heads_kv} causal={causal} window={window}", **errors)
+    record_errors(f"dropout {kernel} {dtype} d{head_dim} {heads_q}/{heads_kv} causal={causal} window={window}",
+                  **errors)
     assert max(errors.values()) < TOLERANCE[dtype], errors
 
 

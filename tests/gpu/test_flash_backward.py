@@ -14,14 +14,9 @@ import math
 import pytest
 import torch
 
-from hipattn import arrays, runtime
-from hipattn import problem as problem_mod
-from hipattn.backends import get_backend
+from hipattn import runtime
 from hipattn.catalog.common import FLASH_HEAD_DIMS
 from hipattn.catalog.flash_backward import mma_tiles_for, tiles_for
-from hipattn.ops import flash, flash_backward
-from hipattn.streams import on_device, resolve_stream
-from hipattn.varlen_metadata import VARLEN_RECORD_WORDS
 
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
@@ -31,8 +26,7 @@ from .conftest import (
     alibi_slopes,
     bshd_inputs,
     cumulative,
-    describe_call,
-    device_array_or_none,
+    flash_forward_backward,
     poisoned,
     randn_like,
     record_errors,
@@ -48,44 +42,6 @@ from .reference import attention_reference
 # 129, 200); Q shorter and longer than KV both appear.
 LENGTHS_Q = [0, 1, 17, 18, 63, 65, 129, 200, 5, 0, 40]
 LENGTHS_K = [9, 1, 18, 17, 65, 63, 200, 129, 0, 0, 31]
-
-
-def flash_forward_backward(q, k, v, dout, dq, dk, dv, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                           seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
-                           deterministic=False, out=None, lse=None, work_list=True, tiles=None, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None):
-    """The flash forward (O, LSE), then the flash backward into dq, dk, dv; returns (out, lse,
-    softmax_d), the last the backward's Delta = rowsum(dout * out).
-
-    ``out`` and ``lse`` are allocated unless given (a given pair is reused as it is: the deterministic
-    test replays the backward on one forward's output). ``work_list``: THD calls pass the
-    varlen_records section (poisoned: the backward prepares it). ``tiles`` overrides the device's
-    (dK/dV, dQ) rows, and with the dK/dV row's type the kernel."""
-    (qa, ka, va), sequences, problem = describe_call(
-        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    run_forward = out is None
-    if run_forward:
-        out = poisoned(q.shape, q.dtype)
-        lse = poisoned(problem_mod.lse_shape(problem), torch.float32)
-    softmax_d = poisoned(problem_mod.lse_shape(problem), torch.float32)
-    dq_accum = None if deterministic else poisoned(q.shape, torch.float32)  # zeroed by the backward
-    records = None
-    if work_list and cu_seqlens_q is not None:
-        records = torch.full((problem.batch, VARLEN_RECORD_WORDS), -1, dtype=torch.int32, device="cuda")
-    with on_device(get_backend(), problem.device):
-        stream = resolve_stream((qa, ka, va), None, device=problem.device)
-        out_a, lse_a = arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse")
-        if run_forward:
-            flash.forward(problem, qa, ka, va, out_a, lse_a, stream, **sequences)
-        flash_backward.backward(
-            problem, qa, ka, va, out_a, arrays.as_device_array(dout, "dout"), lse_a, arrays.as_device_array(dq, "dq"),
-            arrays.as_device_array(dk, "dk"), arrays.as_device_array(dv, "dv"), stream,
-            softmax_d=arrays.as_device_array(softmax_d, "softmax_d"), dq_accum=device_array_or_none(dq_accum, "dq_accum"),
-            varlen_records=device_array_or_none(records, "varlen_records"), deterministic=deterministic, tiles=tiles,
-            **sequences)
-    return out, lse, softmax_d
 
 
 def _check_gradients(dq, dk, dv, q, k, v, dout, cu_q, cu_k, *, causal, scale, dtype, case, out=None,

@@ -34,7 +34,7 @@ class Call:
 
     def __init__(self, rng, dtype, *, batch, seqlen_q, heads_q, heads_kv, head_dim, capacity, seqlen_new=0,
                  rotary_dim=0, interleaved=True, page_size=None, causal=False, lengths=None, window=(-1, -1),
-                 leftpad=None, softcap=0.0, alibi=None):
+                 leftpad=None, softcap=0.0, alibi=None, sinks=False):
         t = gpu.TORCH_DTYPE[dtype]
         self.dtype = dtype
 
@@ -68,6 +68,8 @@ class Call:
         self.softcap = softcap
         self.alibi_slopes = None if alibi is None else torch.from_numpy(
             alibi_slopes(batch, heads_q, per_sequence=alibi == "sequences")).cuda()
+        # sinks: a learnable logit per query head, from well below to well above the scores.
+        self.learnable_sink = torch.linspace(-4.0, 3.0, heads_q, device="cuda") if sinks else None
 
     def case(self) -> KvCacheCase:
         return KvCacheCase(q=_numpy(self.q), k_cache=_numpy(self.k_cache), v_cache=_numpy(self.v_cache),
@@ -75,13 +77,14 @@ class Call:
                            cos=_numpy(self.cos), sin=_numpy(self.sin), interleaved=self.interleaved,
                            block_table=None if self.block_table is None else self.block_table.cpu().numpy(),
                            leftpad=_numpy(self.cache_leftpad), causal=self.causal, window=self.window,
-                           softcap=self.softcap, alibi=_numpy(self.alibi_slopes))
+                           softcap=self.softcap, alibi=_numpy(self.alibi_slopes), sink=_numpy(self.learnable_sink))
 
     def run(self, function=hipattn.flash_attn_with_kvcache, **options):
         return function(self.q, self.k_cache, self.v_cache, self.k, self.v, rotary_cos=self.cos, rotary_sin=self.sin,
                         cache_seqlens=self.cache_seqlens, cache_leftpad=self.cache_leftpad, block_table=self.block_table,
                         causal=self.causal, window_size=self.window, rotary_interleaved=self.interleaved,
-                        softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_softmax_lse=True, **options)
+                        softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_softmax_lse=True,
+                        **({"learnable_sink": self.learnable_sink} if self.learnable_sink is not None else {}), **options)
 
 
 def check(call: Call, out, lse, want, what: str) -> None:
@@ -90,7 +93,7 @@ def check(call: Call, out, lse, want, what: str) -> None:
     assert not np.isnan(got_out).any() and not np.isnan(got_lse).any(), f"{what}: an output element was never written"
     assert relative_error(got_out, want_out) < TOLERANCE[call.dtype], what
     finite = np.isfinite(want_lse)
-    assert (np.isinf(got_lse) == ~finite).all(), f"{what}: LSE +inf exactly on rows that see no key"
+    assert (np.isinf(got_lse) == ~finite).all(), f"{what}: LSE +inf exactly on rows that see no key (without sinks)"
     assert np.abs(got_lse[finite] - want_lse[finite]).max(initial=0.0) < 2e-3, what
     assert np.array_equal(_numpy(call.v_cache), want_v), f"{what}: values appended bit for bit, nothing else changed"
     k_cache = _numpy(call.k_cache)
@@ -165,6 +168,20 @@ def test_score_modifiers_match_float64(rng, softcap, alibi, page_size, seqlen_q,
                 leftpad=leftpad, softcap=softcap, alibi=alibi)
     call.cache_seqlens.copy_(torch.tensor([0, call.capacity - seqlen_new, 517, 3], dtype=torch.int32))
     run_and_check(call, f"softcap={softcap} alibi={alibi} page_size={page_size} q{seqlen_q} leftpad={leftpad}")
+
+
+@pytest.mark.parametrize("page_size,seqlen_q,num_splits", [(None, 1, 1), (256, 1, 0), (16, 4, 3)])
+def test_learnable_sinks_match_float64(rng, page_size, seqlen_q, num_splits):
+    """gpt-oss's attention sinks in decode: a logit per query head joins every row's softmax sum and the
+    LSE, in the one-split kernel's merge and in the combine; an empty cache with no new token leaves its
+    rows the sink alone (O = 0, LSE = the sink); GQA 64/8, causal query runs; both entry points."""
+    call = Call(rng, "bf16", batch=4, seqlen_q=seqlen_q, heads_q=64, heads_kv=8, head_dim=64, capacity=4096,
+                page_size=page_size, causal=seqlen_q > 1, lengths=[0, 4096, 1000, 5], sinks=True)
+    run_and_check(call, f"sinks page_size={page_size} q{seqlen_q} splits={num_splits}", num_splits=num_splits)
+    want = expected(call.case(), 64 ** -0.5, _round16("bf16"))
+    out, lse = call.run(hat.flash_attn_with_kvcache, num_splits=num_splits)
+    torch.cuda.synchronize()
+    check(call, out, lse, want, f"sinks through hipattn.torch page_size={page_size}")
 
 
 def test_the_torch_function_matches_and_refuses_other_arrays(rng):

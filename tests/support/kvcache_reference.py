@@ -1,8 +1,9 @@
 """A float64 model of flash_attn_with_kvcache, for the emulated-device and GPU tests: the append (with
 rotary on the new keys) into a contiguous or paged cache, rotary on the queries, and attention over
 each sequence's visible keys, in flash-attn's conventions (bottom-right causal, keys from
-cache_leftpad, softcap and ALiBi with key positions counted from cache_leftpad, a row that sees no
-key gets O = 0 and LSE = +inf).
+cache_leftpad, softcap and ALiBi with key positions counted from cache_leftpad, a learnable sink per
+query head in every row's softmax sum, a row that sees no key gets O = 0 and LSE = +inf, or the
+sink's logit).
 
 Arrays are NumPy float64 in the call's layouts; ``round16`` rounds float64 to the call's 16-bit
 dtype and back, as the kernels store rotated rows."""
@@ -54,6 +55,7 @@ class KvCacheCase:
     window: tuple = (-1, -1)  # flash-attn's window_size; -1: no bound on that side
     softcap: float = 0.0
     alibi: np.ndarray | None = None  # ALiBi slopes, [Hq] or [B, Hq]
+    sink: np.ndarray | None = None  # learnable sink logits, [Hq]
 
     def sequence_rows(self, b):
         """(cache array index, token index) arrays of sequence b's cache positions 0 .. capacity-1."""
@@ -105,12 +107,15 @@ def expected(case: KvCacheCase, scale: float, round16):
             slope = 0.0 if case.alibi is None else float(case.alibi[h] if case.alibi.ndim == 1 else case.alibi[b, h])
             s[:, start:], _ = modified_scores(scale * q[:, h] @ keys[start:, h // group].T, seqlen_q, total - start,
                                               case.softcap, slope)
+            sink = -np.inf if case.sink is None else float(case.sink[h])
             for i in range(seqlen_q):
                 if not visible[i].any():
+                    lse[b, h, i] = np.inf if case.sink is None else sink
                     continue
                 row = np.where(visible[i], s[i], -np.inf)
-                m = row.max()
+                m = max(row.max(), sink)
                 p = np.exp(row - m)
-                out[b, i, h] = p @ values[:, h // group] / p.sum()
-                lse[b, h, i] = m + np.log(p.sum())
+                denominator = p.sum() + np.exp(sink - m)  # the sink: one more term, with no value
+                out[b, i, h] = p @ values[:, h // group] / denominator
+                lse[b, h, i] = m + np.log(denominator)
     return out, lse, k_cache, v_cache

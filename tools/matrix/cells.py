@@ -30,11 +30,18 @@ A cell is one workload in one direction with a stable name, e.g. ``smallseq/d128
   modifier as a score_mod (torch.compile'd), and for ALiBi alone SDPA's efficient backend with the
   bias as an explicit float mask where it is small (a reference: it computes every pair). SDPA has no
   softcap, its flash and cuDNN backends take no bias, and torch's varlen_attn takes neither.
+- ``dropout``: flash-attn's dropout_p (``pP`` in the name: DROPOUT_P): BSHD self-attention at
+  BATCH_TOKENS tokens on DROPOUT_SHAPES (head_dim 128, and 64 for one shape; MHA 16:16, and GQA 16:4
+  for one; S 4096; causal or not), ``fwd`` and ``fwdbwd``; every shape is also a ``batch`` cell. Peers:
+  SDPA's flash (FA2), cuDNN and efficient backends with the same dropout_p. No peer's output is compared
+  with hipattn's: each library draws its own mask (the GPU tests check hipattn's dropout against float64
+  with its mask).
 
 A cell's FLOPs count only the (query, key) pairs its mask lets through (visible_pairs), and its bytes
 only the keys some query sees (key_range): a decode window reads its window, not the cache. The score
 modifiers add no matrix product and no tensor to move (the slopes are Hq floats): a scoremod cell has
-the FLOPs, bytes and floor of its plain twin.
+the FLOPs, bytes and floor of its plain twin; so has a dropout cell (the mask is random numbers made in
+registers).
 
 The floor of a cell is the larger of its FLOPs over the measured bf16 GEMM rate and its bytes over
 the measured copy bandwidth, both measured at the start of the run; which one binds is recorded
@@ -48,7 +55,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-SECTIONS = ("smallseq", "batch", "varlen", "decode", "window", "scoremod")
+SECTIONS = ("smallseq", "batch", "varlen", "decode", "window", "scoremod", "dropout")
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 ELEMENT_BYTES = 2  # bf16
 LSE_BYTES = 4  # fp32
@@ -112,6 +119,15 @@ SCOREMOD_SHAPES = (
     (64, 16, 4, 4096, SOFTCAP, False, True),
     (128, 16, 4, 4096, SOFTCAP, True, True),
 )
+DROPOUT_P = 0.1  # the attention dropout of BERT-era training recipes
+# (head_dim, Hq, Hkv, S, causal): the dropout training shapes, at BATCH_TOKENS tokens; each is also a
+# batch cell's shape.
+DROPOUT_SHAPES = (
+    (128, 16, 16, 4096, False),
+    (128, 16, 16, 4096, True),
+    (128, 16, 4, 4096, True),
+    (64, 16, 16, 4096, True),
+)
 # SDPA's efficient backend with the ALiBi bias as an explicit [Hq, S_q, S_k] bf16 mask (expanded over
 # the batch, read per batch entry) computes every pair: run only where the bias is at most this big
 # (S 4096 at Hq 16: 512 MiB; S 16384 would be 8 GiB).
@@ -151,6 +167,7 @@ class Cell:
     window_right: int = -1
     softcap: float = 0.0  # flash-attn's softcap (0: none)
     alibi: bool = False  # ALiBi with alibi_slopes(heads_q)
+    dropout_p: float = 0.0  # flash-attn's dropout_p (0: none)
 
     @property
     def window(self) -> tuple[int, int]:
@@ -184,6 +201,8 @@ class Cell:
             return f"window/d{self.head_dim}/{heads}/s{self.seqlen_q}/{window}/{mask}/{self.direction}"
         if self.section == "scoremod":
             return f"scoremod/d{self.head_dim}/{heads}/s{self.seqlen_q}/{self.modifiers}/{mask}/{self.direction}"
+        if self.section == "dropout":
+            return f"dropout/d{self.head_dim}/{heads}/s{self.seqlen_q}/p{self.dropout_p:g}/{mask}/{self.direction}"
         if self.section == "smallseq":
             return f"smallseq/d{self.head_dim}/{heads}/{self.direction}"
         if self.section == "batch":
@@ -238,11 +257,15 @@ def all_cells() -> list[Cell]:
         for direction in ("fwd", "fwdbwd"):
             found.append(Cell("scoremod", direction, head_dim, heads_q, heads_kv, causal, batch=BATCH_TOKENS // seqlen,
                               seqlen_q=seqlen, seqlen_k=seqlen, softcap=softcap, alibi=alibi))
+    for head_dim, heads_q, heads_kv, seqlen, causal in DROPOUT_SHAPES:
+        for direction in ("fwd", "fwdbwd"):
+            found.append(Cell("dropout", direction, head_dim, heads_q, heads_kv, causal, batch=BATCH_TOKENS // seqlen,
+                              seqlen_q=seqlen, seqlen_k=seqlen, dropout_p=DROPOUT_P))
     return found
 
 
 def plain_twin(cell: Cell) -> Cell:
-    """The batch cell of a scoremod cell's shape: the same work without the modifier."""
+    """The batch cell of a scoremod or dropout cell's shape: the same work without the modifier or dropout."""
     return Cell("batch", cell.direction, cell.head_dim, cell.heads_q, cell.heads_kv, cell.causal, batch=cell.batch,
                 seqlen_q=cell.seqlen_q, seqlen_k=cell.seqlen_k)
 
@@ -277,6 +300,7 @@ QUICK_CELLS = (
     "window/d128/h16:4/s4096/w512,512/noncausal/fwdbwd",
     "scoremod/d128/h16:4/s4096/cap50/causal/fwdbwd",
     "scoremod/d128/h16:4/s4096/alibi/noncausal/fwd",
+    "dropout/d128/h16:16/s4096/p0.1/causal/fwdbwd",
 )
 
 
@@ -290,7 +314,7 @@ def quick_cells() -> list[Cell]:
 
 # After the quick subset, the full run measures the small sections first: a run cut short by its
 # budget then loses cells of the largest section only.
-REST_ORDER = ("varlen", "decode", "window", "scoremod", "smallseq", "batch")
+REST_ORDER = ("varlen", "decode", "window", "scoremod", "dropout", "smallseq", "batch")
 
 
 def select(quick: bool = False, only: str | None = None) -> list[Cell]:
@@ -334,6 +358,8 @@ PEERS = {
     # neither modifier: FlexAttention with a score_mod, and for ALiBi alone the efficient backend with
     # the bias as an explicit float mask as a reference (sdpa_bias).
     "scoremod": ("flex", "sdpa_bias"),
+    # SDPA's backends draw their own dropout masks with the same dropout_p.
+    "dropout": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient"),
 }
 # A decode step's window is a run of the cache: SDPA's backends run on that slice of it (the same
 # function on the same data) instead of a mask.
@@ -352,6 +378,12 @@ def padded_peer(cell: Cell, peer: str) -> bool:
     """Whether ``peer`` runs on a padded copy of the cell's data (a different function: excluded from
     the numeric check, marked in the report)."""
     return cell.section == "smallseq" and peer.startswith("sdpa_")
+
+
+def checked_peer(cell: Cell, peer: str) -> bool:
+    """Whether hipattn's outputs are checked against ``peer``'s: it computes the same function on the
+    same data (not on a padded copy, and without dropout, whose mask each library draws its own way)."""
+    return not padded_peer(cell, peer) and cell.dropout_p == 0.0
 
 
 def prescreen(cell: Cell, peer: str) -> str | None:
@@ -578,6 +610,9 @@ EXPECTED_FLOOR_RATIO = {
     # sdpa_masked's, is per computed pair (the window run's masked SDPA: 6.3-6.4x the dense floor).
     ("scoremod", "fwd"): {"hipattn": 3.0, "flex": 3.5, "sdpa_bias": 6.5},
     ("scoremod", "fwdbwd"): {"hipattn": 3.5, "flex": 4.0, "sdpa_bias": 7.0},
+    # Guesses: plain attention's plus the random numbers of the mask.
+    ("dropout", "fwd"): {"hipattn": 3.5, "sdpa_flash": 3.5, "sdpa_cudnn": 2.5, "sdpa_efficient": 6.0},
+    ("dropout", "fwdbwd"): {"hipattn": 4.0, "sdpa_flash": 4.0, "sdpa_cudnn": 3.0, "sdpa_efficient": 7.0},
 }
 # FlexAttention compiles (Dynamo + Inductor + Triton) on its first call in a cell: every cell has other
 # shapes, block mask, score_mod or autograd mode. Seconds per direction, a little above the window

@@ -95,6 +95,7 @@ class CellData:
     generator: torch.Generator
     padded: dict | None = None  # small-seq SDPA peers' [B, H, 17, D] batch, made on first use
     alibi_slopes: torch.Tensor | None = None  # fp32 [Hq] on the device, ALiBi cells only
+    dropout_seed: torch.Tensor | None = None  # hipattn's one-element int64 seed, dropout cells only
 
 
 class ClockReader:
@@ -164,6 +165,8 @@ def _hipattn(cell: cells.Cell, data: CellData) -> Callable[[int], tuple]:
         extra["softcap"] = cell.softcap
     if cell.alibi:
         extra["alibi_slopes"] = data.alibi_slopes  # made once per cell
+    if cell.dropout_p:
+        extra.update(dropout_p=cell.dropout_p, dropout_seed=data.dropout_seed)
     if cell.is_decode:
         caches = [decode_cache(cell, s, data.generator) for s in sets]
         outs = [torch.full_like(s["q"], float("nan")) for s in sets]
@@ -282,7 +285,7 @@ def _sdpa(name: str, cell: cells.Cell, data: CellData) -> Callable[[int], tuple]
 
     def attend(q, k, v):
         with sdpa_kernel(backend):
-            return sdpa(q, k, v, is_causal=causal, **extra)
+            return sdpa(q, k, v, is_causal=causal, dropout_p=cell.dropout_p, **extra)
 
     if cells.padded_peer(cell, name):
         return _autograd(cell.direction, _padded(cell, data), attend, lambda t: t)
@@ -459,7 +462,8 @@ def _random(shape: tuple, generator: torch.Generator) -> torch.Tensor:
 
 def prepare(cell: cells.Cell, device: str) -> CellData:
     """The cell's input sets: random bf16 q, k, v (and dout), seeded by the cell's name, q scaled by
-    cells.SOFTCAP_QUERY_SCALE in softcap cells; THD cells' cu_seqlens and bounds; ALiBi cells' slopes."""
+    cells.SOFTCAP_QUERY_SCALE in softcap cells; THD cells' cu_seqlens and bounds; ALiBi cells' slopes;
+    dropout cells' seed (one for every call: the kernels' time does not depend on it)."""
     generator = torch.Generator(device=device).manual_seed(zlib.crc32(cell.name.encode()))
     lengths_q, lengths_k = cells.lengths(cell)
     if cell.layout == "thd":
@@ -482,7 +486,9 @@ def prepare(cell: cells.Cell, device: str) -> CellData:
             s["dout"] = _random(shape_q, generator)
         sets.append(s)
     slopes = torch.tensor(cells.alibi_slopes(cell.heads_q), dtype=torch.float32, device=device) if cell.alibi else None
-    return CellData(cell, sets, sequence_args, generator, alibi_slopes=slopes)
+    seed = (torch.randint(-2**62, 2**62, (1,), generator=generator, device=device, dtype=torch.int64)
+            if cell.dropout_p else None)
+    return CellData(cell, sets, sequence_args, generator, alibi_slopes=slopes, dropout_seed=seed)
 
 
 def build(name: str, cell: cells.Cell, data: CellData) -> Runner:

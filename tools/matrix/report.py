@@ -23,6 +23,8 @@ SECTION_TITLES = {
     "scoremod": "Score modifiers (flash-attn's softcap and alibi_slopes: capN is softcap=N, alibi the ALiBi paper's "
                 "slopes 2^(-8 (h + 1) / Hq); BSHD at 16384 tokens; softcap cells' queries have std 8, so that the "
                 "scores reach the cap; floors those of plain attention on the shape)",
+    "dropout": "Dropout (flash-attn's dropout_p, pP; BSHD at 16384 tokens; floors those of plain attention on the "
+               "shape)",
 }
 SECTION_PEERS = {
     "smallseq": "torch's varlen_attn on the same THD data (the numeric check's reference); SDPA cuDNN and "
@@ -42,6 +44,9 @@ SECTION_PEERS = {
                 "efficient with the bias as an explicit [Hq, S, S] bf16 mask (-inf where causal; a reference that "
                 "computes every pair, K/V heads repeated for GQA; not run where the bias exceeds 1024 MiB). SDPA has "
                 "no softcap, its flash and cuDNN backends take no bias, and torch's varlen_attn takes neither",
+    "dropout": "SDPA flash (FA2), cuDNN and efficient with the same dropout_p on [B, H, S, D] views of the same data. "
+               "No numeric check: each library draws its own mask (the GPU tests check hipattn's dropout against "
+               "float64 with its mask)",
 }
 PEER_NAMES = {"sdpa_flash": "FA2 (SDPA)", "sdpa_cudnn": "cuDNN (SDPA)", "sdpa_efficient": "efficient (SDPA)",
               "varlen_attn": "varlen_attn", "hipattn": "hipattn", "flex": "FlexAttention",
@@ -215,27 +220,31 @@ def _row(record: dict) -> str:
             f"| {_ratio(record.get('vs_floor'))} | {_check_text(record.get('check'))} |")
 
 
-def modifier_costs(doc: dict) -> dict[str, list[float]]:
-    """Per modifier name part (``cap50``, ``alibi``, ...): hipattn's time on each scoremod cell over its
-    time on the plain twin (the batch cell of the same shape) in the same run, where both have one."""
+def modifier_costs(doc: dict, section: str = "scoremod") -> dict[str, list[float]]:
+    """Per modifier (a scoremod cell's name part, ``cap50``, ``alibi``, ...; a dropout cell's ``pP``):
+    hipattn's time on each cell of ``section`` over its time on the plain twin (the batch cell of the
+    same shape) in the same run, where both have one."""
     times = {r["name"]: r["runners"].get("hipattn", {}).get("median_ms") for r in records(doc) if "runners" in r}
     costs: dict[str, list[float]] = {}
     for cell in cells.all_cells():
-        if cell.section != "scoremod":
+        if cell.section != section:
             continue
         modified, plain = times.get(cell.name), times.get(cells.plain_twin(cell).name)
         if modified and plain:
-            costs.setdefault(cell.modifiers, []).append(modified / plain)
+            name = cell.modifiers if section == "scoremod" else f"p{cell.dropout_p:g}"
+            costs.setdefault(name, []).append(modified / plain)
     return costs
 
 
-def modifier_cost_text(doc: dict) -> str | None:
-    """What the modifiers cost hipattn: a sentence on the geometric means of modifier_costs, or None."""
-    costs = modifier_costs(doc)
+def modifier_cost_text(doc: dict, section: str = "scoremod") -> str | None:
+    """What the modifiers (or dropout) cost hipattn: a sentence on the geometric means of modifier_costs,
+    or None."""
+    costs = modifier_costs(doc, section)
     if not costs:
         return None
     parts = [f"{name} {_geometric_mean(ratios):.2f}× ({len(ratios)} cells)" for name, ratios in costs.items()]
-    return ("Without the modifier (hipattn on the `batch` cell of the same shape, same run; not interleaved with "
+    without = "the modifier" if section == "scoremod" else "dropout"
+    return (f"Without {without} (hipattn on the `batch` cell of the same shape, same run; not interleaved with "
             "these): hipattn with ÷ without, geometric mean " + ", ".join(parts) + ".")
 
 
@@ -286,8 +295,8 @@ def markdown(doc: dict) -> str:
             lines += ["", "| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |",
                       "| --- | --- | --- | --- | --- | --- | --- |"]
             lines += [_row(r) for r in section_records]
-        if section == "scoremod":
-            cost = modifier_cost_text(doc)
+        if section in ("scoremod", "dropout"):
+            cost = modifier_cost_text(doc, section)
             if cost:
                 lines += ["", cost]
         errors = _peer_errors(section_records)
@@ -324,6 +333,8 @@ def panel_position(params: dict) -> tuple[str, str]:
     if section == "scoremod":
         modifiers = cells.modifier_name(params.get("softcap", 0.0), params.get("alibi", False))
         return f"d{params['head_dim']} {heads} {modifiers} {mask}", f"s{params['seqlen_q']}\n{direction}"
+    if section == "dropout":
+        return f"d{params['head_dim']} {heads} p{params['dropout_p']:g} {mask}", f"s{params['seqlen_q']}\n{direction}"
     return direction, f"b{params['batch']} kv{params['seqlen_k']}\n{heads}"
 
 

@@ -216,7 +216,7 @@ def measure_cell(cell: cells.Cell, measurer, ceilings: cells.Ceilings, rounds: i
             record["runners"][name]["padded"] = True
         if name == "hipattn":
             hipattn_outputs = outputs
-        elif hipattn_outputs is not None and not cells.padded_peer(cell, name):
+        elif hipattn_outputs is not None and cells.checked_peer(cell, name):
             try:
                 record["checks"][name] = measurer.compare(hipattn_outputs, outputs)
             except Exception as error:  # noqa: BLE001 - e.g. a peer's output of another shape
