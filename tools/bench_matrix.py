@@ -12,11 +12,12 @@ forward and backward), general batch BSHD (head_dim 64/96/128/256, 16:16 and 16:
 S = 512..16384 at 16384 tokens, forward and forward + backward), varlen THD (lengths 128..4096),
 decode (one query token against 1k-128k keys), sliding window (flash-attn's window_size: BSHD at
 16384 tokens, S 4096 and 16384, and decode steps; FlexAttention, varlen_attn and a masked SDPA as
-peers) and scoremod (flash-attn's softcap=50 and ALiBi alibi_slopes: BSHD at 16384 tokens, S 4096 and
-16384; FlexAttention with a score_mod, and SDPA with the ALiBi bias as a mask, as peers). Every cell's
-peers run in the same process as hipattn, interleaved with it; each cell records hipattn's and every
-peer's samples with the SM clock, hipattn ÷ best peer, hipattn ÷ floor and a numeric check of hipattn
-against a peer.
+peers), scoremod (flash-attn's softcap=50 and ALiBi alibi_slopes: BSHD at 16384 tokens, S 4096 and
+16384; FlexAttention with a score_mod, and SDPA with the ALiBi bias as a mask, as peers) and dropout
+(dropout_p=0.1, BSHD at 16384 tokens, S 4096; SDPA's backends with the same dropout_p as peers). Every
+cell's peers run in the same process as hipattn, interleaved with it; each cell records hipattn's and
+every peer's samples with the SM clock, hipattn ÷ best peer, hipattn ÷ floor and a numeric check of
+hipattn against a peer that computes the same function (none in dropout cells: each draws its own mask).
 
 A run first fills hipattn's compile cache (``python -m hipattn warm --arch sm_90a``; --no-warm skips
 it), then a worker process measures the two ceilings and the cells, rewriting DIR/bench_matrix.json
