@@ -4,11 +4,12 @@
     out = hipattn.flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 Arguments, order, defaults and return values are flash-attn 2's, plus the keyword-only ``dropout_seed=``,
-``learnable_sink=`` and ``stream=`` of hipattn.flash_attn_func. Each function splits the packed array into q, k and v views of its memory (no
-copy) and calls ``api.flash_attn_func`` or ``api.flash_attn_varlen_func`` with every other argument as it
-was given: what those functions support, refuse (ValueError naming the argument) or record (autograd, for
-torch tensors that require grad: the views carry it back to the packed tensor) is the same here, and an
-error about one of the views (dtype, device, alignment) names it q, k or v as they do.
+``learnable_sink=`` and ``stream=`` of hipattn.flash_attn_func. Each function splits the packed array
+into q, k and v views of its memory (no copy) and calls ``api.flash_attn_func`` or
+``api.flash_attn_varlen_func`` with every other argument as it was given: what those functions support,
+refuse (ValueError naming the argument) or record (autograd, for torch tensors that require grad: the
+views carry it back to the packed tensor) is the same here, and an error about one of the views (dtype,
+device, alignment) names it q, k or v as they do.
 
 The views: torch tensors split by ``unbind`` (whose backward stacks the three gradients into one tensor),
 CuPy arrays by indexing; any other kind (``__cuda_array_interface__``, DLPack, a DeviceArray) is described
@@ -172,8 +173,8 @@ def flash_attn_varlen_qkvpacked_func(
     return api.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                       softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                      return_attn_probs=return_attn_probs,
-                               dropout_seed=dropout_seed, learnable_sink=learnable_sink, stream=stream)
+                                      return_attn_probs=return_attn_probs, dropout_seed=dropout_seed,
+                                      learnable_sink=learnable_sink, stream=stream)
 
 
 def flash_attn_varlen_kvpacked_func(

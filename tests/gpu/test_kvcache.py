@@ -83,8 +83,8 @@ class Call:
         return function(self.q, self.k_cache, self.v_cache, self.k, self.v, rotary_cos=self.cos, rotary_sin=self.sin,
                         cache_seqlens=self.cache_seqlens, cache_leftpad=self.cache_leftpad, block_table=self.block_table,
                         causal=self.causal, window_size=self.window, rotary_interleaved=self.interleaved,
-                        softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_softmax_lse=True,
-                        **({"learnable_sink": self.learnable_sink} if self.learnable_sink is not None else {}), **options)
+                        softcap=self.softcap, alibi_slopes=self.alibi_slopes, learnable_sink=self.learnable_sink,
+                        return_softmax_lse=True, **options)
 
 
 def check(call: Call, out, lse, want, what: str) -> None:
@@ -93,7 +93,7 @@ def check(call: Call, out, lse, want, what: str) -> None:
     assert not np.isnan(got_out).any() and not np.isnan(got_lse).any(), f"{what}: an output element was never written"
     assert relative_error(got_out, want_out) < TOLERANCE[call.dtype], what
     finite = np.isfinite(want_lse)
-    assert (np.isinf(got_lse) == ~finite).all(), f"{what}: LSE +inf exactly on rows that see no key (without sinks)"
+    assert (np.isinf(got_lse) == ~finite).all(), f"{what}: LSE +inf exactly on rows that see no key (and no sink)"
     assert np.abs(got_lse[finite] - want_lse[finite]).max(initial=0.0) < 2e-3, what
     assert np.array_equal(_numpy(call.v_cache), want_v), f"{what}: values appended bit for bit, nothing else changed"
     k_cache = _numpy(call.k_cache)
