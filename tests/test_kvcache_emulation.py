@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.emulation import EmulatedDevice, aligned_bytes, array_16bit, from_16bit, needs_compiler, to_16bit
-from support.kvcache_reference import KvCacheCase, expected
+from support.kvcache_reference import KvCacheCase, expected, sink_logits
 from support.raw_calls import NAN_BITS
 from support.reference import TOLERANCE, alibi_slopes, relative_error
 
@@ -72,7 +72,7 @@ def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64
           rotary_dim=0, interleaved=True, page_size=None, batch_idx=False, leftpad=False, causal=False, lengths=None,
           window=(-1, -1), softcap=0.0, alibi=None, sink=False):
     """A call's inputs; ``alibi``: None, "heads" (slopes [Hq]) or "sequences" ([batch, Hq]); ``sink``:
-    learnable sink logits [Hq] (float32 values), from well below to well above the scores."""
+    learnable sink logits [Hq] (kvcache_reference.sink_logits)."""
     bits, case = {}, {}
     bits["q"], case["q"] = _values(rng, (batch, seqlen_q, heads_q, head_dim), dtype)
     if page_size is None:
@@ -101,7 +101,7 @@ def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64
     if leftpad:
         case["leftpad"] = np.array([rng.integers(0, n + 1) for n in case["cache_seqlens"]])
     slopes = None if alibi is None else alibi_slopes(batch, heads_q, per_sequence=alibi == "sequences")
-    sinks = np.linspace(-4.0, 3.0, heads_q).astype(np.float32).astype(np.float64) if sink else None
+    sinks = sink_logits(heads_q) if sink else None
     return bits, KvCacheCase(**case, interleaved=interleaved, causal=causal, window=window, softcap=softcap,
                              alibi=slopes, sink=sinks)
 

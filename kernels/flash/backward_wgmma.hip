@@ -232,6 +232,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     const int key = own_n0 + 16 * warp + g;  // this lane's keys: key, key + 8
     // Dropout's keep bits of this lane's entries (bit 4n + e for entry e of query tile n), before the
     // products are issued: made while they run, the Philox rounds measured slower on the H200.
+    static_assert(kQTiles <= 8, "four keep bits per 8-query tile fit one 32-bit word");
     const unsigned int kept_bits = static_cast<unsigned int>(
         dropout.active() ? dropout.template transposed_m16n8_bits<kQTiles>(key, m0, t) : ~0ull);
 

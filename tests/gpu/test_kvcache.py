@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support.kvcache_reference import KvCacheCase, expected
+from support.kvcache_reference import KvCacheCase, expected, sink_logits
 from support.reference import TOLERANCE, alibi_slopes, relative_error
 
 import hipattn
@@ -68,8 +68,8 @@ class Call:
         self.softcap = softcap
         self.alibi_slopes = None if alibi is None else torch.from_numpy(
             alibi_slopes(batch, heads_q, per_sequence=alibi == "sequences")).cuda()
-        # sinks: a learnable logit per query head, from well below to well above the scores.
-        self.learnable_sink = torch.linspace(-4.0, 3.0, heads_q, device="cuda") if sinks else None
+        # sinks: a learnable logit per query head (kvcache_reference.sink_logits).
+        self.learnable_sink = torch.from_numpy(sink_logits(heads_q)).float().cuda() if sinks else None
 
     def case(self) -> KvCacheCase:
         return KvCacheCase(q=_numpy(self.q), k_cache=_numpy(self.k_cache), v_cache=_numpy(self.v_cache),
