@@ -11,7 +11,7 @@ import pytest
 from support.compilers import compile_family, compile_with_layout_checks, nvrtc_backend, ptxas_resources
 
 from hipattn.catalog import flash_backward, flash_forward
-from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS
+from hipattn.catalog.common import DTYPES, FLASH_HEAD_DIMS, wgmma_row_elements
 from hipattn.catalog.fields import SCORE_MODS_PARAM
 from hipattn.catalog.targets import HOPPER_SHARED_BYTES, runs_nvidia_wgmma
 from hipattn.errors import CompileError
@@ -28,7 +28,7 @@ DKDV_ROWS = flash_backward.FLASH_BACKWARD_DKDV_WGMMA_TILES
 def test_every_forward_row_fits_hopper_and_names_wgmma_shapes(head_dim):
     tiles = FORWARD_ROWS[head_dim]
     assert tiles.block_n in (64, 128), "S is one m64nN wgmma: the header defines N = 64 and 128 for it"
-    assert head_dim in (64, 128, 256), "O is one m64nN wgmma with N = head_dim, in whole 64-column blocks"
+    assert head_dim in (64, 96, 128, 256), "O is one m64nN wgmma with N = head_dim"
     assert tiles.threads == 128 * tiles.warpgroups and tiles.block_m == 64 * tiles.warpgroups
     assert tiles.stages in (2, 3), "K of the next tile is read while this one's P V runs: two slots at least"
     assert tiles.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
@@ -40,10 +40,15 @@ def test_forward_shared_bytes_formula():
     assert flash_forward.FlashForwardWgmmaTiles(128, 2, 2).shared_bytes(128) == (128 + 4 * 128) * 128 * 2
 
 
-def test_only_sm_90a_ships_the_forward_for_every_head_dim_but_96():
+def test_forward_shared_bytes_store_head_dim_96_in_whole_swizzle_blocks():
+    # Three warpgroups, 64-key tiles, two stages: Q (192 rows), two K and two V slots, 128 columns each.
+    assert flash_forward.FlashForwardWgmmaTiles(64, 3, 2).shared_bytes(96) == (192 + 4 * 64) * 128 * 2
+
+
+def test_only_sm_90a_ships_the_forward_for_every_head_dim():
     specs = flash_forward.FLASH_FORWARD_WGMMA.shipped(Target.parse("sm_90a"))
     assert {(spec.arg("dtype"), spec.arg("head_dim")) for spec in specs} == {
-        (dtype, head_dim) for dtype in DTYPES for head_dim in FLASH_HEAD_DIMS if head_dim != 96
+        (dtype, head_dim) for dtype in DTYPES for head_dim in FLASH_HEAD_DIMS
     }
     for arch in ("sm_80", "sm_89", "sm_90", "sm_100a", "gfx90a"):
         assert not runs_nvidia_wgmma(Target.parse(arch))
@@ -73,10 +78,12 @@ def test_plain_sm_90_is_refused_with_the_reason():
 
 
 @pytest.mark.parametrize("head_dim", sorted(DKDV_ROWS))
-def test_every_dkdv_row_fits_hopper_and_splits_dq_into_whole_swizzle_blocks(head_dim):
+def test_every_dkdv_row_fits_hopper_and_splits_dq_along_swizzle_blocks(head_dim):
     tiles = DKDV_ROWS[head_dim]
-    assert head_dim in (64, 128), "dK and dV are one m64nN wgmma each, N = head_dim"
-    assert (head_dim // tiles.warpgroups) % 64 == 0, "each warpgroup's dQ columns are whole 64-column blocks"
+    assert head_dim in (64, 96, 128), "dK and dV are one m64nN wgmma each, N = head_dim (the header's 64, 96, 128)"
+    dq_columns = wgmma_row_elements(head_dim) // tiles.warpgroups
+    assert dq_columns % 64 == 0 or dq_columns == 32, \
+        "each warpgroup's dQ columns are whole 64-column blocks or one half of a block"
     assert tiles.block_n == 64 * tiles.warpgroups and tiles.threads == 128 * tiles.warpgroups
     assert tiles.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
 
@@ -87,6 +94,11 @@ def test_dkdv_shared_bytes_formula():
     # 64 staged dQ rows of 64 + 8 fp32.
     assert flash_backward.FlashDkdvWgmmaTiles(2).shared_bytes(128) == (
         (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 72 * 4)
+
+
+def test_dkdv_shared_bytes_store_head_dim_96_in_whole_swizzle_blocks():
+    # Rows of 128 columns; each warpgroup stages 64 of dQ's (the second's last 32 past the head).
+    assert flash_backward.FlashDkdvWgmmaTiles(2).shared_bytes(96) == flash_backward.FlashDkdvWgmmaTiles(2).shared_bytes(128)
 
 
 def test_only_sm_90a_ships_the_dkdv_kernel():

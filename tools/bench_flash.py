@@ -3,8 +3,9 @@
     python -m tools.bench_flash --out bench_flash.json                       # the issue's table
     python -m tools.bench_flash --peers hipattn,hipattn@128x64x1x2 --no-backward   # a forward tile sweep
     python -m tools.bench_flash --peers hipattn@w128x1x1,hipattn@w64x2x2 --no-backward  # wgmma tiles (sm_90a)
+    python -m tools.bench_flash --head-dim 64 --peers hipattn,hipattn@w128x2x2,sdpa_flash --no-backward
 
-Workloads: bf16, head_dim 128, 16 heads, 16k tokens per batch. Batch mode: BSHD with
+Workloads: bf16, head_dim 128 (--head-dim: another the flash path ships), 16 heads, 16k tokens per batch. Batch mode: BSHD with
 B = 16384 / S for S in 512 .. 16384. Varlen: the same 16k tokens split into sequences of lengths
 drawn uniformly from 128..4096 (fixed seed), THD. Causal and not. FLOPs of the forward: 4 * H * D
 per visible (query, key) pair (4 * B * H * S^2 * D, about halved when causal); forward + backward
@@ -30,7 +31,7 @@ import random
 from tools.benchlib import median_ms, run_child, write_report
 
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
-TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
+TOKENS, HEADS, HEAD_DIM = 16384, 16, 128  # HEAD_DIM: the default of --head-dim
 VARLEN_RANGE = (128, 4096)
 PEERS = ["hipattn", "sdpa_flash", "sdpa_cudnn", "varlen_attn"]
 BACKWARD_FLOP_FACTOR = 3.5  # forward + backward FLOPs over forward FLOPs
@@ -51,8 +52,8 @@ def pair_count(lengths: list[int], causal: bool) -> int:
     return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
 
 
-def forward_flops(lengths: list[int], causal: bool) -> float:
-    return 4.0 * HEADS * HEAD_DIM * pair_count(lengths, causal)
+def forward_flops(lengths: list[int], causal: bool, head_dim: int) -> float:
+    return 4.0 * HEADS * head_dim * pair_count(lengths, causal)
 
 
 def _tiles(peer: str):
@@ -89,19 +90,19 @@ def _tile_variant_forward(q, k, v, out, lse, causal: bool, tiles):
     return run
 
 
-def measure(peer: str, workload: str, causal: bool, backward: bool) -> dict:
+def measure(peer: str, workload: str, causal: bool, backward: bool, head_dim: int) -> dict:
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     if workload == "varlen":
         lengths = varlen_lengths()
-        shape = (TOKENS, HEADS, HEAD_DIM)
+        shape = (TOKENS, HEADS, head_dim)
     else:
         seqlen = int(workload)
         lengths = [seqlen] * (TOKENS // seqlen)
-        shape = (len(lengths), seqlen, HEADS, HEAD_DIM)  # BSHD
+        shape = (len(lengths), seqlen, HEADS, head_dim)  # BSHD
     q, k, v, dout = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    result = {"peer": peer, "workload": workload, "sequences": len(lengths), "heads": HEADS, "head_dim": HEAD_DIM,
+    result = {"peer": peer, "workload": workload, "sequences": len(lengths), "heads": HEADS, "head_dim": head_dim,
               "causal": causal}
     fwd = bwd = None
     if workload == "varlen":
@@ -160,7 +161,7 @@ def measure(peer: str, workload: str, causal: bool, backward: bool) -> dict:
             with sdpa_kernel(backend):
                 torch.autograd.grad(graph_out, (qg, kg, vg), dt, retain_graph=True)
 
-    flops = forward_flops(lengths, causal)
+    flops = forward_flops(lengths, causal, head_dim)
     # Five calls back to back per sample; runs before 2026-11-30's run 3 timed one call alone.
     result["timing"] = f"back-to-back, {BACK_TO_BACK_CALLS} calls per sample"
     result["forward_ms"] = median_ms(fwd, repeat=10, calls=BACK_TO_BACK_CALLS)
@@ -181,9 +182,9 @@ def applies(peer: str, workload: str) -> bool:
     return peer != "varlen_attn"
 
 
-def _run_child(peer: str, workload: str, causal: bool, backward: bool) -> dict:
-    failure = {"peer": peer, "workload": workload, "heads": HEADS, "head_dim": HEAD_DIM, "causal": causal}
-    return run_child(__spec__.name, [peer, workload, str(int(causal)), str(int(backward))], failure)
+def _run_child(peer: str, workload: str, causal: bool, backward: bool, head_dim: int) -> dict:
+    failure = {"peer": peer, "workload": workload, "heads": HEADS, "head_dim": head_dim, "causal": causal}
+    return run_child(__spec__.name, [peer, workload, str(int(causal)), str(int(backward)), str(head_dim)], failure)
 
 
 def _table(rows: list[dict], peers: list[str], workloads: list[str], key: str) -> str:
@@ -208,11 +209,13 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join([*map(str, SEQLENS), "varlen"]),
                         help="sequence lengths S of batch mode, and/or 'varlen'")
     parser.add_argument("--no-backward", action="store_true", help="time the forward only")
-    parser.add_argument("--child", nargs=4, metavar=("PEER", "WORKLOAD", "CAUSAL", "BACKWARD"), help=argparse.SUPPRESS)
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"the workloads' head_dim (default {HEAD_DIM})")
+    parser.add_argument("--child", nargs=5, metavar=("PEER", "WORKLOAD", "CAUSAL", "BACKWARD", "HEAD_DIM"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        peer, workload, causal, backward = args.child
-        print(json.dumps(measure(peer, workload, bool(int(causal)), bool(int(backward)))), flush=True)
+        peer, workload, causal, backward, head_dim = args.child
+        print(json.dumps(measure(peer, workload, bool(int(causal)), bool(int(backward)), int(head_dim))), flush=True)
         return
 
     import torch
@@ -224,7 +227,7 @@ def main() -> None:
             for peer in peers:
                 if not applies(peer, workload):
                     continue
-                row = _run_child(peer, workload, causal, not args.no_backward)
+                row = _run_child(peer, workload, causal, not args.no_backward, args.head_dim)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     write_report(args.out, "tools.bench_flash", torch=torch.__version__,

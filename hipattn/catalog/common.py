@@ -21,3 +21,12 @@ MFMA_ROW_PAD = 4
 # accumulators). Both wgmma kernels size their blocks in warpgroups.
 WGMMA_WARPGROUP_THREADS = 128
 WGMMA_WARPGROUP_ROWS = 64
+
+# The wgmma kernels' shared tiles are stored in 64-column (128-byte) swizzle blocks, so a row takes
+# whole blocks: head_dim 96 is stored as 128 columns (WgmmaForwardTiles::kRowElements).
+WGMMA_SWIZZLE_COLUMNS = 64
+
+
+def wgmma_row_elements(head_dim: int) -> int:
+    """The elements a wgmma kernel's shared tile stores per row of ``head_dim`` columns."""
+    return -(-head_dim // WGMMA_SWIZZLE_COLUMNS) * WGMMA_SWIZZLE_COLUMNS

@@ -17,6 +17,7 @@ from .common import (
     FLASH_ROW_PAD,
     MFMA_ROW_PAD,
     WGMMA_WARPGROUP_ROWS,
+    wgmma_row_elements,
 )
 from .fields import (
     DROPOUT_FIELDS,
@@ -152,11 +153,12 @@ class FlashDkdvWgmmaTiles(WarpgroupTiles):
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """flash::WgmmaKeyBlockTiles<...>::kBytes: K and V (block_n rows each), two slots each of Q and
-        dO (block_m rows), unpadded (swizzled); dSᵀ (block_n rows of block_m); then fp32 LSE and Delta,
-        two slots of block_m; then each warpgroup's fp32 share of dQ (block_m rows of its head_dim /
-        warpgroups columns, padded by 8 words)."""
-        elements = (2 * self.block_n + 4 * self.block_m) * head_dim + self.block_n * self.block_m
-        dq_pitch = head_dim // self.warpgroups + WGMMA_DQ_ROW_PAD
+        dO (block_m rows), unpadded (swizzled) in whole 64-column blocks; dSᵀ (block_n rows of block_m);
+        then fp32 LSE and Delta, two slots of block_m; then each warpgroup's fp32 share of dQ (block_m
+        rows of its stored columns / warpgroups, padded by 8 words)."""
+        row_elements = wgmma_row_elements(head_dim)
+        elements = (2 * self.block_n + 4 * self.block_m) * row_elements + self.block_n * self.block_m
+        dq_pitch = row_elements // self.warpgroups + WGMMA_DQ_ROW_PAD
         return elements * element_bytes + 2 * 2 * self.block_m * 4 + self.warpgroups * self.block_m * dq_pitch * 4
 
 
@@ -231,12 +233,15 @@ FLASH_BACKWARD_MMA_TILES_HOPPER: dict[int, tuple[FlashDkdvMmaTiles, FlashDqMmaTi
     256: (FlashDkdvMmaTiles(block_m=32, block_n=64, warps=8), FlashDqMmaTiles(block_m=128, block_n=32, warps=8)),
 }
 
-# head_dim 128 only: two warpgroups hold dK and dV (64 fp32 registers each per thread) beside Sᵀ and
-# dPᵀ (32 each), and each takes 64 of dQ's columns, a whole swizzle block of K. At head_dim 64 two
-# warpgroups would split dQ into 32-column halves of a swizzle block, and one warpgroup would add dQ
-# per 64 keys instead of 128; at 96 the rows are not whole swizzle blocks, and at 256 dK and dV alone
-# would take every register. Those keep the mma.sync kernel.
+# Two warpgroups, 128 keys: each holds dK and dV of its 64 keys (head_dim / 2 fp32 registers each per
+# thread) beside Sᵀ and dPᵀ (32 each), and takes half of dQ's stored columns: a whole swizzle block of K
+# at head_dim 128, half of one at 64 (an m64n32 wgmma from the block's 64th byte), and at 96 (rows
+# stored as 128 columns) the first block, and the second of which 32 columns are the head's. One
+# warpgroup at 64 would add dQ once per 64 keys instead of 128. At 256 dK and dV alone would take every
+# register: it keeps the mma.sync kernel.
 FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashDkdvWgmmaTiles] = {
+    64: FlashDkdvWgmmaTiles(warpgroups=2),
+    96: FlashDkdvWgmmaTiles(warpgroups=2),
     128: FlashDkdvWgmmaTiles(warpgroups=2),
 }
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..jit.params import ParamsStruct
 from ..jit.spec import KernelFamily
 from ..jit.target import Target
-from .common import DTYPES, FLASH_ROW_PAD, MFMA_ROW_PAD
+from .common import DTYPES, FLASH_ROW_PAD, MFMA_ROW_PAD, wgmma_row_elements
 from .fields import (
     DROPOUT_FIELDS,
     SCORE_MOD_FIELDS,
@@ -91,8 +91,9 @@ class FlashForwardWgmmaTiles(WarpgroupTiles):
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """flash::WgmmaForwardTiles<...>::kBytes: the Q tile (64 rows per warpgroup), then STAGES K
         slots and STAGES V slots (block_n rows each), unpadded (the 128-byte swizzle, not padding,
-        keeps the banks apart)."""
-        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * element_bytes
+        keeps the banks apart) but stored in whole 64-column blocks."""
+        rows = self.block_m + 2 * self.stages * self.block_n
+        return rows * wgmma_row_elements(head_dim) * element_bytes
 
 
 @dataclass(frozen=True)
@@ -132,11 +133,12 @@ FLASH_FORWARD_MMA_TILES: dict[int, FlashForwardMmaTiles] = {
 # sm_90a. The tensor cores read Q, K and V from shared memory, so a thread holds only S (block_n / 2
 # fp32), P twice (this tile's, in flight, and the next one's) and O (head_dim / 2). Three warpgroups
 # (192 query rows) read each K/V tile from L2 for 1.5 times the rows of two, which wins on the H200;
-# 384 threads leave 170 registers each, which 64-key tiles fit without spills at head_dims 64 and
-# 128. head_dim 256 needs 229 registers, so two warpgroups. head_dim 96 is not here: its 192-byte
-# rows are not whole 128-byte swizzle blocks, so it runs the mma.sync kernel on sm_90a too.
+# 384 threads leave 170 registers each, which 64-key tiles fit without spills at head_dims 64 to 128.
+# head_dim 96 stores its rows as 128 columns (whole swizzle blocks) and computes on 96. head_dim 256
+# needs 229 registers, so two warpgroups.
 FLASH_FORWARD_WGMMA_TILES: dict[int, FlashForwardWgmmaTiles] = {
     64: FlashForwardWgmmaTiles(block_n=64, warpgroups=3),
+    96: FlashForwardWgmmaTiles(block_n=64, warpgroups=3),
     128: FlashForwardWgmmaTiles(block_n=64, warpgroups=3),
     256: FlashForwardWgmmaTiles(block_n=64, warpgroups=2),
 }
@@ -154,8 +156,8 @@ FLASH_FORWARD_MFMA_TILES: dict[int, FlashForwardMfmaTiles] = {
 
 
 def tiles_for(head_dim: int, target: Target | None) -> FlashForwardTiles:
-    """The row ``target`` runs at ``head_dim``: MFMA on AMD gfx90a/gfx94x/gfx950, wgmma on sm_90a (but
-    head_dim 96), mma.sync on every other target."""
+    """The row ``target`` runs at ``head_dim``: MFMA on AMD gfx90a/gfx94x/gfx950, wgmma on sm_90a,
+    mma.sync on every other target."""
     if runs_amd_mfma(target):
         return FLASH_FORWARD_MFMA_TILES[head_dim]
     if runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WGMMA_TILES:

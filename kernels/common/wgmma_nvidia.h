@@ -8,11 +8,14 @@
 // t = lane % 4). A from registers has mma.sync's m16k16 A fragment layout, per warp.
 //
 // Shared tiles use the 128-byte swizzle: a tile of ROWS rows and COLS 16-bit columns is stored as
-// COLS / 64 column blocks, each ROWS rows of 128 bytes, and within a row the 16-byte chunk j of a block
-// sits at position j ^ (row % 8) (swizzled_offset). Eight rows make one 1024-byte swizzle atom; every
-// tile starts on a 1024-byte boundary. A warp's copies can then read whole 128-byte row segments from
-// global memory and still write eight distinct bank groups per phase, and the tensor cores read the
-// layout without conflicts.
+// COLS / 64 column blocks (rounded up: head_dim 96 takes two, the second half used), each ROWS rows of
+// 128 bytes, and within a row the 16-byte chunk j of a block sits at position j ^ (row % 8)
+// (swizzled_offset). Eight rows make one 1024-byte swizzle atom; every tile starts on a 1024-byte
+// boundary. A warp's copies can then read whole 128-byte row segments from global memory and still
+// write eight distinct bank groups per phase, and the tensor cores read the layout without conflicts.
+// The tensor cores apply the swizzle to the addresses they form, so an operand may start inside a row
+// (a K-major k16 step 32 bytes along it; an MN-major operand of N = 32 at its 64th byte) or end inside
+// one (N = 96 over a block and a half).
 #pragma once
 #include "common/mma_nvidia.h"
 
@@ -128,7 +131,10 @@ HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64
 #define HIPATTN_OPS_UNITS "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
 #define HIPATTN_OPS_TENS(t) \
   "%" #t "0, %" #t "1, %" #t "2, %" #t "3, %" #t "4, %" #t "5, %" #t "6, %" #t "7, %" #t "8, %" #t "9, "
+#define HIPATTN_OPS_16 HIPATTN_OPS_UNITS "%10, %11, %12, %13, %14, %15"
 #define HIPATTN_OPS_32 HIPATTN_OPS_UNITS HIPATTN_OPS_TENS(1) HIPATTN_OPS_TENS(2) "%30, %31"
+#define HIPATTN_OPS_48 \
+  HIPATTN_OPS_UNITS HIPATTN_OPS_TENS(1) HIPATTN_OPS_TENS(2) HIPATTN_OPS_TENS(3) "%40, %41, %42, %43, %44, %45, %46, %47"
 #define HIPATTN_OPS_64 \
   HIPATTN_OPS_UNITS HIPATTN_OPS_TENS(1) HIPATTN_OPS_TENS(2) HIPATTN_OPS_TENS(3) HIPATTN_OPS_TENS(4) \
   HIPATTN_OPS_TENS(5) "%60, %61, %62, %63"
@@ -139,7 +145,9 @@ HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64
 #define HIPATTN_ACC_8(n) \
   "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3]), "+f"(d[n + 1][0]), "+f"(d[n + 1][1]), \
   "+f"(d[n + 1][2]), "+f"(d[n + 1][3])
-#define HIPATTN_ACC_32() HIPATTN_ACC_8(0), HIPATTN_ACC_8(2), HIPATTN_ACC_8(4), HIPATTN_ACC_8(6)
+#define HIPATTN_ACC_16() HIPATTN_ACC_8(0), HIPATTN_ACC_8(2)
+#define HIPATTN_ACC_32() HIPATTN_ACC_16(), HIPATTN_ACC_8(4), HIPATTN_ACC_8(6)
+#define HIPATTN_ACC_48() HIPATTN_ACC_32(), HIPATTN_ACC_8(8), HIPATTN_ACC_8(10)
 #define HIPATTN_ACC_64() HIPATTN_ACC_32(), HIPATTN_ACC_8(8), HIPATTN_ACC_8(10), HIPATTN_ACC_8(12), HIPATTN_ACC_8(14)
 #define HIPATTN_ACC_128()                                                                                     \
   HIPATTN_ACC_64(), HIPATTN_ACC_8(16), HIPATTN_ACC_8(18), HIPATTN_ACC_8(20), HIPATTN_ACC_8(22), HIPATTN_ACC_8(24), \
@@ -172,7 +180,9 @@ HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64
   HIPATTN_WGMMA(bf16_t, "bf16", N, OPS, ACC, I0, I1, I2, I3, I4, I5) \
   HIPATTN_WGMMA(half_t, "f16", N, OPS, ACC, I0, I1, I2, I3, I4, I5)
 
+HIPATTN_WGMMA_BOTH_TYPES(32, HIPATTN_OPS_16, HIPATTN_ACC_16, 16, 17, 18, 19, 20, 21)
 HIPATTN_WGMMA_BOTH_TYPES(64, HIPATTN_OPS_32, HIPATTN_ACC_32, 32, 33, 34, 35, 36, 37)
+HIPATTN_WGMMA_BOTH_TYPES(96, HIPATTN_OPS_48, HIPATTN_ACC_48, 48, 49, 50, 51, 52, 53)
 HIPATTN_WGMMA_BOTH_TYPES(128, HIPATTN_OPS_64, HIPATTN_ACC_64, 64, 65, 66, 67, 68, 69)
 HIPATTN_WGMMA_BOTH_TYPES(256, HIPATTN_OPS_128, HIPATTN_ACC_128, 128, 129, 130, 131, 132, 133)
 
@@ -181,11 +191,15 @@ HIPATTN_WGMMA_BOTH_TYPES(256, HIPATTN_OPS_128, HIPATTN_ACC_128, 128, 129, 130, 1
 #undef HIPATTN_WGMMA_SS
 #undef HIPATTN_ACC_128
 #undef HIPATTN_ACC_64
+#undef HIPATTN_ACC_48
 #undef HIPATTN_ACC_32
+#undef HIPATTN_ACC_16
 #undef HIPATTN_ACC_8
 #undef HIPATTN_OPS_128
 #undef HIPATTN_OPS_64
+#undef HIPATTN_OPS_48
 #undef HIPATTN_OPS_32
+#undef HIPATTN_OPS_16
 #undef HIPATTN_OPS_TENS
 #undef HIPATTN_OPS_UNITS
 

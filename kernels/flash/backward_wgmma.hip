@@ -23,8 +23,8 @@
 // Conventions are the forward's: the keys a row sees are common/key_window.h's bottom-right aligned
 // window; keys no query sees get dK = dV = 0; a row with LSE = +inf gets dQ = 0. With dropout
 // (common/dropout.h) the forward's keep bits are regenerated per query tile: dV takes the kept
-// probabilities times 1 / (1 - dropout_p), and dSᵀ = Pᵀ (Z dPᵀ / (1 - dropout_p) - Delta), Z the keep
-// mask.
+// probabilities (times 1 / (1 - dropout_p), once at the end), and dSᵀ = Pᵀ (Z dPᵀ / (1 - dropout_p) -
+// Delta), Z the keep mask.
 #pragma once
 #include "common/dropout.h"
 #include "common/score_mods.h"
@@ -35,15 +35,17 @@ namespace hipattn {
 namespace flash {
 
 // Shared-memory layout of a block, in elements of T, then fp32 row statistics; every tile swizzled and
-// 1024-byte aligned:
+// 1024-byte aligned, rows of K, V, Q and dO in whole 64-column blocks (kRowElements: head_dim 96 is
+// stored as 128, its last 32 columns never written):
 //   K, V        BLOCK_N rows each
 //   Q, dO       two slots of BLOCK_M rows each (double buffer)
 //   dSᵀ         BLOCK_N rows of BLOCK_M queries (one 128-byte swizzle row each)
 //   LSE, Delta  fp32, two slots of BLOCK_M each: [slot][LSE | Delta]
-//   dQ          fp32, per warpgroup BLOCK_M rows of its kDqColumns, each row padded by 8 words: a
-//               warp's two-word stores of rows g and g + 8 then meet no bank twice, and a row stays a
-//               contiguous 16-byte-aligned run for the copy engine (staged in deterministic mode too:
-//               a block fits an SM either way)
+//   dQ          fp32, per warpgroup BLOCK_M rows of its kDqColumns (kRowElements / WARPGROUPS: at
+//               head_dim 96 the second warpgroup's last 32 lie past the head and never leave), each row
+//               padded by 8 words: a warp's two-word stores of rows g and g + 8 then meet no bank twice,
+//               and a row stays a contiguous 16-byte-aligned run for the copy engine (staged in
+//               deterministic mode too: a block fits an SM either way)
 // The host's row (hipattn/catalog/flash_backward.py, FlashDkdvWgmmaTiles.shared_bytes) computes kBytes
 // from the same arguments.
 template <typename T, int HEAD_DIM, int WARPGROUPS>
@@ -51,9 +53,10 @@ struct WgmmaKeyBlockTiles {
   static constexpr int kBlockN = 64 * WARPGROUPS;
   static constexpr int kBlockM = 64;  // dQ's rows: one wgmma's M
   static constexpr int kThreads = 128 * WARPGROUPS;
-  static constexpr int kDqColumns = HEAD_DIM / WARPGROUPS;  // dQ columns per warpgroup
-  static constexpr int kKeyElements = kBlockN * HEAD_DIM;
-  static constexpr int kQueryElements = kBlockM * HEAD_DIM;
+  static constexpr int kRowElements = (HEAD_DIM + 63) / 64 * 64;
+  static constexpr int kDqColumns = kRowElements / WARPGROUPS;  // dQ columns per warpgroup
+  static constexpr int kKeyElements = kBlockN * kRowElements;
+  static constexpr int kQueryElements = kBlockM * kRowElements;
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKeyElements;
   static constexpr int kQOffset = 2 * kKeyElements;
@@ -66,10 +69,11 @@ struct WgmmaKeyBlockTiles {
   static constexpr int kBytes = kDqOffsetBytes + WARPGROUPS * kBlockM * kDqPitch * static_cast<int>(sizeof(float));
 
   static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "dK and dV are one wgmma's N each (64 or 128)");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128, "dK and dV are one wgmma's N each (64 to 128)");
   static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 2, "one or two warpgroups (64 or 128 keys)");
-  static_assert(kDqColumns % 64 == 0,
-                "a warpgroup's dQ columns are whole 64-column swizzle blocks of K (head_dim / warpgroups)");
+  static_assert(kDqColumns % 64 == 0 || kDqColumns == 32,
+                "a warpgroup's dQ columns are whole 64-column swizzle blocks of K or one half of a block: one "
+                "wgmma's N");
   static_assert(kBytes <= 227 * 1024, "the tiles must fit sm_90's 227 KiB of shared memory");
   static_assert(kDqOffsetBytes % 16 == 0 && kDqPitch * sizeof(float) % 16 == 0,
                 "staged dQ rows are 16-byte aligned, as the copy engine's bulk reductions need");
@@ -182,6 +186,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   const int g = lane / 4;  // accumulator rows g and g + 8 of the warp's 16
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
   const int own_first_key = 64 * warpgroup;  // the warpgroup's keys in the block's tile
+  // The warpgroup's dQ columns that lie in the head: all of them but at head_dim 96, where the second
+  // warpgroup's m64n64 share also reads K's unwritten columns 96-127, into columns it leaves out.
+  const int dq_head_columns =
+      HEAD_DIM == Tiles::kRowElements ? kDqColumns : min(kDqColumns, HEAD_DIM - kDqColumns * warpgroup);
   const int own_n0 = n0 + own_first_key;
   const Scores<SCORE_MODS> block_scores = scores_of<SCORE_MODS>(p, batch_index, first_head);
   const Dropout<SCORE_MODS> block_dropout = dropout_of<SCORE_MODS>(p, batch_index, first_head);
@@ -197,7 +205,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   // dO rows, are K-major too: a k16 step is 32 bytes along a 128-byte row, then the next column block.
   // Q and dO are also the MN-major B of dK and dV: a k16 step is 16 queries (two 8-row atoms), column
   // blocks BLOCK_M rows apart. dQ reads dSᵀ as the MN-major A (queries contiguous: one column block,
-  // k16 steps of 16 keys) and the warpgroup's column blocks of K as its MN-major B.
+  // k16 steps of 16 keys) and the warpgroup's columns of K as its MN-major B: whole column blocks, or
+  // at head_dim 64 one half of the block (the second half starts 64 bytes into its rows).
   constexpr int kSlotBytes = Tiles::kQueryElements * static_cast<int>(sizeof(T));
   const wgmma::u64 k_rows = wgmma::descriptor(mma::shared_address(k_tile + own_first_key * 64), wgmma::kRowBytes,
                                               wgmma::kAtomBytes);
@@ -211,9 +220,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       wgmma::descriptor(mma::shared_address(do_slots), kBlockM * wgmma::kRowBytes, wgmma::kAtomBytes);
   const wgmma::u64 ds_columns =
       wgmma::descriptor(mma::shared_address(ds_tile), kBlockN * wgmma::kRowBytes, wgmma::kAtomBytes);
-  const wgmma::u64 k_columns = wgmma::descriptor(
-      mma::shared_address(k_tile + (kDqColumns / 64) * warpgroup * kBlockN * 64), kBlockN * wgmma::kRowBytes,
-      wgmma::kAtomBytes);
+  const wgmma::u64 k_columns =
+      wgmma::descriptor(mma::shared_address(k_tile + wgmma::swizzled_offset<kBlockN>(0, kDqColumns * warpgroup)),
+                        kBlockN * wgmma::kRowBytes, wgmma::kAtomBytes);
 
   for (int i = 0; i < tiles; ++i) {
     const int head = head_of(i);
@@ -267,7 +276,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       const int column = 8 * n + 2 * t;  // this lane's queries in the tile: column, column + 1
       const float2 lse = *reinterpret_cast<const float2*>(lse_slot + column);
       const float lse_log2[2] = {lse.x * kLog2e, lse.y * kLog2e};
-      float kept[4];
+      float probability[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int query = m0 + column + (e & 1);
@@ -276,37 +285,44 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
             !masked || (query < len_q && row_key < len_k && key_in_window(query, row_key, diagonal, window));
         const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
         float gradient = 1.0f;  // d(score)/d(scaled dot product), dSᵀ's factor: 1 but with softcap
-        const float probability =
-            visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
-        // dV takes the kept probabilities, scaled. s keeps what dSᵀ needs of the entry, P times the
-        // gradient (>= 0), negated where dropout drops it: neither an array of gradients nor the keep
-        // bits stay live until dPᵀ lands (a product of 0 gives dSᵀ = 0 whatever its sign). The
-        // modified kernel runs at its 255-register bound; those arrays made it spill.
-        kept[e] = probability;
-        s[n][e] = probability * gradient;
-        if (dropout.active()) {
-          const bool keep = ((kept_bits >> (4 * n + e)) & 1u) != 0;
-          kept[e] = keep ? probability * dropout.scale() : 0.0f;
-          s[n][e] = keep ? s[n][e] : -s[n][e];
-        }
+        probability[e] = visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
+        s[n][e] = probability[e] * gradient;  // what dSᵀ needs of the entry: no array of gradients stays live
       }
-      p_packed[n][0] = mma::pack2<T>(kept[0], kept[1]);  // key row g
-      p_packed[n][1] = mma::pack2<T>(kept[2], kept[3]);  // key row g + 8
+      p_packed[n][0] = mma::pack2<T>(probability[0], probability[1]);  // key row g
+      p_packed[n][1] = mma::pack2<T>(probability[2], probability[3]);  // key row g + 8
+    }
+    // Dropout, one branch per tile (selects per entry, which ptxas if-converts, ran with dropout off
+    // too, and cost the modified kernel 3-4% on the H200): dV takes the kept probabilities, their
+    // 1 / (1 - dropout_p) applied to dV once in the epilogue; a dropped entry's s is negated, which
+    // marks it for dSᵀ without keeping the bits live until dPᵀ lands (the modified kernel runs at its
+    // 255-register bound), and P >= 0 times the gradient >= 0 is 0 or positive, so the sign is free.
+    if (dropout.active()) {
+      unsigned int mask[2 * kQTiles];
+      m16n8_masks(kept_bits, mask);  // pair 2n + r: the keep bits of p_packed[n][r]
+#pragma unroll
+      for (int n = 0; n < kQTiles; ++n) {
+        p_packed[n][0] &= mask[2 * n];
+        p_packed[n][1] &= mask[2 * n + 1];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = ((kept_bits >> (4 * n + e)) & 1u) != 0 ? s[n][e] : -s[n][e];
+      }
     }
     wgmma::wait<0>();
     wgmma::pin(dp);
-    unsigned int ds_packed[kQTiles][2];  // dSᵀ in T: the A operand of dK += dSᵀ Q
+    // With dropout, dPᵀ reaches only the kept entries (s > 0), scaled as the forward scaled them.
+    if (dropout.active()) {
 #pragma unroll
-    for (int n = 0; n < kQTiles; ++n) {
-      const float2 delta = *reinterpret_cast<const float2*>(delta_slot + 8 * n + 2 * t);
-      // With dropout, dPᵀ reaches only the kept entries (s > 0), scaled as the forward scaled them.
-      if (dropout.active()) {
+      for (int n = 0; n < kQTiles; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           dp[n][e] = s[n][e] > 0.0f ? dp[n][e] * dropout.scale() : 0.0f;
           s[n][e] = fabsf(s[n][e]);
         }
-      }
+    }
+    unsigned int ds_packed[kQTiles][2];  // dSᵀ in T: the A operand of dK += dSᵀ Q
+#pragma unroll
+    for (int n = 0; n < kQTiles; ++n) {
+      const float2 delta = *reinterpret_cast<const float2*>(delta_slot + 8 * n + 2 * t);
       ds_packed[n][0] = mma::pack2<T>(s[n][0] * (dp[n][0] - delta.x), s[n][1] * (dp[n][1] - delta.y));
       ds_packed[n][1] = mma::pack2<T>(s[n][2] * (dp[n][2] - delta.x), s[n][3] * (dp[n][3] - delta.y));
     }
@@ -378,7 +394,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
         if (m0 + own_row < len_q)  // rows past the sequence belong to the next one (THD) or to padding
           wgmma::bulk_reduce_add(dq_rows + own_row * p.dq_accum_token_stride,
                                  mma::shared_address(warp_rows + lane * Tiles::kDqPitch),
-                                 kDqColumns * static_cast<int>(sizeof(float)));
+                                 dq_head_columns * static_cast<int>(sizeof(float)));
         wgmma::bulk_commit();
       }
     } else {
@@ -396,7 +412,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   mma::wait_async_copies();
   __syncthreads();
 
-  // ---- epilogue: dK = scale * dSᵀ Q and dV through the K and V tiles, rows past the sequence skipped ----
+  // ---- epilogue: dK = scale * dSᵀ Q and dV (times dropout's 1 / (1 - p)) through the K and V tiles,
+  // rows past the sequence skipped ----
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
@@ -404,7 +421,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       const int offset = wgmma::swizzled_offset<kBlockN>(own_first_key + 16 * warp + g + 8 * r, 8 * d + 2 * t);
       *reinterpret_cast<unsigned int*>(k_tile + offset) =
           mma::pack2<T>(dk[d][2 * r] * p.softmax_scale, dk[d][2 * r + 1] * p.softmax_scale);
-      *reinterpret_cast<unsigned int*>(v_tile + offset) = mma::pack2<T>(dv[d][2 * r], dv[d][2 * r + 1]);
+      *reinterpret_cast<unsigned int*>(v_tile + offset) =
+          mma::pack2<T>(dv[d][2 * r] * block_dropout.scale(), dv[d][2 * r + 1] * block_dropout.scale());
     }
   __syncthreads();
   constexpr int kChunks = HEAD_DIM / 8;

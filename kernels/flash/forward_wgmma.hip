@@ -19,7 +19,8 @@
 // the copies run STAGES - 1 tiles ahead.
 //
 // Shared tiles are in wgmma's 128-byte swizzled layout (common/wgmma_nvidia.h): the copies read whole
-// 128-byte row segments, and neither they nor the tensor cores' reads conflict on banks. (The
+// 128-byte row segments, and neither they nor the tensor cores' reads conflict on banks. At head_dim 96
+// a row is a column block and a half: S takes six k16 steps, and O is an m64n96 product. (The
 // unswizzled layout, whose conflict-free copies read 64-byte segments, left this kernel bound by L2:
 // 76% of its throughput at 250 TFLOP/s on the H200, against 23% at 319 swizzled, same tiles.)
 #pragma once
@@ -30,23 +31,25 @@ namespace hipattn {
 namespace flash {
 
 // Shared-memory layout of one block, in elements of T: the Q tile (BLOCK_M rows), STAGES K slots and
-// STAGES V slots (BLOCK_N rows each), every tile swizzled and 1024-byte aligned. The host's row
-// (hipattn/catalog/flash_forward.py, FlashForwardWgmmaTiles.shared_bytes) computes kBytes from the same
-// template arguments.
+// STAGES V slots (BLOCK_N rows each), every tile swizzled and 1024-byte aligned, its rows whole 64-column
+// blocks (kRowElements: head_dim 96 is stored as 128, and the last 32 columns are never written or
+// read). The host's row (hipattn/catalog/flash_forward.py, FlashForwardWgmmaTiles.shared_bytes)
+// computes kBytes from the same template arguments.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES>
 struct WgmmaForwardTiles {
   static constexpr int kBlockM = 64 * WARPGROUPS;
   static constexpr int kThreads = 128 * WARPGROUPS;
-  static constexpr int kQElements = kBlockM * HEAD_DIM;
-  static constexpr int kSlotElements = BLOCK_N * HEAD_DIM;
+  static constexpr int kRowElements = (HEAD_DIM + 63) / 64 * 64;
+  static constexpr int kQElements = kBlockM * kRowElements;
+  static constexpr int kSlotElements = BLOCK_N * kRowElements;
   static constexpr int kKOffset = kQElements;
   static constexpr int kVOffset = kQElements + STAGES * kSlotElements;
   static constexpr int kElements = kQElements + 2 * STAGES * kSlotElements;
   static constexpr int kBytes = kElements * static_cast<int>(sizeof(T));
 
   static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256,
-                "O is one wgmma's N (64, 128 or 256), and rows are whole 128-byte swizzle blocks");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256,
+                "O is one wgmma's N: 64, 96, 128 or 256");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma's N: 64 or 128 keys");
   static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 3, "one to three warpgroups (up to 192 query rows)");
   static_assert(STAGES >= 2 && STAGES <= 3, "two or three K/V slots: K of the next tile is read early");

@@ -9,16 +9,18 @@ namespace flash {
 // Copy rows [0, rows) of a swizzled tile of TILE_ROWS rows with cp.async; rows past `rows` are
 // zero-filled when ZERO_TAIL (V, Q: their products must stay finite) and left alone otherwise (K: their
 // scores are masked by selection). Consecutive threads copy consecutive 16-byte chunks of a row, and a
-// pass of the block's threads covers kPassRows rows, a multiple of the swizzle's 8: so a thread copies
-// the same chunk of every kPassRows-th row, at the same swizzled column, and its addresses move by
-// constants from pass to pass. Worked out per chunk instead, the index arithmetic was a fifth of the
-// dK/dV kernel's instructions (1480 against 1205 per warp and query tile, ncu; BENCHMARKS.md, run 6).
+// pass covers kPassRows rows, a multiple of the swizzle's 8: so a thread copies the same chunk of every
+// kPassRows-th row, at the same swizzled column, and its addresses move by constants from pass to
+// pass. Worked out per chunk instead, the index arithmetic was a fifth of the dK/dV kernel's
+// instructions (1480 against 1205 per warp and query tile, ncu; BENCHMARKS.md, run 6). A pass takes
+// every thread when a row's chunks divide them into whole 8-row groups; head_dim 96 (12 chunks) on 256
+// threads uses 192 of them, 16 rows a pass.
 template <typename T, int HEAD_DIM, int TILE_ROWS, int THREADS, bool ZERO_TAIL>
 HIPATTN_DEVICE void stage_swizzled_tile(T* tile, const T* first_row, long long token_stride, int rows) {
   constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
-  constexpr int kPassRows = THREADS / kChunks;
-  static_assert(THREADS % kChunks == 0 && kPassRows % 8 == 0,
-                "a pass of the threads covers whole rows, a multiple of the swizzle's 8");
+  constexpr int kPassRows = THREADS / kChunks / 8 * 8;
+  static_assert(HEAD_DIM % 8 == 0 && kPassRows >= 8, "a pass of the threads covers 8 rows at least");
+  if (kPassRows * kChunks < THREADS && static_cast<int>(threadIdx.x) >= kPassRows * kChunks) return;
   const int row0 = static_cast<int>(threadIdx.x) / kChunks;
   const int col = static_cast<int>(threadIdx.x) % kChunks * 8;
   T* const destination = tile + wgmma::swizzled_offset<TILE_ROWS>(row0, col);

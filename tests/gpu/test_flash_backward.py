@@ -16,7 +16,7 @@ import torch
 
 from hipattn import runtime
 from hipattn.catalog.common import FLASH_HEAD_DIMS
-from hipattn.catalog.flash_backward import mma_tiles_for, tiles_for
+from hipattn.catalog.flash_backward import FLASH_BACKWARD_DKDV_WGMMA_TILES, mma_tiles_for, tiles_for
 
 from .conftest import (
     ROW_TOLERANCE_FACTOR,
@@ -128,13 +128,14 @@ def test_every_shipped_instantiation_matches_float64(dtype, head_dim, causal, de
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", sorted(FLASH_BACKWARD_DKDV_WGMMA_TILES))
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_the_mma_sync_dkdv_kernel_matches_float64(dtype, causal, deterministic, rng):
-    """head_dim 128 runs the wgmma dK/dV kernel on sm_90a; its mma.sync row (what every other sm_80+
-    part runs) is checked here too, through the tiles override."""
-    tiles = mma_tiles_for(128, runtime.active().target(0))
-    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, 128, dtype, causal, rng, deterministic=deterministic, tail_rows=3,
-                 tiles=tiles, case=f"mma.sync {dtype} d128 causal={causal} deterministic={deterministic}")
+def test_the_mma_sync_dkdv_kernel_matches_float64(dtype, head_dim, causal, deterministic, rng):
+    """These head_dims run the wgmma dK/dV kernel on sm_90a; their mma.sync rows (what every other
+    sm_80+ part runs) are checked here too, through the tiles override."""
+    tiles = mma_tiles_for(head_dim, runtime.active().target(0))
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, dtype, causal, rng, deterministic=deterministic, tail_rows=3,
+                 tiles=tiles, case=f"mma.sync {dtype} d{head_dim} causal={causal} deterministic={deterministic}")
 
 
 @pytest.mark.parametrize("window,causal", [((256, -1), False), ((100, 37), False), ((31, 31), False),
