@@ -265,7 +265,7 @@ def forward(
         with recording_launches() as launches:
             if path == dispatch.SMALLSEQ:
                 smallseq.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences,
-                                 alibi_slopes=call.alibi_slopes)
+                                 alibi_slopes=call.alibi_slopes, learnable_sink=call.learnable_sink)
             else:
                 flash.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences,
                               alibi_slopes=call.alibi_slopes, dropout_seed=call.dropout_seed,

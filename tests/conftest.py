@@ -32,26 +32,34 @@ def windowed(monkeypatch):
 
 @pytest.fixture
 def score_modified(monkeypatch):
-    """``score_modified(device, batch, heads_q, softcap=..., alibi=...)`` makes the raw-array checks
-    (support.raw_calls) run with flash-attn's score modifiers: ``softcap`` (0.0: none) and ALiBi slopes
-    (``alibi``: None, "heads" for [heads_q] or "sequences" for [batch, heads_q]; reference.alibi_slopes).
-    hipattn's forward and backward on ``device`` and the float64 reference all take them."""
+    """``score_modified(device, batch, heads_q, softcap=..., alibi=..., sink=...)`` makes the raw-array
+    checks (support.raw_calls) run with flash-attn's score modifiers: ``softcap`` (0.0: none), ALiBi slopes
+    (``alibi``: None, "heads" for [heads_q] or "sequences" for [batch, heads_q]; reference.alibi_slopes)
+    and learnable sinks (``sink``: reference.sink_logits). hipattn's forward and backward on ``device``
+    and the float64 reference all take them."""
     import functools
 
+    import numpy as np
     from support import raw_calls, reference
 
     import hipattn
 
-    def use(device, batch, heads_q, *, softcap=0.0, alibi=None):
+    kept = []
+
+    def use(device, batch, heads_q, *, softcap=0.0, alibi=None, sink=False):
         slopes = None if alibi is None else reference.alibi_slopes(batch, heads_q, per_sequence=alibi == "sequences")
+        sinks = reference.sink_logits(heads_q) if sink else None
         mods = {"softcap": softcap}
         if slopes is not None:
             mods["alibi_slopes"] = device.array(slopes)
+        if sinks is not None:
+            kept.append(sinks.astype(np.float32))  # the sinks' memory, alive for the test
+            mods["learnable_sink"] = device.array(kept[-1])
         for name in ("forward", "backward"):
             monkeypatch.setattr(hipattn, name, functools.partial(getattr(hipattn, name), **mods))
         for name in ("reference_forward", "reference_backward"):
-            monkeypatch.setattr(raw_calls, name,
-                                functools.partial(getattr(reference, name), softcap=softcap, alibi=slopes))
+            monkeypatch.setattr(raw_calls, name, functools.partial(getattr(reference, name), softcap=softcap,
+                                                                   alibi=slopes, sink=sinks))
         return slopes
 
     return use

@@ -107,8 +107,11 @@ def test_dropout_takes_the_flash_path_even_when_short(arch, direction, name):
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_learnable_sinks_take_the_flash_path_even_when_short(arch, direction):
-    """The flash forwards add the sinks in their last normalization; the small-seq kernels do not."""
-    arch("sm_90a")
+@pytest.mark.parametrize("name", ["sm_90a", "sm_80", "gfx90a"])
+def test_learnable_sinks_take_the_small_seq_path_when_short(arch, direction, name):
+    """The small-seq forwards add the sinks in their last normalization, as the flash ones do, and the
+    backwards of both read them through the LSE: sinks change no path."""
+    arch(name)
     short = dataclasses.replace(varlen(9, 17), sink=True)
-    assert dispatch.choose_path(short, direction) == dispatch.FLASH
+    assert dispatch.choose_path(short, direction) == dispatch.SMALLSEQ
+    assert dispatch.choose_path(dataclasses.replace(varlen(18, 17), sink=True), direction) == dispatch.FLASH

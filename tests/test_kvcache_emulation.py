@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.emulation import EmulatedDevice, aligned_bytes, array_16bit, from_16bit, needs_compiler, to_16bit
-from support.kvcache_reference import KvCacheCase, expected, sink_logits
+from support.kvcache_reference import KvCacheCase, expected
+from support.reference import sink_logits
 from support.raw_calls import NAN_BITS
 from support.reference import TOLERANCE, alibi_slopes, relative_error
 
@@ -72,7 +73,7 @@ def _case(rng, dtype, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64
           rotary_dim=0, interleaved=True, page_size=None, batch_idx=False, leftpad=False, causal=False, lengths=None,
           window=(-1, -1), softcap=0.0, alibi=None, sink=False):
     """A call's inputs; ``alibi``: None, "heads" (slopes [Hq]) or "sequences" ([batch, Hq]); ``sink``:
-    learnable sink logits [Hq] (kvcache_reference.sink_logits)."""
+    learnable sink logits [Hq] (reference.sink_logits)."""
     bits, case = {}, {}
     bits["q"], case["q"] = _values(rng, (batch, seqlen_q, heads_q, head_dim), dtype)
     if page_size is None:

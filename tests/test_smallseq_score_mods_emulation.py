@@ -1,4 +1,5 @@
-"""flash-attn's score modifiers (softcap, ALiBi) in every small-seq kernel, forward and backward, on the
+"""flash-attn's score modifiers (softcap, ALiBi) and learnable sinks in every small-seq kernel, forward and
+backward, on the
 emulated devices (tests/support/emulation.py) against float64, through hipattn's own launch path:
 the portable kernels (smallseq/forward.hip, backward.hip) at wave64 on the gfx90a and at warp32 on the
 sm_80, the MFMA kernels (forward_mfma.hip, backward_mfma.hip) on the gfx90a, and on the sm_80 the
@@ -6,7 +7,10 @@ tensor-core kernels of one problem per (sequence, head) (forward_mma.hip, backwa
 grouped heads (forward_gqa_mma.hip, backward_gqa_mma.hip).
 
 Each kernel meets the four modifier cases: softcap alone (scores and the backward's 1 - tanh² factor),
-ALiBi per head, ALiBi per (sequence, head) under a causal mask, and both under a causal mask. The
+ALiBi per head, ALiBi per (sequence, head) under a causal mask, and both under a causal mask; and a
+learnable sink per query head (a logit in every row's softmax sum: the forwards add it, the backwards
+read it through the LSE), with and without a causal mask, where a row that sees no key gets LSE = the
+sink. The
 grouped kernels walk stacked query rows of several heads (token-major in the tensor-core kernels,
 head-major in the MFMA ones, and the portable backward walks a group's heads in turn), so they run
 with groups of 3 and 4 whose heads all have different slopes: a row given another head's slope fails.
@@ -107,20 +111,34 @@ def _mods_id(mods) -> str:
                                   "causal" if causal else ""]))
 
 
+def _check(device, monkeypatch, score_modified, case, causal, **mods) -> None:
+    """hipattn's forward and backward on the emulated device against float64 with ``mods``, through the
+    case's kernels."""
+    if case.portable:
+        monkeypatch.setenv(smallseq_ops.KERNEL_SWITCH, "portable")
+    rng = np.random.default_rng()
+    if case.layout == "thd":
+        score_modified(device, len(LENGTHS_Q), case.heads_q, **mods)
+        check_forward_and_backward(device, rng, LENGTHS_Q, LENGTHS_K, case.heads_q, case.heads_kv, case.head_dim,
+                                   case.dtype, causal, max_q=17, max_k=17)
+    else:
+        score_modified(device, len(USED_Q), case.heads_q, **mods)
+        check_bshd_forward_and_backward(device, rng, USED_Q, USED_K, 17, 17, case.heads_q, case.heads_kv,
+                                        case.head_dim, case.dtype, causal)
+    assert device.kernels == list(case.kernels)
+
+
 @pytest.mark.parametrize("mods", SCORE_MODIFIER_CASES, ids=_mods_id)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_the_small_seq_kernels_match_float64_with_score_modifiers(build_dirs, monkeypatch, score_modified, case, mods):
     softcap, alibi, causal = mods
     device = EmulatedDevice(*build_dirs, monkeypatch, arch=case.arch)
-    if case.portable:
-        monkeypatch.setenv(smallseq_ops.KERNEL_SWITCH, "portable")
-    rng = np.random.default_rng()
-    if case.layout == "thd":
-        score_modified(device, len(LENGTHS_Q), case.heads_q, softcap=softcap, alibi=alibi)
-        check_forward_and_backward(device, rng, LENGTHS_Q, LENGTHS_K, case.heads_q, case.heads_kv, case.head_dim,
-                                   case.dtype, causal, max_q=17, max_k=17)
-    else:
-        score_modified(device, len(USED_Q), case.heads_q, softcap=softcap, alibi=alibi)
-        check_bshd_forward_and_backward(device, rng, USED_Q, USED_K, 17, 17, case.heads_q, case.heads_kv,
-                                        case.head_dim, case.dtype, causal)
-    assert device.kernels == list(case.kernels)
+    _check(device, monkeypatch, score_modified, case, causal, softcap=softcap, alibi=alibi)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_small_seq_kernels_match_float64_with_learnable_sinks(build_dirs, monkeypatch, score_modified, case,
+                                                                   causal):
+    device = EmulatedDevice(*build_dirs, monkeypatch, arch=case.arch)
+    _check(device, monkeypatch, score_modified, case, causal, sink=True)

@@ -37,7 +37,7 @@ from .tiles import ELEMENT_BYTES
 # The families first: each row type below names its own.
 SMALLSEQ_FORWARD = smallseq_family(
     "smallseq_forward", "smallseq/forward.hip", ("block_threads", "lane_elements"),
-    smallseq_params("SmallSeqForwardParams", FORWARD_FIELDS),
+    smallseq_params("SmallSeqForwardParams", FORWARD_FIELDS, sinks=True),
     lambda target: shipped_per_heads(lambda d: SMALLSEQ_FORWARD_TILES, target))
 SMALLSEQ_BACKWARD = smallseq_family(
     "smallseq_backward", "smallseq/backward.hip", ("block_threads", "lane_elements"),
@@ -45,7 +45,7 @@ SMALLSEQ_BACKWARD = smallseq_family(
     lambda target: shipped_per_heads(lambda d: SMALLSEQ_BACKWARD_TILES, target))
 SMALLSEQ_FORWARD_MMA = smallseq_family(
     "smallseq_forward_mma", "smallseq/forward_mma.hip", ("warps", "split"),
-    smallseq_params("SmallSeqForwardMmaParams", FORWARD_FIELDS + RUN_FIELD),
+    smallseq_params("SmallSeqForwardMmaParams", FORWARD_FIELDS + RUN_FIELD, sinks=True),
     lambda target: _shipped_mma(SMALLSEQ_FORWARD_MMA_TILES, target))
 SMALLSEQ_BACKWARD_MMA = smallseq_family(
     "smallseq_backward_mma", "smallseq/backward_mma.hip", ("warps", "split"),
@@ -56,7 +56,7 @@ _GROUPED_TEMPLATE = ("dtype", "head_dim", "tile")
 _GROUP_FIELDS = RUN_FIELD + (("group_size", "i32"),)
 SMALLSEQ_FORWARD_GQA_MMA = smallseq_family(
     "smallseq_forward_gqa_mma", "smallseq/forward_gqa_mma.hip", ("warps", "split"),
-    smallseq_params("SmallSeqForwardGqaMmaParams", FORWARD_FIELDS + _GROUP_FIELDS),
+    smallseq_params("SmallSeqForwardGqaMmaParams", FORWARD_FIELDS + _GROUP_FIELDS, sinks=True),
     lambda target: _shipped_grouped(SMALLSEQ_GQA_FORWARD_MMA_TILES, target), template_head=_GROUPED_TEMPLATE)
 SMALLSEQ_BACKWARD_GQA_MMA = smallseq_family(
     "smallseq_backward_gqa_mma", "smallseq/backward_gqa_mma.hip", ("warps", "split"),

@@ -18,6 +18,7 @@ from .fields import (
     SCORE_MODS_PARAM,
     SCORE_MODS_VALUES,
     SEQUENCE_FIELDS,
+    SINK_FIELDS,
     row_statistic,
     strided,
 )
@@ -76,9 +77,11 @@ BACKWARD_FIELDS = (strided("q") + strided("k") + strided("v") + strided("dout") 
 RUN_FIELD = (("problems_per_team", "i32"),)
 
 
-def smallseq_params(name: str, fields) -> ParamsStruct:
-    """A small-seq kernel's struct: ``fields``, then the score modifiers (last in every attention struct)."""
-    return ParamsStruct(name, fields + SCORE_MOD_FIELDS)
+def smallseq_params(name: str, fields, *, sinks: bool = False) -> ParamsStruct:
+    """A small-seq kernel's struct: ``fields``, then the score modifiers (last in every attention
+    struct), and for a forward (``sinks``) the learnable sinks, which only the forwards read: the
+    backwards take them through the LSE."""
+    return ParamsStruct(name, fields + SCORE_MOD_FIELDS + (SINK_FIELDS if sinks else ()))
 
 
 def smallseq_family(name: str, source: str, template_tail: tuple[str, ...], params: ParamsStruct, shipped,

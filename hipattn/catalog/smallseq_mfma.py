@@ -28,7 +28,7 @@ _MFMA_KEY_TILES = -(-SMALLSEQ_TILE // 16)
 # The families first: each row type below names its own.
 SMALLSEQ_FORWARD_MFMA = smallseq_family(
     "smallseq_forward_mfma", "smallseq/forward_mfma.hip", ("waves",),
-    smallseq_params("SmallSeqForwardMfmaParams", FORWARD_FIELDS),
+    smallseq_params("SmallSeqForwardMfmaParams", FORWARD_FIELDS, sinks=True),
     lambda target: _shipped(SMALLSEQ_FORWARD_MFMA_TILES, target))
 SMALLSEQ_BACKWARD_MFMA = smallseq_family(
     "smallseq_backward_mfma", "smallseq/backward_mfma.hip", ("waves",),

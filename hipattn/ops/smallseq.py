@@ -30,8 +30,6 @@ def ineligibility(problem: Problem) -> str | None:
         return f"head_dim {problem.head_dim} is not one of {SMALLSEQ_HEAD_DIMS}"
     if problem.dropout_p:
         return "dropout runs on the flash kernels"
-    if problem.sink:
-        return "learnable sinks run on the flash kernels"
     if problem.max_seqlen_q > SMALLSEQ_TILE or problem.max_seqlen_k > SMALLSEQ_TILE:
         return (
             f"max_seqlen_q={problem.max_seqlen_q}, max_seqlen_k={problem.max_seqlen_k}: "
@@ -70,14 +68,16 @@ def _launch(tiles: SmallSeqTiles, problem: Problem, problems: int, fields: dict,
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, alibi_slopes=None) -> None:
-    """Enqueue O and LSE for every (sequence, query head) problem."""
+            seqused_q=None, seqused_k=None, alibi_slopes=None, learnable_sink=None) -> None:
+    """Enqueue O and LSE for every (sequence, query head) problem; ``learnable_sink``: fp32 [Hq] sink
+    logits, or None (the LSE then includes them, which is all the backward needs)."""
     problems = problem.batch * problem.heads_q
     if problems == 0:
         return  # batch 0: nothing to read or write
     portable = _portable_forced()
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                             alibi_slopes)
+    fields["learnable_sink"] = learnable_sink.ptr if learnable_sink is not None else 0
     target = runtime.active().target(problem.device)
     tiles = smallseq.forward_tiles(problem.head_dim, target, group=problem.heads_q // problem.heads_kv,
                                    portable=portable)

@@ -1,6 +1,7 @@
 // Learnable attention sinks (FlashAttention-4's learnable_sink, gpt-oss): one logit per query head that
 // joins every row's softmax sum with no value. It scales O down and raises the LSE, and a row that saw
-// no key gets O = 0 and LSE = the sink. Shared by the flash forwards and the decode kernels' last step.
+// no key gets O = 0 and LSE = the sink. Shared by the flash and small-seq forwards and the decode
+// kernels' last step.
 #pragma once
 #include "common/types.h"
 
@@ -21,6 +22,20 @@ HIPATTN_DEVICE void finish_row(float row_max, float sum, float sink_log2, float&
   const float total = sum * keys + fast_exp2(sink_log2 - top);
   inv_sum = keys / total;
   lse = (top + fast_log2(total)) * kLn2;
+}
+
+// finish_row's two results one at a time (the other's arithmetic is dead code to the compiler), for a
+// kernel that writes the LSE from one lane of a row and computes it in that lane only.
+HIPATTN_DEVICE float row_inv_sum(float row_max, float sum, float sink_log2) {
+  float inv_sum, lse;
+  finish_row(row_max, sum, sink_log2, inv_sum, lse);
+  return inv_sum;
+}
+
+HIPATTN_DEVICE float row_lse(float row_max, float sum, float sink_log2) {
+  float inv_sum, lse;
+  finish_row(row_max, sum, sink_log2, inv_sum, lse);
+  return lse;
 }
 
 // Query head `head`'s sink times log2 e, or -inf without one: a parameter struct's learnable_sink

@@ -9,6 +9,7 @@
 #include "common/key_window.h"
 #include "common/score_mods.h"
 #include "common/sequence.h"
+#include "common/sink.h"
 #include "common/team.h"
 #include "common/types.h"
 

@@ -1,6 +1,7 @@
 // Small-sequence attention forward: O = softmax(scale * Q Kᵀ + mask) V and the fp32 log-sum-exp,
 // for problems of at most TILE query and TILE key tokens (cross-attention with short sequences).
-// With SCORE_MODS the scores take flash-attn's softcap and ALiBi (common/score_mods.h).
+// With SCORE_MODS the scores take flash-attn's softcap and ALiBi (common/score_mods.h), and a learnable
+// sink joins each row's softmax sum (common/sink.h).
 //
 // The work is bound by memory traffic: each team reads its Q, K and V rows once, keeps them in
 // registers (Q as fp32, K and V as packed 16-bit), and writes O and LSE once. Score tiles live in
@@ -96,6 +97,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeq
   // ---- softmax over keys, one lane per query row; probabilities overwrite slice 0 ----
   float* probs = scores[team][0];
   score = scores_of<SCORE_MODS>(p, batch_index, head);
+  const float sink = sink_log2<SCORE_MODS>(p, head);
   const KeyWindow window = key_window(p);
   for (int i = team_lane; i < len_q; i += G::kTeamLanes) {
     const smallseq::RowKeys keys = smallseq::row_keys(i, len_q, len_k, window);
@@ -115,13 +117,14 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeq
       probs[j * G::kTilePad + i] = e;
       row_sum += e;
     }
-    // A row that sees no key (no keys at all, or none in its window) gets O = 0 and LSE = +inf, as in
-    // flash-attn: the backward then recomputes P = exp(S - inf) = 0, so its gradients are zero.
-    const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    // A row that sees no key (no keys at all, or none in its window) gets O = 0 and LSE = +inf (the
+    // sink's logit with a sink), as in flash-attn: the backward then recomputes P = exp(S - LSE) = 0,
+    // so its gradients are zero.
+    const float inv_sum = row_inv_sum(row_max, row_sum, sink);
     for (int j = 0; j < len_k; ++j) probs[j * G::kTilePad + i] *= inv_sum;
     float* lse = static_cast<float*>(p.lse) + batch_index * p.lse_batch_stride + head * p.lse_head_stride +
                  seq_q.start + i;
-    *lse = row_sum > 0.0f ? (row_max + fast_log2(row_sum)) * 0.6931471805599453f : infinity();
+    *lse = row_lse(row_max, row_sum, sink);
   }
   __syncthreads();
 

@@ -8,7 +8,8 @@
 // chunk tile) while this one computes: S = Q Kᵀ (three 8-key tiles), the softmax on the
 // accumulators, P normalised and reused as the A operand of O = P V, O written back over the chunk's
 // Q rows and out with 16-byte stores. The LSE of each stacked row goes to its head's row. With
-// SCORE_MODS the scores take softcap and ALiBi (common/score_mods.h), each stacked row its own head's slope.
+// SCORE_MODS the scores take softcap and ALiBi (common/score_mods.h), each stacked row its own head's slope,
+// and its head's learnable sink joins its softmax sum (common/sink.h).
 //
 // Why this shape. MHA's one-problem-per-head kernel, given GQA, stages Q, K and V per query head: at
 // G = 4 and lengths drawn from 1..17 (mean 9, head_dim 128) that is 1.6x the floor's bytes, and it
@@ -169,13 +170,19 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
     // 1 / sum as 2^-log2(sum), from the log2 the LSE takes anyway (relative error ~3e-7 for the sums
     // of 1 to 24 that a row with a key has): an IEEE division brings a slow-path call, and around it
     // ptxas spilled the loop's counters. A row that sees no key: O = 0 and LSE = +inf (flash-attn's
-    // convention; see forward.hip).
+    // convention; see forward.hip). With a sink (the modified kernel, when the call passes one),
+    // common/sink.h's row ends instead.
+    const float sink = sink_log2<SCORE_MODS>(p, x.head_kv * stacked.group + head[r]);
     const float sum_log2 = fast_log2(row_sum[r]);
-    inv_sum[r] = row_sum[r] > 0.0f ? fast_exp2(-sum_log2) : 0.0f;
+    inv_sum[r] = sink != -infinity() ? row_inv_sum(row_max[r], row_sum[r], sink)
+                 : row_sum[r] > 0.0f ? fast_exp2(-sum_log2)
+                                     : 0.0f;
     if (part == 0 && t == 0 && first + g + 8 * r < stacked.count) {
       static_cast<float*>(p.lse)[x.batch_index * p.lse_batch_stride +
                                  (x.head_kv * stacked.group + head[r]) * p.lse_head_stride + x.q.start + query[r]] =
-          row_sum[r] > 0.0f ? (row_max[r] + sum_log2) * kLn2 : infinity();
+          sink != -infinity() ? row_lse(row_max[r], row_sum[r], sink)
+          : row_sum[r] > 0.0f ? (row_max[r] + sum_log2) * kLn2
+                              : infinity();
     }
   }
 

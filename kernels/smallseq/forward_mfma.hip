@@ -20,7 +20,7 @@
 // Conventions are forward.hip's: the key window is bottom-right aligned, masked scores become -inf by
 // selection, a row that sees no key gets O = 0 and LSE = +inf, rows past a sequence are not written.
 // With SCORE_MODS each row's scores take softcap and its own query head's ALiBi slope
-// (common/score_mods.h).
+// (common/score_mods.h), and its head's learnable sink joins its softmax sum (common/sink.h).
 // What this file has not had: a run on AMD hardware. tests/test_smallseq_mfma_emulation.py runs it on
 // a gfx90a emulated on the CPU against float64.
 #pragma once
@@ -137,8 +137,10 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
       }
     row_sum += shfl_xor(row_sum, 16, kWarpSize, group_mask(kWarpSize));
     row_sum += shfl_xor(row_sum, 32, kWarpSize, group_mask(kWarpSize));
-    // Normalised before rounding: 8 products per lane where O would take 4 per column tile.
-    const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    // Normalised before rounding: 8 products per lane where O would take 4 per column tile. With a
+    // learnable sink (the modified kernel) the row's head's sink joins the sum (common/sink.h).
+    const float sink = sink_log2<SCORE_MODS>(p, row.head);
+    const float inv_sum = row_inv_sum(row_max, row_sum, sink);
 
     // ---- Oᵀ = Vᵀ Pᵀ: the probabilities of key tile n, rounded to T, are the B operand of k-step n ----
     Operand p_fragment[kKeyTiles];
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
                                      o, 1.0f, quarter);
       if (wave == 0 && quarter == 0) {
         static_cast<float*>(p.lse)[batch_index * p.lse_batch_stride + row.head * p.lse_head_stride + token] =
-            row_sum > 0.0f ? (row_max + fast_log2(row_sum)) * kLn2 : infinity();
+            row_lse(row_max, row_sum, sink);
       }
     }
     row = next;

@@ -70,6 +70,7 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
   const int k_steps = (len_k + 15) / 16;
   const int m_tiles = (len_q + 15) / 16;
   const Scores<SCORE_MODS> score = scores_of<SCORE_MODS>(p, x.batch_index, x.head);
+  const float sink = sink_log2<SCORE_MODS>(p, x.head);
   const KeyWindow window = key_window(p);
   // The key rows this lane addresses for the B operands of S (three 8-key tiles).
   const unsigned int k_rows01 = row_or_zero(k_tile, zero, 8 * (lane / 16) + lane % 8, len_k, kPitchBytes) +
@@ -152,12 +153,11 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
     for (int r = 0; r < 2; ++r) {
       row_sum[r] += shfl_xor(row_sum[r], 1, 32, 0xffffffffu);
       row_sum[r] += shfl_xor(row_sum[r], 2, 32, 0xffffffffu);
-      // A row that sees no key: O = 0 and LSE = +inf (flash-attn's convention; see forward.hip).
-      inv_sum[r] = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+      // A row that sees no key: O = 0 and LSE = +inf, or the sink (flash-attn's convention; see forward.hip).
+      inv_sum[r] = row_inv_sum(row_max[r], row_sum[r], sink);
       if (part == 0 && t == 0 && row[r] < len_q) {
         static_cast<float*>(p.lse)[x.batch_index * p.lse_batch_stride + x.head * p.lse_head_stride + x.q.start +
-                                   row[r]] =
-            row_sum[r] > 0.0f ? (row_max[r] + fast_log2(row_sum[r])) * 0.6931471805599453f : infinity();
+                                   row[r]] = row_lse(row_max[r], row_sum[r], sink);
       }
     }
 

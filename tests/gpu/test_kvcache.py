@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support.kvcache_reference import KvCacheCase, expected, sink_logits
+from support.kvcache_reference import KvCacheCase, expected
+from support.reference import sink_logits
 from support.reference import TOLERANCE, alibi_slopes, relative_error
 
 import hipattn
@@ -68,7 +69,7 @@ class Call:
         self.softcap = softcap
         self.alibi_slopes = None if alibi is None else torch.from_numpy(
             alibi_slopes(batch, heads_q, per_sequence=alibi == "sequences")).cuda()
-        # sinks: a learnable logit per query head (kvcache_reference.sink_logits).
+        # sinks: a learnable logit per query head (reference.sink_logits).
         self.learnable_sink = torch.from_numpy(sink_logits(heads_q)).float().cuda() if sinks else None
 
     def case(self) -> KvCacheCase:

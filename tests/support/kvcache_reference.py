@@ -17,12 +17,6 @@ import numpy as np
 from support.reference import modified_scores, visible_keys
 
 
-def sink_logits(heads_q: int) -> np.ndarray:
-    """Learnable sink logits [Hq] for a test, float32 values (what the kernels read) as float64: from well
-    below to well above N(0, 1) scores, so that some rows' sinks dominate and others' barely count."""
-    return np.linspace(-4.0, 3.0, heads_q).astype(np.float32).astype(np.float64)
-
-
 def rotate(x, cos, sin, positions, interleaved):
     """x [T, H, D] with rotary at ``positions`` [T] (cos/sin [P, R/2]): GPT-J pairs (2i, 2i+1) when
     interleaved, GPT-NeoX halves (i, i + R/2) otherwise; columns past R unchanged."""

@@ -67,6 +67,12 @@ def dropout_factor(dropout, b, h, heads_q, len_q, len_k):
     return np.where(kept, 1.0 / (1.0 - dropout_p), 0.0)
 
 
+def sink_logits(heads_q: int) -> np.ndarray:
+    """Learnable sink logits [Hq] for a test, float32 values (what the kernels read) as float64: from well
+    below to well above N(0, 1) scores, so that some rows' sinks dominate and others' barely count."""
+    return np.linspace(-4.0, 3.0, heads_q).astype(np.float32).astype(np.float64)
+
+
 def _slope(slopes, b, h):
     if slopes is None:
         return 0.0
