@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from support.emulation import EmulatedDevice, aligned_bytes, array_16bit, from_16bit, needs_compiler, to_16bit
 from support.kvcache_reference import KvCacheCase, expected
-from support.reference import sink_logits
 from support.raw_calls import NAN_BITS
-from support.reference import TOLERANCE, alibi_slopes, relative_error
+from support.reference import TOLERANCE, alibi_slopes, relative_error, sink_logits
 
 import hipattn
 from hipattn.catalog import decode as catalog_decode

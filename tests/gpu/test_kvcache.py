@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 from support.kvcache_reference import KvCacheCase, expected
-from support.reference import sink_logits
-from support.reference import TOLERANCE, alibi_slopes, relative_error
+from support.reference import TOLERANCE, alibi_slopes, relative_error, sink_logits
 
 import hipattn
 import hipattn.torch as hat
