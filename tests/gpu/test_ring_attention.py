@@ -3,9 +3,8 @@
 A ring of one (a one-process NCCL group) is one forward and one backward call, so its results must
 be hipattn.torch.flash_attn_varlen_func's bit for bit; two processes on two GPUs (NCCL) must match
 the unsharded call and the float64 reference within bf16's tolerance. The two-GPU test runs on
-nvidia-h200-x2 and is skipped with fewer than two GPUs.
-
-Written without a GPU at hand: these tests have not been run yet.
+nvidia-h200-x2 and is skipped with fewer than two GPUs (it has not run yet: no two-GPU machine has
+been lent).
 """
 
 from __future__ import annotations
