@@ -49,6 +49,7 @@ def _worker(rank: int, gpus: int, init_file: str, implementation: str, seqlens: 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=gpus,
@@ -64,8 +65,10 @@ def _worker(rank: int, gpus: int, init_file: str, implementation: str, seqlens: 
             shape = (1, HEADS, seqlen, HEAD_DIM)
             q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
             # The buffers are sharded in place for the whole measurement (torch resizes them, so they
-            # may not require grad: the leaves are views of the shards), then restored.
-            with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
+            # may not require grad: the leaves are views of the shards), then restored. Both
+            # implementations are the flash SDPA op (torch would otherwise prefer cuDNN's on Hopper).
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION), \
+                    context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 ms = median_ms(functools.partial(_step, leaves, dout), warmup=3, repeat=10, calls=STEPS_PER_SAMPLE)
             slowest = torch.tensor([ms], device="cuda")
