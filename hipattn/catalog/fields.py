@@ -44,8 +44,8 @@ DROPOUT_FIELDS: Fields = (("dropout_threshold", "i32"), ("dropout_scale", "f32")
 
 # A learnable attention sink per query head (FlashAttention-4's learnable_sink, gpt-oss): fp32 [Hq], a
 # logit that joins every row's softmax denominator and no value; null: none (kernels/common/sink.h).
-# The flash forwards and the decode attention read it in their modified instantiation, the decode
-# combine always; the backward needs nothing, as the LSE it reads includes the sink.
+# The flash and small-seq forwards and the decode attention read it in their modified instantiation,
+# the decode combine always; the backwards need nothing, as the LSE they read includes the sink.
 SINK_FIELDS: Fields = (("learnable_sink", "const_ptr"),)
 
 # The template parameter that selects a kernel's scores (score_mods.h's Scores<SCORE_MODS>): False is

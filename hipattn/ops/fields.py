@@ -86,9 +86,11 @@ def put_row_statistic(fields: dict, name: str, a: DeviceArray, problem: Problem)
 
 
 def forward_fields(problem: Problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                   alibi_slopes) -> dict:
-    """Every field of a forward struct: the shared fields (sequence_fields), q, k, v, o and lse."""
+                   alibi_slopes, learnable_sink) -> dict:
+    """The fields every forward struct has: the shared fields (sequence_fields), q, k, v, o, lse and
+    the learnable sinks (catalog.fields.SINK_FIELDS; null: none)."""
     fields = sequence_fields(problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes)
+    fields["learnable_sink"] = learnable_sink.ptr if learnable_sink is not None else 0
     layout = problem.layout
     put_tensor(fields, "q", q, layout)
     put_tensor(fields, "k", k, layout)

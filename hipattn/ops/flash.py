@@ -71,8 +71,7 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     kernel = active.kernel(spec, problem.device)
     kernel.reserve_dynamic_shared_memory(shared)
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                            alibi_slopes)
+                            alibi_slopes, learnable_sink)
     fields["heads_q"] = problem.heads_q
     fields.update(dropout.fields(problem.dropout_p, dropout_seed))
-    fields["learnable_sink"] = learnable_sink.ptr if learnable_sink is not None else 0
     kernel.launch((blocks, 1, 1), (threads, 1, 1), shared, stream, kernel.params.from_dict(fields))

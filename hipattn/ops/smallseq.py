@@ -76,8 +76,7 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         return  # batch 0: nothing to read or write
     portable = _portable_forced()
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                            alibi_slopes)
-    fields["learnable_sink"] = learnable_sink.ptr if learnable_sink is not None else 0
+                            alibi_slopes, learnable_sink)
     target = runtime.active().target(problem.device)
     tiles = smallseq.forward_tiles(problem.head_dim, target, group=problem.heads_q // problem.heads_kv,
                                    portable=portable)
