@@ -381,8 +381,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             num_splits: int = 0, return_softmax_lse: bool = False, *,
                             learnable_sink: Optional[Tensor] = None):
     """hipattn.flash_attn_with_kvcache on torch tensors, on torch's current stream (flash-attn's
-    arguments, and hipattn's learnable_sink; k_cache and v_cache are appended to in place). Traced calls (torch.compile) go through
-    the ``hipattn::kvcache`` custom op, which declares that it mutates the caches."""
+    arguments, and hipattn's learnable_sink; k_cache and v_cache are appended to in place). Traced
+    calls (torch.compile) go through the ``hipattn::kvcache`` custom op, which declares that it
+    mutates the caches."""
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
              "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
              "block_table": block_table, "alibi_slopes": alibi_slopes, "learnable_sink": learnable_sink}
@@ -495,7 +496,7 @@ def flash_attn_qkvpacked_func(
     return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            deterministic=deterministic, return_attn_probs=return_attn_probs,
-                                  learnable_sink=learnable_sink)
+                           learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(
@@ -518,7 +519,7 @@ def flash_attn_kvpacked_func(
     return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            deterministic=deterministic, return_attn_probs=return_attn_probs,
-                                  learnable_sink=learnable_sink)
+                           learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(
