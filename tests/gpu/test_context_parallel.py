@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from support.processes import run_spawned
+from support.processes import nccl_rank, run_spawned
 
 import hipattn.torch  # noqa: F401  (registers "hipattn" with torch's flash-attention registry)
 from hipattn import attention, torch_sdpa
@@ -120,13 +120,8 @@ def _check_against_one_gpu(mesh, device, causal) -> None:
 def mesh_of_one(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
-    try:
+    with nccl_rank(0, 1, str(tmp_path / "init")):
         yield init_device_mesh("cuda", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -136,19 +131,12 @@ def test_a_mesh_of_one_matches_the_unsharded_layer(mesh_of_one, causal):
 
 def _nccl_worker(rank: int, world_size: int, init_file: str) -> None:
     """One rank of the two-GPU test (spawned)."""
-    from datetime import timedelta
-
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=120))
-    try:
+    with nccl_rank(rank, world_size, init_file, seconds=120):
         mesh = init_device_mesh("cuda", (world_size,))
         for causal in (False, True):
             _check_against_one_gpu(mesh, f"cuda:{rank}", causal)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from support.processes import run_spawned
+from support.processes import nccl_rank, run_spawned
 
 import hipattn.torch as hat
 from hipattn import ring
@@ -64,11 +64,8 @@ def _unsharded_step(q, k, v, dout, cu, causal):
 
 @pytest.fixture
 def group_of_one(tmp_path):
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
-    yield
-    dist.destroy_process_group()
+    with nccl_rank(0, 1, str(tmp_path / "init")):
+        yield
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -83,12 +80,7 @@ def test_a_ring_of_one_is_flash_attn_varlen_func_bit_for_bit(group_of_one, causa
 
 def _nccl_worker(rank: int, world_size: int, init_file: str) -> None:
     """One rank of the two-GPU test (spawned): ring results against the unsharded call and float64."""
-    from datetime import timedelta
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=120))
-    try:
+    with nccl_rank(rank, world_size, init_file, seconds=120):
         q, k, v, dout, cu = _inputs(2, f"cuda:{rank}")
         scale = 1 / math.sqrt(HEAD_DIM)
         for causal in (False, True):
@@ -102,8 +94,6 @@ def _nccl_worker(rank: int, world_size: int, init_file: str) -> None:
             for name, g, u, r in zip(("out", "lse", "dq", "dk", "dv"), got, unsharded, reference, strict=True):
                 errors = relative_error(g, u), relative_error(g, r)
                 assert max(errors) < TOLERANCE["bf16"], (rank, causal, name, errors)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
