@@ -79,6 +79,49 @@ struct WgmmaKeyBlockTiles {
                 "staged dQ rows are 16-byte aligned, as the copy engine's bulk reductions need");
 };
 
+// Pᵀ of a warpgroup's 64 keys x 64 queries, from Sᵀ in the accumulators (this lane's keys `key` and
+// key + 8; its queries m0 + 8n + 2t and the next, for query tile n): P = exp2(score - LSE), 0 where the
+// pair is not visible (by selection: a stale NaN is discarded, never multiplied). Pᵀ goes to `p_packed`
+// in T, the A operand of dV += Pᵀ dO; `s` keeps P times d(score)/d(s), what dSᵀ needs of the entry (no
+// array of gradients stays live). A functor for Scores::visit: with modifiers, the softcap's presence
+// is one branch around the tile, so that ALiBi alone forms no tanh (a branch per score if-converts into
+// forming both).
+template <typename T, int Q_TILES>
+struct TransposedProbabilities {
+  float (&s)[Q_TILES][4];
+  unsigned int (&p_packed)[Q_TILES][2];
+  const float* lse_slot;  // the tile's LSE, one per query
+  bool masked;            // some pair of the tile may be invisible
+  int key, m0, t, len_q, len_k, diagonal;
+  KeyWindow window;
+
+  template <typename Score>
+  HIPATTN_DEVICE void operator()(const Score& score) const {
+    // The offset of key + 8 (e / 2) from query m0 + 8n + 2t + (e & 1)'s diagonal: a base plus constants.
+    const float base = static_cast<float>(key - m0 - 2 * t - diagonal);
+#pragma unroll
+    for (int n = 0; n < Q_TILES; ++n) {
+      const int column = 8 * n + 2 * t;  // this lane's queries in the tile: column, column + 1
+      const float2 lse = *reinterpret_cast<const float2*>(lse_slot + column);
+      const float lse_log2[2] = {lse.x * kLog2e, lse.y * kLog2e};
+      float probability[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int query = m0 + column + (e & 1);
+        const int row_key = key + 8 * (e / 2);
+        const bool visible =
+            !masked || (query < len_q && row_key < len_k && key_in_window(query, row_key, diagonal, window));
+        const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
+        float gradient = 1.0f;  // d(score)/d(scaled dot product), dSᵀ's factor: 1 but with softcap
+        probability[e] = visible ? fast_exp2(score(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
+        s[n][e] = probability[e] * gradient;
+      }
+      p_packed[n][0] = mma::pack2<T>(probability[0], probability[1]);  // key row g
+      p_packed[n][1] = mma::pack2<T>(probability[2], probability[3]);  // key row g + 8
+    }
+  }
+};
+
 }  // namespace flash
 
 template <typename T, int HEAD_DIM, int WARPGROUPS, bool WRITE_DQ, bool SCORE_MODS>
@@ -259,38 +302,17 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       wgmma::mma_ss<T, kBlockM>(dp, wgmma::advance(v_rows, wgmma::k_major_step<kBlockN>(ks)),
                                 wgmma::advance(do_rows, slot * kSlotBytes + wgmma::k_major_step<kBlockM>(ks)), ks > 0);
     wgmma::commit();
-
-    // ---- Pᵀ, while dPᵀ is in flight; masked entries are 0 by selection (a stale NaN is discarded,
-    // never multiplied). The warpgroup's tile needs the mask when it reaches past either sequence or
-    // past a side of the window: its first row's last key or its last row's first key lies outside. ----
+    // ---- Pᵀ, while dPᵀ is in flight. The warpgroup's tile needs the mask when it reaches past either
+    // sequence or past a side of the window: its first row's last key or its last row's first key lies
+    // outside. ----
     wgmma::wait<1>();
     wgmma::pin(s);
     const bool masked = m0 + kBlockM > len_q || own_n0 + 64 > len_k ||
                         !key_in_window(m0, own_n0 + 63, diagonal, window) ||
                         !key_in_window(m0 + kBlockM - 1, own_n0, diagonal, window);
     unsigned int p_packed[kQTiles][2];  // Pᵀ in T: the A operand of dV += Pᵀ dO
-    // The offset of key + 8 (e / 2) from query m0 + 8n + 2t + (e & 1)'s diagonal: a base plus constants.
-    const float base = static_cast<float>(key - m0 - 2 * t - diagonal);
-#pragma unroll
-    for (int n = 0; n < kQTiles; ++n) {
-      const int column = 8 * n + 2 * t;  // this lane's queries in the tile: column, column + 1
-      const float2 lse = *reinterpret_cast<const float2*>(lse_slot + column);
-      const float lse_log2[2] = {lse.x * kLog2e, lse.y * kLog2e};
-      float probability[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int query = m0 + column + (e & 1);
-        const int row_key = key + 8 * (e / 2);
-        const bool visible =
-            !masked || (query < len_q && row_key < len_k && key_in_window(query, row_key, diagonal, window));
-        const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
-        float gradient = 1.0f;  // d(score)/d(scaled dot product), dSᵀ's factor: 1 but with softcap
-        probability[e] = visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
-        s[n][e] = probability[e] * gradient;  // what dSᵀ needs of the entry: no array of gradients stays live
-      }
-      p_packed[n][0] = mma::pack2<T>(probability[0], probability[1]);  // key row g
-      p_packed[n][1] = mma::pack2<T>(probability[2], probability[3]);  // key row g + 8
-    }
+    scores.visit(flash::TransposedProbabilities<T, kQTiles>{s, p_packed, lse_slot, masked, key, m0, t, len_q, len_k,
+                                                           diagonal, window});
     // Dropout, one branch per tile (selects per entry, which ptxas if-converts, ran with dropout off
     // too, and cost the modified kernel 3-4% on the H200): dV takes the kept probabilities, their
     // 1 / (1 - dropout_p) applied to dV once in the epilogue; a dropped entry's s is negated, which
