@@ -91,30 +91,54 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
   const int n_tiles = (key_end - key_begin + BLOCK_N - 1) / BLOCK_N;
 
   // Tile i's K and V rows (V rows past key_end zeroed); always commits, so the group count is uniform.
+  // A thread copies one 16-byte chunk of every kPassRows-th row. Where the tile lies in one page (a
+  // contiguous cache, or a paged one whose page size is a multiple of BLOCK_N: paged calls start at
+  // key 0, so a tile starting on a multiple of BLOCK_N stays in its page), its rows are one stride
+  // apart: one block-table read per tile and a running pointer per row. Recomputing each row's
+  // address (64-bit products of the strides) cost more instructions than the rest of the tile's work.
+  constexpr int kPassRows = kThreads / L::kChunks;  // rows a pass of the block's threads copies
+  constexpr int kPasses = (BLOCK_N + kPassRows - 1) / kPassRows;
   const T* const k_cache = static_cast<const T*>(p.k) + address.k;
   const T* const v_cache = static_cast<const T*>(p.v) + address.v;
+  const int chunk = threadIdx.x % L::kChunks;
+  const int first_row = threadIdx.x / L::kChunks;  // kPassRows or more: a thread left over, idle
+  const bool page_holds_tiles = address.pages == nullptr || p.page_size % BLOCK_N == 0;
   auto load_tile = [&](int i) {
-    if (i < n_tiles) {
+    if (i < n_tiles && first_row < kPassRows) {
       const int n0 = key_begin + i * BLOCK_N;
-      T* const k_slot = k_slots + (i % STAGES) * L::kSlotElements;
-      T* const v_slot = v_slots + (i % STAGES) * L::kSlotElements;
-      // A tile that starts on a multiple of BLOCK_N lies in one page when the page size is a multiple
-      // of BLOCK_N (paged calls start at key 0): one block-table read per tile, not one per row.
-      const bool one_page = address.pages == nullptr || (p.page_size % BLOCK_N == 0 && n0 % BLOCK_N == 0);
-      const decode::TokenSlot tile_slot = decode::token_slot(p, address, n0);
-      for (int c = threadIdx.x; c < BLOCK_N * L::kChunks; c += kThreads) {
-        const int row = c / L::kChunks;
-        const int chunk = c % L::kChunks;
-        const int j = n0 + row;
-        if (j < key_end) {
-          const decode::TokenSlot slot =
-              one_page ? decode::TokenSlot{tile_slot.page, tile_slot.token + row} : decode::token_slot(p, address, j);
-          mma::copy_async_16(k_slot + row * kPitch + chunk * 8,
-                             k_cache + decode::slot_offset(slot, p.k_batch_stride, p.k_token_stride) + chunk * 8);
-          mma::copy_async_16(v_slot + row * kPitch + chunk * 8,
-                             v_cache + decode::slot_offset(slot, p.v_batch_stride, p.v_token_stride) + chunk * 8);
-        } else {
-          *reinterpret_cast<Vec<T, 8>*>(v_slot + row * kPitch + chunk * 8) = Vec<T, 8>{};
+      T* const k_slot = k_slots + (i % STAGES) * L::kSlotElements + chunk * 8;
+      T* const v_slot = v_slots + (i % STAGES) * L::kSlotElements + chunk * 8;
+      if (page_holds_tiles && n0 % BLOCK_N == 0) {
+        const decode::TokenSlot tile_slot = decode::token_slot(p, address, n0 + first_row);
+        const T* k_row = k_cache + decode::slot_offset(tile_slot, p.k_batch_stride, p.k_token_stride) + chunk * 8;
+        const T* v_row = v_cache + decode::slot_offset(tile_slot, p.v_batch_stride, p.v_token_stride) + chunk * 8;
+        const unsigned int k_target = mma::shared_address(k_slot);
+        const unsigned int v_target = mma::shared_address(v_slot);
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const int row = first_row + pass * kPassRows;
+          if (kPasses * kPassRows > BLOCK_N && row >= BLOCK_N) break;
+          if (n0 + row < key_end) {
+            mma::copy_async_16(k_target + row * kPitch * kBytesPerElement, k_row);
+            mma::copy_async_16(v_target + row * kPitch * kBytesPerElement, v_row);
+          } else {
+            *reinterpret_cast<Vec<T, 8>*>(v_slot + row * kPitch) = Vec<T, 8>{};
+          }
+          k_row += kPassRows * p.k_token_stride;
+          v_row += kPassRows * p.v_token_stride;
+        }
+      } else {  // a tile that crosses pages: each row's page from the block table
+        for (int row = first_row; row < BLOCK_N; row += kPassRows) {
+          const int j = n0 + row;
+          if (j < key_end) {
+            const decode::TokenSlot slot = decode::token_slot(p, address, j);
+            mma::copy_async_16(k_slot + row * kPitch,
+                               k_cache + decode::slot_offset(slot, p.k_batch_stride, p.k_token_stride) + chunk * 8);
+            mma::copy_async_16(v_slot + row * kPitch,
+                               v_cache + decode::slot_offset(slot, p.v_batch_stride, p.v_token_stride) + chunk * 8);
+          } else {
+            *reinterpret_cast<Vec<T, 8>*>(v_slot + row * kPitch) = Vec<T, 8>{};
+          }
         }
       }
     }

@@ -64,13 +64,36 @@ def _problem(device):
     return layer, x, weight
 
 
+def _cp_options():
+    """torch's context-parallel options (a private module, moved between torch releases)."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+    except ImportError:
+        from torch.distributed.tensor.experimental._attention import _cp_options
+    return _cp_options
+
+
+@contextlib.contextmanager
+def _load_balanced(enabled: bool):
+    """Head-tail load balancing on or off (torch refuses it for non-causal attention), then as before."""
+    options = _cp_options()
+    before = options.enable_load_balance
+    options.enable_load_balance = enabled
+    try:
+        yield
+    finally:
+        options.enable_load_balance = before
+
+
 def _step(layer, x, weight, causal, mesh=None):
     """The loss and the parameters' gradients of one forward and backward; under context_parallel over
-    ``mesh`` (x and weight sharded along the sequence, restored afterwards) summed over its ranks."""
+    ``mesh`` (x and weight sharded along the sequence, restored afterwards, load-balanced when causal)
+    summed over its ranks."""
     layer.zero_grad(set_to_none=True)
-    sharded = (context_parallel(mesh, buffers=[x, weight], buffer_seq_dims=[1, 1]) if mesh is not None
-               else contextlib.nullcontext())
-    with sharded:
+    with contextlib.ExitStack() as sharded:
+        if mesh is not None:
+            sharded.enter_context(_load_balanced(causal))
+            sharded.enter_context(context_parallel(mesh, buffers=[x, weight], buffer_seq_dims=[1, 1]))
         loss = (layer(x, causal).float() * weight.float()).sum()
         loss.backward()
     results = [loss.detach(), *(p.grad.float() for p in layer.parameters())]
