@@ -10,8 +10,6 @@ parameters' gradients, summed over the ranks, must match the same layer's unshar
 within bf16's tolerance, and hipattn's kernels must have served the sharded calls. One process on one
 GPU (a mesh of one) runs everywhere; two processes on two GPUs (NCCL) run on nvidia-h200-x2 and are
 skipped with fewer than two GPUs.
-
-Written without a GPU at hand: these tests have not been run yet.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from support.processes import nccl_rank, run_spawned
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hipattn.torch  # noqa: F401  (registers "hipattn" with torch's flash-attention registry)
 from hipattn import attention, torch_sdpa
@@ -105,7 +104,8 @@ def _step(layer, x, weight, causal, mesh=None):
 
 @contextlib.contextmanager
 def _counting_hipattn_calls():
-    """hipattn enabled as torch's flash SDPA implementation, counting its forward and backward calls."""
+    """hipattn enabled as torch's flash SDPA implementation and SDPA pinned to it, counting hipattn's
+    forward and backward calls."""
     counts = {"forward": 0, "backward": 0}
     originals = {name: getattr(attention, name) for name in counts}
 
@@ -118,7 +118,8 @@ def _counting_hipattn_calls():
     for name in counts:
         setattr(attention, name, counted(name))
     try:
-        with torch_sdpa.enabled():
+        # SDPA's own choice can be cuDNN or the efficient kernel: pinned to the flash op hipattn serves.
+        with torch_sdpa.enabled(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             yield counts
     finally:
         for name, original in originals.items():
