@@ -105,6 +105,94 @@ struct QueryBlockTiles {
   static_assert(kBytes <= 227 * 1024, "the tiles must fit 227 KiB of shared memory");
 };
 
+// The dK/dV kernel's phase-1 entries of a lane (keys `key` and key + 8 of its slice, queries m0 + 8n
+// + 2t and the next, for query tile n), turned in place from scores into what phase 2 multiplies: Sᵀ
+// into the kept probabilities Pᵀ (times dropout's 1 / (1 - p)), dPᵀ into dSᵀ = Pᵀ (Z dPᵀ / (1 - p) -
+// Delta) score'(Sᵀ), with P = exp2(score - LSE) and 0 where the pair is not visible (by selection: a
+// stale NaN is discarded, never multiplied). `lse` and `delta` point at the tile's rows of query m0. A
+// functor for Scores::visit: with modifiers, the softcap's presence is one branch around the tile, so
+// that ALiBi alone forms no tanh (a branch per score if-converts into forming both).
+template <int Q_TILES, bool DROPOUT>
+struct TransposedGradients {
+  float (&s)[Q_TILES][4];
+  float (&dp)[Q_TILES][4];
+  const float* lse;
+  const float* delta;
+  unsigned long long kept_bits;  // bit 4n + e: entry e of query tile n is kept
+  const Dropout<DROPOUT>& dropout;
+  bool masked;  // some pair of the tile may be invisible
+  int key, m0, t, len_q, len_k, diagonal;
+  KeyWindow window;
+
+  template <typename Score>
+  HIPATTN_DEVICE void operator()(const Score& score) const {
+    // The offset of key + 8 (e / 2) from query m0 + 8n + 2t + (e & 1)'s diagonal: a base plus constants.
+    const float base = static_cast<float>(key - m0 - 2 * t - diagonal);
+#pragma unroll
+    for (int n = 0; n < Q_TILES; ++n) {
+      const int column = 8 * n + 2 * t;  // this lane's queries in the tile: column, column + 1
+      const float lse_log2[2] = {lse[column] * kLog2e, lse[column + 1] * kLog2e};
+      const float row_delta[2] = {delta[column], delta[column + 1]};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool kept = ((kept_bits >> (4 * n + e)) & 1ull) != 0;
+        const int query = m0 + column + (e & 1);
+        const int row_key = key + 8 * (e / 2);
+        const bool visible =
+            !masked || (query < len_q && row_key < len_k && key_in_window(query, row_key, diagonal, window));
+        float gradient = 1.0f;  // d(score)/d(scaled dot product), dS's factor: 1 but with softcap
+        const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
+        const float probability =
+            visible ? fast_exp2(score(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
+        // With dropout, dV takes the kept probabilities scaled, and dP reaches only kept entries.
+        s[n][e] = kept ? probability * dropout.scale() : 0.0f;
+        const float dp_kept = kept ? dp[n][e] * dropout.scale() : 0.0f;
+        dp[n][e] = probability * (dp_kept - row_delta[e & 1]) * gradient;
+      }
+    }
+  }
+};
+
+// The dQ kernel's entries of a lane (rows `row` and row + 8, keys n0 + 8n + 2t and the next, for key
+// tile n): dP turned in place into dS = P (Z dP / (1 - p) - Delta) score'(S), with P = exp2(score -
+// LSE) from the scores in `s`, 0 where the pair is not visible. A functor for Scores::visit, as
+// TransposedGradients.
+template <int N_TILES, bool DROPOUT>
+struct RowGradients {
+  const float (&s)[N_TILES][4];
+  float (&dp)[N_TILES][4];
+  const float (&lse_log2)[2];  // per row r (row, row + 8): LSE in base 2, Delta, its visible keys
+  const float (&delta)[2];
+  const unsigned int (&kept)[2][N_TILES];  // dropout's packed keep masks per row and key tile
+  const Dropout<DROPOUT>& dropout;
+  bool masked;  // some pair of the tile may be invisible
+  int n0, row, t;
+  const int (&key_first)[2];
+  const int (&key_limit)[2];
+  int diagonal;
+
+  template <typename Score>
+  HIPATTN_DEVICE void operator()(const Score& score) const {
+    // The offset of key n0 + 8n + 2t + (e & 1) from row + 8r's diagonal: a base plus constants.
+    const float base = static_cast<float>(n0 + 2 * t - row - diagonal);
+#pragma unroll
+    for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const int key = n0 + 8 * n + 2 * t + (e & 1);
+        const bool visible = !masked || (key >= key_first[r] && key < key_limit[r]);
+        float gradient = 1.0f;  // d(score)/d(scaled dot product), dS's factor: 1 but with softcap
+        const float offset = base + static_cast<float>(8 * n + (e & 1) - 8 * r);
+        const float probability = visible ? fast_exp2(score(s[n][e], offset, gradient) - lse_log2[r]) : 0.0f;
+        // With dropout, dP reaches only the kept entries, scaled as the forward scaled them.
+        const bool keep = !dropout.active() || (kept[r][n] >> (16 * (e & 1)) & 1u) != 0;
+        const float dp_kept = keep ? dp[n][e] * dropout.scale() : 0.0f;
+        dp[n][e] = probability * (dp_kept - delta[r]) * gradient;
+      }
+  }
+};
+
 }  // namespace flash
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool WRITE_DQ, bool SCORE_MODS>
@@ -280,34 +368,16 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
     const bool masked = m0 + BLOCK_M > len_q || n0 + BLOCK_N > len_k ||
                         !key_in_window(m0, n0 + BLOCK_N - 1, diagonal, window) ||
                         !key_in_window(m0 + BLOCK_M - 1, n0, diagonal, window);
-    // The offset of key (slice_row + g + 8 (e / 2)) from query (query_base + 8n + 2t + (e & 1))'s
-    // diagonal: a base per tile plus constants.
-    const float base = static_cast<float>(n0 + slice_row + g - m0 - query_base - 2 * t - diagonal);
     // Dropout's keep bits of this lane's entries, bit 4n + e for entry e of query tile n.
     const unsigned long long kept_bits =
         dropout.active() ? dropout.template transposed_m16n8_bits<kQTiles>(n0 + slice_row + g, m0 + query_base, t)
                          : ~0ull;
+    scores.visit(flash::TransposedGradients<kQTiles, SCORE_MODS>{
+        s, dp, lse_slot + query_base, delta_slot + query_base, kept_bits, dropout, masked, n0 + slice_row + g,
+        m0 + query_base, t, len_q, len_k, diagonal, window});
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
       const int column = query_base + 8 * n + 2 * t;  // this lane's queries: column, column + 1
-      const float lse_log2[2] = {lse_slot[column] * kLog2e, lse_slot[column + 1] * kLog2e};
-      const float delta[2] = {delta_slot[column], delta_slot[column + 1]};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool kept = ((kept_bits >> (4 * n + e)) & 1ull) != 0;
-        const int query = m0 + column + (e & 1);
-        const int key = n0 + slice_row + g + 8 * (e / 2);
-        const bool visible =
-            !masked || (query < len_q && key < len_k && key_in_window(query, key, diagonal, window));
-        float gradient = 1.0f;  // d(score)/d(scaled dot product), dS's factor: 1 but with softcap
-        const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
-        const float probability =
-            visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
-        // With dropout, dV takes the kept probabilities scaled, and dP reaches only kept entries.
-        s[n][e] = kept ? probability * dropout.scale() : 0.0f;
-        const float dp_kept = kept ? dp[n][e] * dropout.scale() : 0.0f;
-        dp[n][e] = probability * (dp_kept - delta[e & 1]) * gradient;
-      }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int offset = (slice_row + g + 8 * r) * kScorePitch + column;
@@ -550,9 +620,6 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
 
     // ---- P and dS = P (dP - Delta); masked entries are 0 by selection ----
     const bool masked = n0 < unmasked_begin || n0 + BLOCK_N > unmasked_end;
-    // The offset of key n0 + 8n + 2t + (e & 1) from row m0 + 16 warp + g + 8r's diagonal: a base
-    // per tile plus constants.
-    const float base = static_cast<float>(n0 + 2 * t - (m0 + 16 * warp + g) - diagonal);
     // Dropout's keep masks of the two rows, as the forward computes them (packed pairs, m16n8 layout).
     unsigned int kept[2][kNTiles];
     if (dropout.active()) {
@@ -560,22 +627,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dq_mma(const FlashB
       for (int r = 0; r < 2; ++r)
         m16n8_masks(dropout.template m16n8_bits<kNTiles>(m0 + 16 * warp + g + 8 * r, n0, t), kept[r]);
     }
-#pragma unroll
-    for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const int key = n0 + 8 * n + 2 * t + (e & 1);
-        const bool visible = !masked || (key >= key_first[r] && key < key_limit[r]);
-        float gradient = 1.0f;  // d(score)/d(scaled dot product), dS's factor: 1 but with softcap
-        const float offset = base + static_cast<float>(8 * n + (e & 1) - 8 * r);
-        const float probability =
-            visible ? fast_exp2(scores(s[n][e], offset, gradient) - lse_log2[r]) : 0.0f;
-        // With dropout, dP reaches only the kept entries, scaled as the forward scaled them.
-        const bool keep = !dropout.active() || (kept[r][n] >> (16 * (e & 1)) & 1u) != 0;
-        const float dp_kept = keep ? dp[n][e] * dropout.scale() : 0.0f;
-        dp[n][e] = probability * (dp_kept - delta[r]) * gradient;
-      }
+    scores.visit(flash::RowGradients<kNTiles, SCORE_MODS>{s, dp, lse_log2, delta, kept, dropout, masked, n0,
+                                                          m0 + 16 * warp + g, t, key_first, key_limit, diagonal});
 
     // ---- dQ += dS K: n-tiles 2 kk and 2 kk + 1 of dS are the A operand of k-step kk ----
 #pragma unroll
