@@ -10,10 +10,11 @@
 // warp keeps its own softmax state over its keys; decode/merge.h merges the four at the end, through
 // the staging memory, and writes O and the LSE, or the split's partials.
 //
-// Rows are copied one token at a time (decode/cache.h's slots), so paged and contiguous caches, and
-// any page size, take the same path. Q rows past the block's and V rows past the split's keys are
-// zero-filled (a zero weight times stale shared memory could be NaN); scores past the keys, before
-// cache_leftpad and outside the window are masked by selection. The two rows a lane holds belong to
+// Rows are found through decode/cache.h's slots, so paged and contiguous caches and any page size are
+// served: a tile within one page (every tile of a contiguous cache, or of pages a multiple of BLOCK_N)
+// by running pointers, a tile that crosses pages row by row. Q rows past the block's and V rows past
+// the split's keys are zero-filled (a zero weight times stale shared memory could be NaN); scores past
+// the keys, before cache_leftpad and outside the window are masked by selection. The two rows a lane holds belong to
 // different query heads of the group: with SCORE_MODS each gets its own head's modifiers
 // (common/score_mods.h; an ALiBi slope is per head).
 #pragma once
