@@ -354,7 +354,7 @@ def backward(
             smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, **call.sequences,
                               alibi_slopes=call.alibi_slopes)
         else:
-            plan = backward_workspace(problem, deterministic)
+            plan = backward_workspace(problem, flash_backward.adds_dq_atomically(problem, deterministic))
             # An allocation made here is freed on return: the frameworks' allocators are stream-
             # ordered, so its memory is not handed out again before the launch stream has passed
             # the kernels that use it.
@@ -379,7 +379,7 @@ def backward_workspace_bytes(q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None
     problem = dataclasses.replace(call.problem, dropout_p=dropout.check_dropout_p(dropout_p))
     if dispatch.choose_path(problem, "backward") == dispatch.SMALLSEQ:
         return 0
-    return backward_workspace(problem, deterministic).total_bytes
+    return backward_workspace(problem, flash_backward.adds_dq_atomically(problem, deterministic)).total_bytes
 
 
 def workspace_sections(workspace: Any, plan: WorkspacePlan, like: DeviceArray, stream: int,

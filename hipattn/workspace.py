@@ -105,19 +105,20 @@ def plan_workspace(sections: Iterable[SectionRequest], alignment: int = WORKSPAC
 # ---- the flash path's planners -------------------------------------------------------------------
 
 
-def backward_workspace(problem: Problem, deterministic: bool) -> WorkspacePlan:
+def backward_workspace(problem: Problem, atomic_dq: bool) -> WorkspacePlan:
     """Sections of the flash backward.
 
     - ``softmax_d``: fp32 D = rowsum(dO * O), laid out as the LSE: [Hq, total_q] (THD) or
       [B, Hq, S_q] (BSHD).
     - ``dq_accum``: fp32, dq's shape, [total_q, Hq, D] or [B, S_q, Hq, D]; only for the atomic
-      schedule (``deterministic=False``): the deterministic one sums dQ per query tile in registers.
+      schedule (``atomic_dq``; ops.flash_backward.adds_dq_atomically says when a call runs it): the
+      dQ kernel's schedule sums dQ per query tile in registers.
     - ``varlen_records``: int32 [batch, VARLEN_RECORD_WORDS], one record per sequence: the dK/dV
       kernel's work list (hipattn.varlen_metadata), prepared on the launch stream; only THD.
     """
     heads, head_dim = problem.heads_q, problem.head_dim
     sections = [SectionRequest("softmax_d", lse_shape(problem), "fp32")]
-    if not deterministic:
+    if atomic_dq:
         dq_accum = (problem.total_q, heads, head_dim) if problem.layout == THD else (
             problem.batch, problem.total_q, heads, head_dim)
         sections.append(SectionRequest("dq_accum", dq_accum, "fp32"))

@@ -89,7 +89,7 @@ def test_bad_requests_are_refused():
 @pytest.mark.parametrize("layout", [THD, BSHD])
 def test_atomic_backward_sections(layout):
     problem = make_problem(layout, batch=3, heads_q=8, head_dim=128, total_q=1000)
-    plan = backward_workspace(problem, deterministic=False)
+    plan = backward_workspace(problem, atomic_dq=True)
     if layout == THD:
         assert plan.names == ("softmax_d", "dq_accum", "varlen_records")
         assert plan["softmax_d"].shape == (8, 1000)
@@ -104,24 +104,24 @@ def test_atomic_backward_sections(layout):
 
 
 @pytest.mark.parametrize("layout", [THD, BSHD])
-def test_deterministic_backward_has_no_dq_accum(layout):
-    plan = backward_workspace(make_problem(layout), deterministic=True)
+def test_the_dq_kernel_schedule_has_no_dq_accum(layout):
+    plan = backward_workspace(make_problem(layout), atomic_dq=False)
     assert plan.names == (("softmax_d", "varlen_records") if layout == THD else ("softmax_d",))
     assert_well_formed(plan)
 
 
 def test_varlen_records_are_one_record_per_sequence_in_both_modes():
-    for deterministic in (False, True):
-        plan = backward_workspace(make_problem(THD, batch=3), deterministic=deterministic)
+    for atomic_dq in (False, True):
+        plan = backward_workspace(make_problem(THD, batch=3), atomic_dq=atomic_dq)
         assert plan["varlen_records"].shape == (3, VARLEN_RECORD_WORDS) and plan["varlen_records"].dtype == "int32"
         assert plan["varlen_records"].nbytes == 3 * VARLEN_RECORD_BYTES
         # Host facts only: the lengths in cu_seqlens, which the records hold, do not change the plan.
-        assert plan == backward_workspace(make_problem(THD, batch=3, max_seqlen_k=5, total_k=9), deterministic)
+        assert plan == backward_workspace(make_problem(THD, batch=3, max_seqlen_k=5, total_k=9), atomic_dq)
 
 
 def test_empty_problems_plan_empty_sections():
     plan = backward_workspace(make_problem(THD, batch=0, total_q=0, total_k=0, max_seqlen_q=0, max_seqlen_k=0),
-                              deterministic=False)
+                              atomic_dq=True)
     assert plan.names == ("softmax_d", "dq_accum", "varlen_records")
     assert all(s.nbytes == 0 for s in plan.sections) and plan.total_bytes == 0
 
@@ -136,6 +136,6 @@ def test_the_backward_carves_through_the_one_helper(monkeypatch):
         return real(sections, *args, **kwargs)
 
     monkeypatch.setattr(workspace, "plan_workspace", spy)
-    backward_workspace(make_problem(), deterministic=True)
-    backward_workspace(make_problem(BSHD), deterministic=False)
+    backward_workspace(make_problem(), atomic_dq=False)
+    backward_workspace(make_problem(BSHD), atomic_dq=True)
     assert calls == [["softmax_d", "varlen_records"], ["softmax_d", "dq_accum"]]

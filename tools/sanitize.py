@@ -176,6 +176,15 @@ def flash_forward_family(head_dim: int, kernel: str) -> str:
     return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET).family.name
 
 
+def adds_dq_atomically(case: Case) -> bool:
+    """Whether a flash_backward case adds dQ atomically (then bwd_convert_dq) or runs the dQ kernel, as
+    hipattn.ops.flash_backward decides on the sanitizer's machine (a tiles override, the mma.sync cases,
+    keeps the schedule `deterministic` names)."""
+    if case.deterministic:
+        return False
+    return case.kernel == "mma.sync" or not flash_backward_catalog.dq_kernel_always(case.head_dim, SANITIZER_TARGET)
+
+
 def flash_dkdv_family(head_dim: int, kernel: str) -> str:
     """The backward's dK/dV kernel a case launches on the sanitizer's machine."""
     if kernel == "mma.sync":
@@ -197,7 +206,7 @@ def families_of(case: Case) -> tuple[str, ...]:
         return (flash_forward_family(case.head_dim, "device"),
                 *(("varlen_records",) if case.varlen_prep == "device" else ()), "bwd_dot_do_o",
                 flash_dkdv_family(case.head_dim, case.kernel),
-                "flash_backward_dq_mma" if case.deterministic else "bwd_convert_dq")
+                "bwd_convert_dq" if adds_dq_atomically(case) else "flash_backward_dq_mma")
     if case.kind == "flash_forward":
         return (flash_forward_family(case.head_dim, case.kernel),)
     return {"dot_do_o": ("bwd_dot_do_o",), "convert_dq": ("bwd_convert_dq",)}[case.kind]
@@ -560,7 +569,7 @@ def run_flash_backward(runner: Runner, case: Case) -> None:
     problem = problem_mod.describe(qa, ka, va, max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k,
                                    causal=case.causal, window_size=case.window, dropout_p=case.dropout_p,
                                    dropout_seed=seed, **sequences)
-    plan = backward_workspace(problem, case.deterministic)
+    plan = backward_workspace(problem, adds_dq_atomically(case))
     workspace = {section.name: array(runner.output(section.name, section.shape, section.dtype, fill=0), section.name)
                  for section in plan.sections}
     previous = os.environ.get(PREP_SWITCH)
@@ -581,14 +590,14 @@ def run_flash_backward(runner: Runner, case: Case) -> None:
         else:
             os.environ[PREP_SWITCH] = previous
     # The flash kernels pass max_seqlen as their tile. The atomic schedule's bwd_convert_dq writes
-    # every row of dq; the deterministic dQ kernel only the sequences' rows.
+    # every row of dq; the dQ kernel only the sequences' rows.
     rows_q = rows_a_kernel_may_write(case.cu_seqlens_q, case.seqused_q, BATCH, case.max_seqlen_q, case.total_q,
                                      case.max_seqlen_q)
     rows_k = rows_a_kernel_may_write(case.cu_seqlens_k, case.seqused_k, BATCH, case.max_seqlen_k, case.total_k,
                                      case.max_seqlen_k)
     untouched = {"dk": lambda t: _row_mask(torch, t.shape, rows_k, 0, None),
                  "dv": lambda t: _row_mask(torch, t.shape, rows_k, 0, None)}
-    if case.deterministic:
+    if not adds_dq_atomically(case):
         untouched["dq"] = lambda t: _row_mask(torch, t.shape, rows_q, 0, None)
     runner.check_outputs(untouched)
 

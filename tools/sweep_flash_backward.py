@@ -67,11 +67,12 @@ def parse_variant(text: str):
 
 
 def compile_variants(variants) -> None:
-    """Every variant's three kernels into the disk cache, in parallel."""
+    """Every variant's three kernels (the plain instantiations the sweep's calls run) into the disk cache,
+    in parallel."""
     specs = []
     for head_dim, dkdv, dq in variants:
-        specs += [dkdv.spec("bf16", head_dim, write_dq=write_dq) for write_dq in (False, True)]
-        specs.append(dq.spec("bf16", head_dim))
+        specs += [dkdv.spec("bf16", head_dim, write_dq=write_dq, score_mods=False) for write_dq in (False, True)]
+        specs.append(dq.spec("bf16", head_dim, score_mods=False))
     precompile(specs)
 
 

@@ -224,14 +224,22 @@ FLASH_BACKWARD_MMA_TILES: dict[int, tuple[FlashDkdvMmaTiles, FlashDqMmaTiles]] =
 
 # Hopper (sm_90, sm_90a) lets a block opt in to 227 KiB, and the larger tiles that buys win on the
 # H200 (tools/sweep_flash_backward.py): 128-key tiles with 64-row query tiles at head_dims 64 to 128
-# (every key tile adds its dQ share once, and a longer key tile means fewer additions); 32 x 64 at
-# head_dim 256. 128-row dQ tiles make the deterministic schedule 2-7% faster still.
+# (every key tile adds its dQ share once, and a longer key tile means fewer additions); 64 x 64 at
+# head_dim 256 (217 KiB; 9-13% faster than 32 x 64, 64 x 32 slower by half). 128-row dQ tiles make the
+# deterministic schedule 2-7% faster still.
 FLASH_BACKWARD_MMA_TILES_HOPPER: dict[int, tuple[FlashDkdvMmaTiles, FlashDqMmaTiles]] = {
     64: (FlashDkdvMmaTiles(block_m=64, block_n=128, warps=8), FlashDqMmaTiles(block_m=128, block_n=128, warps=8)),
     96: (FlashDkdvMmaTiles(block_m=64, block_n=128, warps=8), FlashDqMmaTiles(block_m=128, block_n=64, warps=8)),
     128: (FlashDkdvMmaTiles(block_m=64, block_n=128, warps=8), FlashDqMmaTiles(block_m=128, block_n=64, warps=8)),
-    256: (FlashDkdvMmaTiles(block_m=32, block_n=64, warps=8), FlashDqMmaTiles(block_m=128, block_n=32, warps=8)),
+    256: (FlashDkdvMmaTiles(block_m=64, block_n=64, warps=8), FlashDqMmaTiles(block_m=128, block_n=32, warps=8)),
 }
+
+# Head_dims at which Hopper's backward takes dQ from the dQ kernel in every call, deterministic or not:
+# at 256 a dK/dV warp's atomic share of dQ (16 keys by 256 columns per query tile) costs more than the
+# dQ kernel's second pass over the keys (on the H200, S 4096: 19.2 against 21.4 ms non-causal, 10.1
+# against 11.2 causal; tools/sweep_flash_backward.py). The schedule is then bit-identical run to run
+# whatever `deterministic` says.
+HOPPER_DQ_KERNEL_HEAD_DIMS = frozenset({256})
 
 # Two warpgroups, 128 keys: each holds dK and dV of its 64 keys (head_dim / 2 fp32 registers each per
 # thread) beside Sᵀ and dPᵀ (32 each), and takes half of dQ's stored columns: a whole swizzle block of K
@@ -258,6 +266,13 @@ def mma_tiles_for(head_dim: int, target: Target | None) -> tuple[FlashDkdvMmaTil
     """The mma.sync kernels' (dK/dV, dQ) rows of ``head_dim`` for ``target``: Hopper's, or the every-part ones."""
     table = FLASH_BACKWARD_MMA_TILES_HOPPER if has_hopper_shared_memory(target) else FLASH_BACKWARD_MMA_TILES
     return table[head_dim]
+
+
+def dq_kernel_always(head_dim: int, target: Target | None) -> bool:
+    """Whether ``target``'s backward at ``head_dim`` computes dQ with the dQ kernel in every call (the
+    deterministic schedule) instead of adding it from the dK/dV kernel when ``deterministic`` is off."""
+    return (has_hopper_shared_memory(target) and head_dim in HOPPER_DQ_KERNEL_HEAD_DIMS
+            and not (runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES))
 
 
 def tiles_for(head_dim: int, target: Target | None) -> tuple[FlashDkdvTiles, FlashDqTiles]:

@@ -77,6 +77,18 @@ def _check_records(varlen_records: DeviceArray, problem: Problem) -> None:
                          f"{varlen_records.dtype} {varlen_records.shape} strides {varlen_records.strides}")
 
 
+def adds_dq_atomically(problem: Problem, deterministic: bool) -> bool:
+    """Whether a backward of ``problem`` adds dQ atomically from the dK/dV kernel into dq_accum (the
+    workspace section it then needs) rather than computing it with the dQ kernel: when ``deterministic``
+    is off, unless the device's rows make the dQ kernel the faster schedule at this head_dim
+    (catalog.flash_backward.dq_kernel_always; only the head_dims it names ask the device which it is)."""
+    if deterministic:
+        return False
+    if problem.head_dim not in flash_backward.HOPPER_DQ_KERNEL_HEAD_DIMS:
+        return True
+    return not flash_backward.dq_kernel_always(problem.head_dim, runtime.active().target(problem.device))
+
+
 def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int, *, softmax_d: DeviceArray,
              dq_accum: DeviceArray | None = None, varlen_records: DeviceArray | None = None,
              deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
@@ -85,7 +97,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
 
     All arguments are DeviceArrays in ``problem``'s layout; dq, dk, dv take q, k, v's shapes and dtype.
     ``softmax_d`` is fp32 workspace shaped like ``lse`` (it receives Delta = rowsum(dout * out)).
-    ``dq_accum`` is contiguous fp32 workspace shaped like dq, needed unless ``deterministic``.
+    ``dq_accum`` is contiguous fp32 workspace shaped like dq, needed where ``adds_dq_atomically``.
     ``varlen_records`` (THD only) is contiguous int32 workspace [batch, VARLEN_RECORD_WORDS]: the
     dK/dV kernel's work list, prepared here on ``stream`` (workspace.backward_workspace's section).
     ``dropout_seed``: the forward's seed array, for a call with dropout (hipattn.dropout).
@@ -96,14 +108,16 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     reason = ineligibility(problem, "backward")
     if reason is not None:
         raise ValueError(f"flash backward: {reason}")
-    if not deterministic and dq_accum is None:
+    active = runtime.active()
+    target = active.target(problem.device)
+    # A `tiles` override keeps the caller's schedule, so that a sweep times both.
+    atomic_dq = not deterministic if tiles is not None else adds_dq_atomically(problem, deterministic)
+    if atomic_dq and dq_accum is None:
         raise ValueError("flash backward: the atomic dQ schedule (deterministic=False) needs dq_accum")
     work_list = varlen_records is not None
     if work_list:
         _check_records(varlen_records, problem)
         way = prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
-    active = runtime.active()
-    target = active.target(problem.device)
     dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target)
     dkdv_blocks = dkdv_grid_blocks(problem, work_list, dkdv_tiles.block_n)
     dq_blocks = dq_grid_blocks(problem, dq_tiles.block_m)
@@ -115,7 +129,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     layout = problem.layout
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         put_tensor(fields, name, a, layout)
-    if dq_accum is not None:
+    if atomic_dq:
         put_tensor(fields, "dq_accum", dq_accum, layout)
     else:
         put_absent_tensor(fields, "dq_accum")
@@ -131,14 +145,14 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
             dkdv_tiles.block_n, varlen_records.ptr, limits=SequenceLimits.of(problem),
             seqused_q=fields["seqused_q"], seqused_k=fields["seqused_k"], way=way)
     preprocess.dot_do_o(out, dout, softmax_d, stream)
-    if not deterministic:
+    if atomic_dq:
         preprocess.zero_dq_accum(dq_accum, stream)
     # With no query rows (max_seqlen_q 0) the dK/dV kernel still runs: its keys get dK = dV = 0.
     if dkdv_blocks:
-        _launch(active, _launch_of(dkdv_tiles, problem.dtype, problem.head_dim, write_dq=not deterministic,
+        _launch(active, _launch_of(dkdv_tiles, problem.dtype, problem.head_dim, write_dq=atomic_dq,
                                                score_mods=problem.score_mods),
                 dkdv_tiles, dkdv_blocks, problem, stream, fields)
-    if not deterministic:
+    if atomic_dq:
         # The kernel adds unscaled dS K; the conversion applies softmax_scale once.
         preprocess.convert_dq(dq_accum, dq, problem.softmax_scale, stream)
     elif dq_blocks:

@@ -143,7 +143,7 @@ class VarlenCall:
                               cu_seqlens_k=arrays.as_device_array(self.cu_k, "cu_seqlens_k"))
         self.problem = problem_mod.describe(self.qa, self.ka, self.va, max_seqlen_q=max_seqlen,
                                             max_seqlen_k=max_seqlen, causal=causal, **self.sequences)
-        plan = backward_workspace(self.problem, deterministic)
+        plan = backward_workspace(self.problem, flash_backward.adds_dq_atomically(self.problem, deterministic))
         self.workspace = torch.empty(plan.total_bytes, dtype=torch.uint8, device="cuda")  # one buffer, as attention.py
         self.sections = {
             s.name: self.workspace[s.offset:s.offset + s.nbytes].view(TORCH_DTYPES[s.dtype]).view(s.shape)
