@@ -11,6 +11,8 @@ from hipattn.catalog.common import FLASH_HEAD_DIMS
 from hipattn.catalog.flash_backward import (
     FLASH_BACKWARD_MMA_TILES,
     FLASH_BACKWARD_MMA_TILES_HOPPER,
+    HOPPER_DQ_KERNEL_HEAD_DIMS,
+    dq_kernel_always,
     mma_tiles_for,
     tiles_for,
 )
@@ -50,3 +52,16 @@ def test_backward_rows_follow_the_kernels_warp_layout(head_dim, hopper):
     assert dkdv.warps % (dkdv.block_m // 16) == 0, "phase 3 gives every warp one 16-row tile of dQ"
     assert dq.warps * 16 == dq.block_m, "the dQ kernel has one warp per 16 query rows"
     assert dkdv.warps <= 8 and dq.warps <= 8
+
+
+@pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
+def test_only_hoppers_mma_sync_rows_named_for_it_take_dq_from_the_dq_kernel_in_every_call(head_dim):
+    # Head_dim 256 on Hopper: the dK/dV kernel's atomic dQ share costs more there than the dQ kernel's pass.
+    assert HOPPER_DQ_KERNEL_HEAD_DIMS == {256}
+    for arch in ("sm_90", "sm_90a"):
+        target = Target.parse(arch)
+        assert dq_kernel_always(head_dim, target) == (head_dim == 256)
+        if head_dim == 256:
+            assert tiles_for(head_dim, target)[0] == FLASH_BACKWARD_MMA_TILES_HOPPER[256][0], "no wgmma row shadows it"
+    for arch in ("sm_80", "sm_86", "sm_89", "gfx90a", "gfx942"):
+        assert not dq_kernel_always(head_dim, Target.parse(arch))
