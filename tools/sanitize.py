@@ -221,8 +221,9 @@ def _flash_configurations(kind: str, lengths_q: list[int], lengths_k: list[int],
     second alone when ``quick``): THD sequences of these lengths in arrays with rows past the last
     sequence, bounded by the longest."""
     cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
-    # head_dim 96: the wgmma forward's rows of a column block and a half (mma.sync's backward).
-    configs = (("bf16", 64, 4, 4), ("fp16", 128, 4, 2), ("bf16", 96, 6, 2))
+    # head_dim 96: the wgmma forward's rows of a column block and a half; 256: the mma.sync dK/dV
+    # kernel's 64 x 64 Hopper row, and the dQ kernel in every call.
+    configs = (("bf16", 64, 4, 4), ("fp16", 128, 4, 2), ("bf16", 96, 6, 2), ("bf16", 256, 4, 2))
     for dtype, head_dim, hq, hkv in configs[1:2] if quick else configs:
         yield cu_q, cu_k, dict(kind=kind, dtype=dtype, head_dim=head_dim, heads_q=hq, heads_kv=hkv,
                                total_q=cu_q[-1] + 7, total_k=cu_k[-1] + 3, max_seqlen_q=max(lengths_q),
