@@ -265,7 +265,8 @@ def forward(
         with recording_launches() as launches:
             if path == dispatch.SMALLSEQ:
                 smallseq.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences,
-                                 alibi_slopes=call.alibi_slopes, learnable_sink=call.learnable_sink)
+                                 alibi_slopes=call.alibi_slopes, dropout_seed=call.dropout_seed,
+                                 learnable_sink=call.learnable_sink)
             else:
                 flash.forward(problem, qa, ka, va, out_a, lse_a, launch_stream, **call.sequences,
                               alibi_slopes=call.alibi_slopes, dropout_seed=call.dropout_seed,
@@ -352,7 +353,7 @@ def backward(
         check_outputs_disjoint((dq_span, dk_span, dv_span))
         if path == dispatch.SMALLSEQ:
             smallseq.backward(problem, douta, qa, ka, va, lsea, dqa, dka, dva, launch_stream, **call.sequences,
-                              alibi_slopes=call.alibi_slopes)
+                              alibi_slopes=call.alibi_slopes, dropout_seed=call.dropout_seed)
         else:
             plan = backward_workspace(problem, flash_backward.adds_dq_atomically(problem, deterministic))
             # An allocation made here is freed on return: the frameworks' allocators are stream-
@@ -372,7 +373,7 @@ def backward_workspace_bytes(q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None
                              window_size: tuple[int, int] = problem_mod.NO_WINDOW,
                              deterministic: bool = False, dropout_p: float = 0.0) -> int:
     """Bytes of the ``workspace`` a ``backward`` call with these arguments needs (0 on the small-seq
-    path, which needs none; ``dropout_p`` matters because dropout takes the flash path). Reads no
+    path, which needs none; ``dropout_p``, the call's, is checked as the backward checks it). Reads no
     device memory."""
     call = _describe_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                             max_seqlen_k, causal, None, None, window_size)

@@ -98,12 +98,12 @@ def test_a_gpu_without_matrix_cores_gets_a_clear_error_for_long_sequences(arch):
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("name", ["sm_90a", "sm_80", "gfx90a"])
-def test_dropout_takes_the_flash_path_even_when_short(arch, direction, name):
-    """The small-seq kernels do not drop: a call with dropout runs the flash kernels, which do."""
+def test_dropout_keeps_short_calls_on_the_small_seq_path(arch, direction, name):
+    """Every small-seq kernel drops as the flash kernels do: dropout does not change the path."""
     arch(name)
     short = varlen(17, 17)
-    assert dispatch.choose_path(short, direction) == dispatch.SMALLSEQ
-    assert dispatch.choose_path(dataclasses.replace(short, dropout_p=0.1), direction) == dispatch.FLASH
+    assert dispatch.choose_path(dataclasses.replace(short, dropout_p=0.1), direction) == dispatch.SMALLSEQ
+    assert dispatch.choose_path(dataclasses.replace(varlen(18, 17), dropout_p=0.1), direction) == dispatch.FLASH
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])

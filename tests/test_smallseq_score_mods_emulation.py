@@ -1,23 +1,23 @@
-"""flash-attn's score modifiers (softcap, ALiBi) and learnable sinks in every small-seq kernel, forward and
-backward, on the
-emulated devices (tests/support/emulation.py) against float64, through hipattn's own launch path:
-the portable kernels (smallseq/forward.hip, backward.hip) at wave64 on the gfx90a and at warp32 on the
-sm_80, the MFMA kernels (forward_mfma.hip, backward_mfma.hip) on the gfx90a, and on the sm_80 the
-tensor-core kernels of one problem per (sequence, head) (forward_mma.hip, backward_mma.hip) and of
-grouped heads (forward_gqa_mma.hip, backward_gqa_mma.hip).
+"""flash-attn's score modifiers (softcap, ALiBi), learnable sinks and dropout in every small-seq kernel,
+forward and backward, on the emulated devices (tests/support/emulation.py) against float64, through
+hipattn's own launch path: the portable kernels (smallseq/forward.hip, backward.hip) at wave64 on the
+gfx90a and at warp32 on the sm_80, the MFMA kernels (forward_mfma.hip, backward_mfma.hip) on the
+gfx90a, and on the sm_80 the tensor-core kernels of one problem per (sequence, head) (forward_mma.hip,
+backward_mma.hip) and of grouped heads (forward_gqa_mma.hip, backward_gqa_mma.hip).
 
 Each kernel meets the four modifier cases: softcap alone (scores and the backward's 1 - tanh² factor),
-ALiBi per head, ALiBi per (sequence, head) under a causal mask, and both under a causal mask; and a
+ALiBi per head, ALiBi per (sequence, head) under a causal mask, and both under a causal mask; a
 learnable sink per query head (a logit in every row's softmax sum: the forwards add it, the backwards
 read it through the LSE), with and without a causal mask, where a row that sees no key gets LSE = the
-sink. The
-grouped kernels walk stacked query rows of several heads (token-major in the tensor-core kernels,
-head-major in the MFMA ones, and the portable backward walks a group's heads in turn), so they run
-with groups of 3 and 4 whose heads all have different slopes: a row given another head's slope fails.
-Sequences of 0 to 17 tokens, Q longer and shorter than KV, empty Q and empty KV, as the files of the
-plain kernels (test_smallseq_mfma_emulation.py, test_smallseq_gqa_emulation.py) have them, THD and
-BSHD with seqused. Outputs are poisoned with NaN first and every element is compared; BSHD's padding
-past seqused must stay unwritten."""
+sink; and dropout (dropout_p 0.17, a seed with both 32-bit halves set), with and without a causal mask,
+whose keep mask (hipattn.dropout's, a function of sequence, query head, row and key) the float64
+reference applies too. The grouped kernels walk stacked query rows of several heads (token-major in
+the tensor-core kernels, head-major in the MFMA ones, and the portable backward walks a group's heads
+in turn), so they run with groups of 3 and 4 whose heads all have different slopes and keep bits: a
+row given another head's slope or bits fails. Sequences of 0 to 17 tokens, Q longer and shorter than
+KV, empty Q and empty KV, as the files of the plain kernels (test_smallseq_mfma_emulation.py,
+test_smallseq_gqa_emulation.py) have them, THD and BSHD with seqused. Outputs are poisoned with NaN
+first and every element is compared; BSHD's padding past seqused must stay unwritten."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from support.emulation import EmulatedDevice, EmulationBackend, needs_compiler
 from support.raw_calls import check_bshd_forward_and_backward, check_forward_and_backward
-from support.reference import SCORE_MODIFIER_CASES
+from support.reference import DROPOUT_P, DROPOUT_SEED, SCORE_MODIFIER_CASES
 
 from hipattn.catalog import smallseq as catalog
 from hipattn.jit.cache import DiskCache
@@ -142,3 +142,18 @@ def test_the_small_seq_kernels_match_float64_with_learnable_sinks(build_dirs, mo
                                                                    causal):
     device = EmulatedDevice(*build_dirs, monkeypatch, arch=case.arch)
     _check(device, monkeypatch, score_modified, case, causal, sink=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_small_seq_kernels_match_float64_with_dropout(build_dirs, monkeypatch, score_modified, dropped, case,
+                                                         causal):
+    device = EmulatedDevice(*build_dirs, monkeypatch, arch=case.arch)
+
+    def score_modified_and_dropped(device, batch, heads_q, **mods):
+        # After score_modified, which sets the references afresh: dropped adds its mask to them.
+        slopes = score_modified(device, batch, heads_q, **mods)
+        dropped(device, DROPOUT_P, DROPOUT_SEED)
+        return slopes
+
+    _check(device, monkeypatch, score_modified_and_dropped, case, causal)

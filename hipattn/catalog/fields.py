@@ -38,8 +38,8 @@ SCORE_MOD_FIELDS: Fields = (("softcap", "f32"), ("alibi_slopes", "const_ptr"), (
 
 # flash-attn's dropout (kernels/common/dropout.h), filled by hipattn.dropout.fields: the 16-bit keep
 # threshold (0: no dropout), 1 / (1 - dropout_p), and a device pointer to the call's 64-bit seed. The
-# flash kernels' structs end with them, after the score modifiers; their modified instantiation reads
-# them (the small-seq and decode kernels leave dropout to the flash path).
+# flash and small-seq kernels' structs end with them, after the score modifiers; their modified
+# instantiations read them (the decode kernels take no dropout).
 DROPOUT_FIELDS: Fields = (("dropout_threshold", "i32"), ("dropout_scale", "f32"), ("dropout_seed", "const_ptr"))
 
 # A learnable attention sink per query head (FlashAttention-4's learnable_sink, gpt-oss): fp32 [Hq], a

@@ -14,11 +14,13 @@ from ..jit.spec import KernelFamily, KernelSpec
 from ..jit.target import Target
 from .common import DTYPES
 from .fields import (
+    DROPOUT_FIELDS,
     SCORE_MOD_FIELDS,
     SCORE_MODS_PARAM,
     SCORE_MODS_VALUES,
     SEQUENCE_FIELDS,
     SINK_FIELDS,
+    Fields,
     row_statistic,
     strided,
 )
@@ -77,11 +79,17 @@ BACKWARD_FIELDS = (strided("q") + strided("k") + strided("v") + strided("dout") 
 RUN_FIELD = (("problems_per_team", "i32"),)
 
 
+# Dropout's streams are numbered sequence * heads_q + query head (kernels/common/dropout.h), as the flash
+# kernels number them; the small-seq kernels otherwise know Hq as a template argument.
+_DROPOUT_STREAMS: Fields = (("heads_q", "i32"),)
+
+
 def smallseq_params(name: str, fields, *, sinks: bool = False) -> ParamsStruct:
-    """A small-seq kernel's struct: ``fields``, then the score modifiers (last in every attention
-    struct), and for a forward (``sinks``) the learnable sinks, which only the forwards read: the
-    backwards take them through the LSE."""
-    return ParamsStruct(name, fields + SCORE_MOD_FIELDS + (SINK_FIELDS if sinks else ()))
+    """A small-seq kernel's struct: ``fields``, then the score modifiers and dropout (last in every
+    attention struct), and for a forward (``sinks``) the learnable sinks, which only the forwards read:
+    the backwards take them through the LSE."""
+    return ParamsStruct(name, fields + SCORE_MOD_FIELDS + DROPOUT_FIELDS + _DROPOUT_STREAMS
+                        + (SINK_FIELDS if sinks else ()))
 
 
 def smallseq_family(name: str, source: str, template_tail: tuple[str, ...], params: ParamsStruct, shipped,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import env, runtime
+from .. import dropout, env, runtime
 from ..catalog import smallseq
 from ..catalog.smallseq import SMALLSEQ_HEAD_DIMS, SMALLSEQ_TILE, SmallSeqTiles
 from ..catalog.targets import check_grid
@@ -28,8 +28,6 @@ def ineligibility(problem: Problem) -> str | None:
     """Why the small-seq path cannot take ``problem``, or None when it can."""
     if problem.head_dim not in SMALLSEQ_HEAD_DIMS:
         return f"head_dim {problem.head_dim} is not one of {SMALLSEQ_HEAD_DIMS}"
-    if problem.dropout_p:
-        return "dropout runs on the flash kernels"
     if problem.max_seqlen_q > SMALLSEQ_TILE or problem.max_seqlen_k > SMALLSEQ_TILE:
         return (
             f"max_seqlen_q={problem.max_seqlen_q}, max_seqlen_k={problem.max_seqlen_k}: "
@@ -68,15 +66,17 @@ def _launch(tiles: SmallSeqTiles, problem: Problem, problems: int, fields: dict,
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, alibi_slopes=None, learnable_sink=None) -> None:
-    """Enqueue O and LSE for every (sequence, query head) problem; ``learnable_sink``: fp32 [Hq] sink
-    logits, or None (the LSE then includes them, which is all the backward needs)."""
+            seqused_q=None, seqused_k=None, alibi_slopes=None, dropout_seed=None, learnable_sink=None) -> None:
+    """Enqueue O and LSE for every (sequence, query head) problem; ``dropout_seed``: the seed array of a
+    call with dropout (hipattn.dropout); ``learnable_sink``: fp32 [Hq] sink logits, or None (the LSE
+    then includes them, which is all the backward needs)."""
     problems = problem.batch * problem.heads_q
     if problems == 0:
         return  # batch 0: nothing to read or write
     portable = _portable_forced()
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                             alibi_slopes, learnable_sink)
+    fields.update(dropout.fields(problem.dropout_p, dropout_seed), heads_q=problem.heads_q)
     target = runtime.active().target(problem.device)
     tiles = smallseq.forward_tiles(problem.head_dim, target, group=problem.heads_q // problem.heads_kv,
                                    portable=portable)
@@ -84,9 +84,10 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
 
 
 def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, cu_seqlens_q=None,
-             cu_seqlens_k=None, seqused_q=None, seqused_k=None, alibi_slopes=None) -> None:
+             cu_seqlens_k=None, seqused_q=None, seqused_k=None, alibi_slopes=None, dropout_seed=None) -> None:
     """Enqueue dQ, dK, dV: per (sequence, KV head) problem, walking the query heads of its group (every
-    kernel but NVIDIA's tensor-core one for ungrouped heads, which takes a problem per (sequence, head))."""
+    kernel but NVIDIA's tensor-core one for ungrouped heads, which takes a problem per (sequence, head)).
+    ``dropout_seed``: the forward's seed array, for a call with dropout."""
     problems = problem.batch * problem.heads_kv
     if problems == 0:
         return
@@ -96,6 +97,7 @@ def backward(problem: Problem, dout, q, k, v, lse, dq, dk, dv, stream: int, *, c
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         put_tensor(fields, name, a, layout)
     put_row_statistic(fields, "lse", lse, problem)
+    fields.update(dropout.fields(problem.dropout_p, dropout_seed), heads_q=problem.heads_q)
     target = runtime.active().target(problem.device)
     tiles = smallseq.backward_tiles(problem.head_dim, target, group=problem.heads_q // problem.heads_kv,
                                     portable=portable)

@@ -88,6 +88,10 @@ struct Dropout<false> {
     (void)key;
     return 0xfu;
   }
+  HIPATTN_DEVICE unsigned int row_bits32(int row) const {
+    (void)row;
+    return 0xffffffffu;
+  }
   template <int N_TILES>
   HIPATTN_DEVICE unsigned long long m16n8_bits(int row, int n0, int t) const {
     (void)row;
@@ -146,6 +150,20 @@ struct Dropout<true> {
     const unsigned int high = select_word(second, (key % 32) / 8);
     return (kept(low, false) ? 1u : 0u) | (kept(low, true) ? 2u : 0u) | (kept(high, false) ? 4u : 0u) |
            (kept(high, true) ? 8u : 0u);
+  }
+  // The keep bits of keys 0..31 of row `row`, bit j for key j: the whole of a row the small-seq kernels
+  // hold (at most 17 keys), in four calls, one per pair (j % 8) / 2. A rolled loop, as m16n8_bits's.
+  HIPATTN_DEVICE unsigned int row_bits32(int row) const {
+    unsigned int bits = 0u;
+#pragma unroll 1
+    for (int pair = 0; pair < 4; ++pair) {
+      unsigned int x[4];
+      words(row, 0, pair, x);
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        bits |= ((kept(x[w], false) ? 1u : 0u) | (kept(x[w], true) ? 2u : 0u)) << (8 * w + 2 * pair);
+    }
+    return bits;
   }
   // The keep bits of row `row` in the m16n8 accumulator layout: bit 2n (and 2n + 1) for key
   // n0 + 8 n + 2 t (and + 1), n0 a multiple of 8 N_TILES; m16n8_masks spreads them into packed-pair

@@ -7,7 +7,9 @@
 //   dZ = P * (dP - D) with D_i = sum_j P_ij dP_ij  (equal to rowsum(dO * O), so O is never read),
 //   dV += Pᵀ dO,  dK += scale * dZᵀ Q,  dQ = scale * dZ K.
 // With SCORE_MODS the scores take flash-attn's softcap and ALiBi (common/score_mods.h), each query head
-// its own slope, and dZ also carries softcap's factor d(score)/d(scale*S).
+// its own slope, and dZ also carries softcap's factor d(score)/d(scale*S). With dropout
+// (common/dropout.h) the forward's keep bits are regenerated: dP becomes Z dP / (1 - dropout_p) (Z the
+// bits) before D and dZ are formed from it, and dV takes the kept P / (1 - dropout_p).
 #pragma once
 #include "smallseq/common.h"
 
@@ -118,6 +120,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
   for (int group_head = 0; group_head < group; ++group_head) {
     const int head = head_kv * group + group_head;
     score = group_score.with_head(p, batch_index, head);
+    const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, batch_index, head);
     Row q[TILE], dout[TILE];
 #pragma unroll
     for (int i = 0; i < TILE; ++i) {
@@ -141,6 +144,9 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
       const float lse_log2 = static_cast<const float*>(p.lse)[batch_index * p.lse_batch_stride +
                                                                head * p.lse_head_stride + seq_q.start + i] *
                              1.4426950408889634f;
+      // With dropout, dP reaches only the kept entries, scaled as the forward scaled them; D = sum_j P
+      // dP over them is rowsum(dO * O) of the dropped output.
+      const unsigned int kept = dropout.active() ? dropout.row_bits32(i) : 0xffffffffu;
       float d_row = 0.0f;
       for (int j = 0; j < len_k; ++j) {
         float s = 0.0f, dp = 0.0f;
@@ -149,6 +155,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
           s += scores[team][sl][j * G::kTilePad + i];
           dp += dprobs[team][sl][j * G::kTilePad + i];
         }
+        if (dropout.active()) dp = (kept >> j & 1u) != 0 ? dp * dropout.scale() : 0.0f;
         // LSE = +inf (a row that saw no key) gives P = 0 and so zero gradients.
         float gradient = 1.0f;  // d(score)/d(scaled dot product), dZ's factor: 1 but with softcap
         const float pij = keys.contains(j) ? fast_exp2(score(s, j - diagonal, gradient) - lse_log2) : 0.0f;
@@ -160,9 +167,12 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_backward(const SmallSe
       }
       for (int j = 0; j < len_k; ++j) {
         const float gradient = SCORE_MODS ? dz_t[i * G::kTilePad + j] : 1.0f;
-        const float dzij = probs[j * G::kTilePad + i] * (dz[j * G::kTilePad + i] - d_row) * gradient;
+        const float pij = probs[j * G::kTilePad + i];
+        const float dzij = pij * (dz[j * G::kTilePad + i] - d_row) * gradient;
         dz[j * G::kTilePad + i] = dzij;
         dz_t[i * G::kTilePad + j] = dzij;
+        // dV takes the kept probabilities, scaled.
+        if (dropout.active()) probs[j * G::kTilePad + i] = (kept >> j & 1u) != 0 ? pij * dropout.scale() : 0.0f;
       }
     }
     __syncthreads();

@@ -9,7 +9,8 @@
 //   S = Q Kᵀ, dP = dO Vᵀ                       (partial sums over each warp's columns)
 //   P = exp(scale*S - LSE), D_i = sum_j P_ij dP_ij, dZ = scale * P * (dP - D)   (the first warp, to shared;
 //     with SCORE_MODS, common/score_mods.h's scores, each stacked row its own head's ALiBi slope, and
-//     dZ times softcap's factor d(score)/d(scale*S))
+//     dZ times softcap's factor d(score)/d(scale*S); with dropout, common/dropout.h, dP first Z dP /
+//     (1 - dropout_p) with the row's head's keep bits Z, and P to dV kept and scaled alike)
 //   dVᵀ += dOᵀ P, dKᵀ += Qᵀ dZ                  (fp32 accumulators in registers, across the group)
 //   dQ = dZ K                                    (staged over the chunk's Q rows, out with 16-byte stores)
 // and after the group's last chunk writes dK and dV once, through the K and V tiles. dZ carries the
@@ -291,18 +292,25 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
     const float* const lse_rows =
         reinterpret_cast<const float*>(places.team_bytes(Team::kStatsOffset) + slot * Team::kStatsBytes);
     const KeyWindow window = key_window(p);
+    const Dropout<SCORE_MODS> group_dropout = dropout_of<SCORE_MODS>(p, x.batch_index, x.head_kv * stacked.group);
     unsigned int visible_keys[2];
     float lse_log2[2];
     Scores<SCORE_MODS> row_score[2];
     int diagonal[2];  // the rows' diagonal keys, from which ALiBi measures
+    // Dropout's keep bits of the two rows, each its own head's (bit 2 nt + h: key 8 nt + 2t + h).
+    unsigned int kept[2] = {~0u, ~0u};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = first + g + 8 * r;
       const int query = stacked.query(row);
+      const int head = x.head_kv * stacked.group + row - query * stacked.group;
       visible_keys[r] = key_bits(stacked_row_keys(row, query, stacked, len_q, len_k, window), t);
       lse_log2[r] = lse_rows[g + 8 * r] * kLog2e;  // past the rows: unused (nothing visible)
-      row_score[r] = group_score.with_head(p, x.batch_index, x.head_kv * stacked.group + row - query * stacked.group);
+      row_score[r] = group_score.with_head(p, x.batch_index, head);
       diagonal[r] = query + len_k - len_q;
+      if (group_dropout.active())
+        kept[r] = static_cast<unsigned int>(
+            group_dropout.with_head(p, x.batch_index, head).template m16n8_bits<4>(query, 0, t));
     }
     float d_row[2] = {0.0f, 0.0f};
     float gradient[3][4];  // d(score)/d(scaled S), dZ's factor: 1 but with softcap
@@ -319,6 +327,9 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
         const Scores<SCORE_MODS>& score = SCORE_MODS ? row_score[r] : group_score;
         s[nt][e] = visible ? fast_exp2(score(s[nt][e], key - diagonal[r], gradient[nt][e]) - lse_log2[r]) : 0.0f;
         dp[nt][e] = visible ? dp[nt][e] : 0.0f;
+        // With dropout, dP reaches only the kept entries, scaled as the forward scaled them.
+        if (group_dropout.active())
+          dp[nt][e] = (kept[r] >> (2 * nt + (e & 1)) & 1u) != 0 ? dp[nt][e] * group_dropout.scale() : 0.0f;
         d_row[r] += s[nt][e] * dp[nt][e];
       }
 #pragma unroll
@@ -333,7 +344,10 @@ HIPATTN_DEVICE void backward_chunk(const SmallSeqBackwardGqaMmaParams& p, const 
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int offset = (g + 8 * r) * kScorePitchBytes + 16 * nt + 4 * t;
-        *reinterpret_cast<unsigned int*>(p_bytes + offset) = mma::pack2<T>(s[nt][2 * r], s[nt][2 * r + 1]);
+        // dV takes the kept probabilities, scaled (without dropout, P as it is).
+        const float p0 = (kept[r] >> (2 * nt) & 1u) != 0 ? s[nt][2 * r] * group_dropout.scale() : 0.0f;
+        const float p1 = (kept[r] >> (2 * nt + 1) & 1u) != 0 ? s[nt][2 * r + 1] * group_dropout.scale() : 0.0f;
+        *reinterpret_cast<unsigned int*>(p_bytes + offset) = mma::pack2<T>(p0, p1);
         *reinterpret_cast<unsigned int*>(p_bytes + Team::kScoreTileBytes + offset) =
             mma::pack2<T>(s[nt][2 * r] * scale * (dp[nt][2 * r] - d_row[r]) * gradient[nt][2 * r],
                           s[nt][2 * r + 1] * scale * (dp[nt][2 * r + 1] - d_row[r]) * gradient[nt][2 * r + 1]);

@@ -10,7 +10,9 @@
 //     over the waves through LDS;
 //   Pᵀ = exp(scale Sᵀ - LSE), D = rowsum(P dP) (= rowsum(dO O), so O is never read; two shuffles),
 //     dSᵀ = Pᵀ (dPᵀ - D); with SCORE_MODS the scores are common/score_mods.h's, softcap and the row's
-//     own query head's ALiBi slope, and dSᵀ carries softcap's factor d(score)/d(scale S);
+//     own query head's ALiBi slope, and dSᵀ carries softcap's factor d(score)/d(scale S); with dropout
+//     (common/dropout.h) dPᵀ is first Z dPᵀ / (1 - dropout_p), Z the row's head's keep bits, and P
+//     to dV is kept and scaled alike;
 //   dQᵀ = Kᵀ dSᵀ: the accumulator of dSᵀ, rounded to T, is the B operand as it stands;
 //   dVᵀ += dOᵀ P and dKᵀ += Qᵀ dS, which contract over the tile's queries: their operands are Q's,
 //     dO's, P's and dS's fragments transposed in registers by an MFMA with the identity
@@ -102,6 +104,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
   Operand q_fragment[kSteps], do_fragment[kSteps];
   load_query_rows(row, q_fragment, do_fragment);
   const Scores<SCORE_MODS> group_score = scores_of<SCORE_MODS>(p, batch_index, first_head);
+  const Dropout<SCORE_MODS> group_dropout = dropout_of<SCORE_MODS>(p, batch_index, first_head);
   const KeyWindow window = key_window(p);
 
   for (int m = 0; m < query_tiles; ++m) {
@@ -137,6 +140,10 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
     const int diagonal = row.token + len_k - len_q;
     Accumulator probs[kKeyTiles], dscores[kKeyTiles];
     float gradient[kKeyTiles][4];  // d(score)/d(scaled S), dSᵀ's factor: 1 but with softcap
+    // With dropout, the row's head's keep bits: dP reaches only the kept entries, scaled as the forward
+    // scaled them, and dV takes the kept probabilities, scaled.
+    const Dropout<SCORE_MODS> dropout = group_dropout.with_head(p, batch_index, row.head);
+    const unsigned int kept = dropout.active() ? dropout.row_bits32(row.token) : 0xffffffffu;
     float d_row = 0.0f;
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n)
@@ -146,6 +153,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
         gradient[n][e] = 1.0f;
         probs[n][e] =
             keys.contains(key) ? fast_exp2(score(sd[0][n][e], key - diagonal, gradient[n][e]) - lse_log2) : 0.0f;
+        if (dropout.active()) sd[1][n][e] = (kept >> key & 1u) != 0 ? sd[1][n][e] * dropout.scale() : 0.0f;
         d_row += probs[n][e] * sd[1][n][e];
       }
     d_row += shfl_xor(d_row, 16, kWarpSize, group_mask(kWarpSize));
@@ -154,7 +162,11 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dscores[n][e] = probs[n][e] * (sd[1][n][e] - d_row) * gradient[n][e];
+      for (int e = 0; e < 4; ++e) {
+        dscores[n][e] = probs[n][e] * (sd[1][n][e] - d_row) * gradient[n][e];
+        if (dropout.active())
+          probs[n][e] = (kept >> (16 * n + 4 * quarter + e) & 1u) != 0 ? probs[n][e] * dropout.scale() : 0.0f;
+      }
       p_operand[n] = mfma::to_operand<T>(probs[n]);
       ds_operand[n] = mfma::to_operand<T>(dscores[n]);
     }

@@ -9,7 +9,9 @@
 //     SCORE_MODS, common/score_mods.h's scores, and dZ times softcap's factor d(score)/d(scale*S))
 //   dQ = scale * dZ K                          (dZ read back as the A operand)
 //   dV = Pᵀ dO, dK = scale * dZᵀ Q             (Pᵀ and dZᵀ read back transposed with ldmatrix.trans)
-// D_i = sum_j P_ij dP_ij equals rowsum(dO * O), so O is never read. Each gradient is staged in a
+// D_i = sum_j P_ij dP_ij equals rowsum(dO * O), so O is never read. With dropout (SCORE_MODS,
+// common/dropout.h) dP is first Z dP / (1 - dropout_p), Z the forward's keep bits, and dV takes the kept
+// P / (1 - dropout_p). Each gradient is staged in a
 // tile its inputs no longer need (dQ in V's, dV in K's, dK in V's) and leaves with 16-byte stores.
 //
 // SPLIT warps share a problem (a team): each stages and computes HEAD_DIM / SPLIT of its columns.
@@ -129,6 +131,7 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
   const int k_steps = (len_k + 15) / 16;
   const float scale = p.softmax_scale;
   const Scores<SCORE_MODS> score = scores_of<SCORE_MODS>(p, x.batch_index, x.head);
+  const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, x.batch_index, x.head);
   const KeyWindow window = key_window(p);
   // Key rows this lane addresses for the B operands of S and dP (keys 0..15, then 16..23).
   const int key01 = 8 * (lane / 16) + lane % 8;
@@ -193,6 +196,12 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
       for (int r = 0; r < 2; ++r)  // rows past the sequence: LSE = +inf, so P = 0
         lse_log2[r] = row[r] < len_q ? sh.lse_rows[row[r]] * 1.4426950408889634f : infinity();
       const int diagonal[2] = {row[0] + len_k - len_q, row[1] + len_k - len_q};  // the rows' diagonal keys (ALiBi)
+      // Dropout's keep bits of the two rows (bit 2 nt + h: key 8 nt + 2t + h); all kept without dropout.
+      unsigned int kept[2] = {~0u, ~0u};
+      if (dropout.active()) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) kept[r] = static_cast<unsigned int>(dropout.template m16n8_bits<4>(row[r], 0, t));
+      }
       float d_row[2] = {0.0f, 0.0f};
       float gradient[3][4];  // d(score)/d(scaled S), dZ's factor: 1 but with softcap
 #pragma unroll
@@ -207,6 +216,9 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
           s[mt][nt][e] =
               visible ? fast_exp2(score(s[mt][nt][e], j - diagonal[r], gradient[nt][e]) - lse_log2[r]) : 0.0f;
           dp[mt][nt][e] = visible ? dp[mt][nt][e] : 0.0f;
+          // With dropout, dP reaches only the kept entries, scaled as the forward scaled them.
+          if (dropout.active())
+            dp[mt][nt][e] = (kept[r] >> (2 * nt + (e & 1)) & 1u) != 0 ? dp[mt][nt][e] * dropout.scale() : 0.0f;
           d_row[r] += s[mt][nt][e] * dp[mt][nt][e];
         }
 #pragma unroll
@@ -223,7 +235,10 @@ HIPATTN_DEVICE void backward_problem(const SmallSeqBackwardMmaParams& p, const P
             const float* dps = dp[mt][nt];
             const float* gs = gradient[nt];
             const int offset = row[r] * kScorePitchBytes + 16 * nt + 4 * t;
-            *reinterpret_cast<unsigned int*>(p_tile + offset) = mma::pack2<T>(ps[2 * r], ps[2 * r + 1]);
+            // dV takes the kept probabilities, scaled (without dropout, P as it is).
+            const float p0 = (kept[r] >> (2 * nt) & 1u) != 0 ? ps[2 * r] * dropout.scale() : 0.0f;
+            const float p1 = (kept[r] >> (2 * nt + 1) & 1u) != 0 ? ps[2 * r + 1] * dropout.scale() : 0.0f;
+            *reinterpret_cast<unsigned int*>(p_tile + offset) = mma::pack2<T>(p0, p1);
             *reinterpret_cast<unsigned int*>(dz_tile + offset) =
                 mma::pack2<T>(ps[2 * r] * (dps[2 * r] - d_row[r]) * gs[2 * r],
                               ps[2 * r + 1] * (dps[2 * r + 1] - d_row[r]) * gs[2 * r + 1]);

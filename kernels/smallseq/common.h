@@ -6,6 +6,7 @@
 // a row is read with one 8-byte access per lane, coalesced across the team. Q·Kᵀ dot products are
 // summed across the team with reduce_scatter; P·V style products need no communication at all.
 #pragma once
+#include "common/dropout.h"
 #include "common/key_window.h"
 #include "common/score_mods.h"
 #include "common/sequence.h"

@@ -1,7 +1,8 @@
 // Small-sequence attention forward: O = softmax(scale * Q Kᵀ + mask) V and the fp32 log-sum-exp,
 // for problems of at most TILE query and TILE key tokens (cross-attention with short sequences).
-// With SCORE_MODS the scores take flash-attn's softcap and ALiBi (common/score_mods.h), and a learnable
-// sink joins each row's softmax sum (common/sink.h).
+// With SCORE_MODS the scores take flash-attn's softcap and ALiBi (common/score_mods.h), a learnable sink
+// joins each row's softmax sum (common/sink.h), and dropout (common/dropout.h) zeroes the dropped
+// probabilities and scales the kept ones by 1 / (1 - dropout_p) after the sum and the LSE are taken.
 //
 // The work is bound by memory traffic: each team reads its Q, K and V rows once, keeps them in
 // registers (Q as fp32, K and V as packed 16-bit), and writes O and LSE once. Score tiles live in
@@ -98,6 +99,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeq
   float* probs = scores[team][0];
   score = scores_of<SCORE_MODS>(p, batch_index, head);
   const float sink = sink_log2<SCORE_MODS>(p, head);
+  const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, batch_index, head);
   const KeyWindow window = key_window(p);
   for (int i = team_lane; i < len_q; i += G::kTeamLanes) {
     const smallseq::RowKeys keys = smallseq::row_keys(i, len_q, len_k, window);
@@ -121,7 +123,13 @@ __global__ void __launch_bounds__(BLOCK_THREADS) smallseq_forward(const SmallSeq
     // sink's logit with a sink), as in flash-attn: the backward then recomputes P = exp(S - LSE) = 0,
     // so its gradients are zero.
     const float inv_sum = row_inv_sum(row_max, row_sum, sink);
-    for (int j = 0; j < len_k; ++j) probs[j * G::kTilePad + i] *= inv_sum;
+    if (dropout.active()) {
+      const unsigned int kept = dropout.row_bits32(i);
+      for (int j = 0; j < len_k; ++j)
+        probs[j * G::kTilePad + i] *= (kept >> j & 1u) != 0 ? inv_sum * dropout.scale() : 0.0f;
+    } else {
+      for (int j = 0; j < len_k; ++j) probs[j * G::kTilePad + i] *= inv_sum;
+    }
     float* lse = static_cast<float*>(p.lse) + batch_index * p.lse_batch_stride + head * p.lse_head_stride +
                  seq_q.start + i;
     *lse = row_lse(row_max, row_sum, sink);

@@ -9,7 +9,8 @@
 // accumulators, P normalised and reused as the A operand of O = P V, O written back over the chunk's
 // Q rows and out with 16-byte stores. The LSE of each stacked row goes to its head's row. With
 // SCORE_MODS the scores take softcap and ALiBi (common/score_mods.h), each stacked row its own head's slope,
-// and its head's learnable sink joins its softmax sum (common/sink.h).
+// its head's learnable sink joins its softmax sum (common/sink.h), and dropout (common/dropout.h) drops
+// with its head's keep bits.
 //
 // Why this shape. MHA's one-problem-per-head kernel, given GQA, stages Q, K and V per query head: at
 // G = 4 and lengths drawn from 1..17 (mean 9, head_dim 128) that is 1.6x the floor's bytes, and it
@@ -186,15 +187,37 @@ HIPATTN_DEVICE void forward_chunk(const SmallSeqForwardGqaMmaParams& p, const Gr
     }
   }
 
+  // Dropout after the sum and the LSE: each row's keep bits are its own head's; a kept probability's
+  // weight is 1 / sum / (1 - dropout_p), a dropped one's 0.
+  float weight[3][4];
+#pragma unroll
+  for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) weight[nt][e] = inv_sum[e / 2];
+  const Dropout<SCORE_MODS> group_dropout = dropout_of<SCORE_MODS>(p, x.batch_index, x.head_kv * stacked.group);
+  if (group_dropout.active()) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const Dropout<SCORE_MODS> dropout =
+          group_dropout.with_head(p, x.batch_index, x.head_kv * stacked.group + head[r]);
+      const unsigned long long kept = dropout.template m16n8_bits<4>(query[r], 0, t);  // keys 0..31
+#pragma unroll
+      for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          weight[nt][2 * r + h] = (kept >> (2 * nt + h) & 1ull) != 0 ? inv_sum[r] * dropout.scale() : 0.0f;
+    }
+  }
+
   // ---- O = P V over this warp's columns, P normalised first (12 multiplies where O would take COLS / 2) ----
   unsigned int pa[2][4];
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk) {
-    pa[kk][0] = mma::pack2<T>(scores[2 * kk][0] * inv_sum[0], scores[2 * kk][1] * inv_sum[0]);
-    pa[kk][1] = mma::pack2<T>(scores[2 * kk][2] * inv_sum[1], scores[2 * kk][3] * inv_sum[1]);
+    pa[kk][0] = mma::pack2<T>(scores[2 * kk][0] * weight[2 * kk][0], scores[2 * kk][1] * weight[2 * kk][1]);
+    pa[kk][1] = mma::pack2<T>(scores[2 * kk][2] * weight[2 * kk][2], scores[2 * kk][3] * weight[2 * kk][3]);
     // keys 24..31 do not exist
-    pa[kk][2] = kk == 0 ? mma::pack2<T>(scores[1][0] * inv_sum[0], scores[1][1] * inv_sum[0]) : 0u;
-    pa[kk][3] = kk == 0 ? mma::pack2<T>(scores[1][2] * inv_sum[1], scores[1][3] * inv_sum[1]) : 0u;
+    pa[kk][2] = kk == 0 ? mma::pack2<T>(scores[1][0] * weight[1][0], scores[1][1] * weight[1][1]) : 0u;
+    pa[kk][3] = kk == 0 ? mma::pack2<T>(scores[1][2] * weight[1][2], scores[1][3] * weight[1][3]) : 0u;
   }
   // Every 16-column product first, then the stores: a store right after its product waited out the
   // mma's latency once per 16 columns.

@@ -20,7 +20,8 @@
 // Conventions are forward.hip's: the key window is bottom-right aligned, masked scores become -inf by
 // selection, a row that sees no key gets O = 0 and LSE = +inf, rows past a sequence are not written.
 // With SCORE_MODS each row's scores take softcap and its own query head's ALiBi slope
-// (common/score_mods.h), and its head's learnable sink joins its softmax sum (common/sink.h).
+// (common/score_mods.h), its head's learnable sink joins its softmax sum (common/sink.h), and dropout
+// (common/dropout.h) drops with its head's keep bits.
 // What this file has not had: a run on AMD hardware. tests/test_smallseq_mfma_emulation.py runs it on
 // a gfx90a emulated on the CPU against float64.
 #pragma once
@@ -88,6 +89,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
   Operand q_fragment[kSteps];
   smallseq::load_row<T, kSteps>(q_row(row), row.in, quarter, q_fragment);
   const Scores<SCORE_MODS> group_score = scores_of<SCORE_MODS>(p, batch_index, first_head);
+  const Dropout<SCORE_MODS> group_dropout = dropout_of<SCORE_MODS>(p, batch_index, first_head);
   const KeyWindow window = key_window(p);
 
   for (int m = 0; m < query_tiles; ++m) {
@@ -141,6 +143,17 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
     // learnable sink (the modified kernel) the row's head's sink joins the sum (common/sink.h).
     const float sink = sink_log2<SCORE_MODS>(p, row.head);
     const float inv_sum = row_inv_sum(row_max, row_sum, sink);
+    // Dropout after the sum and the LSE, with the row's head's keep bits: dropped probabilities are 0,
+    // kept ones scaled.
+    if (group_dropout.active()) {
+      const Dropout<SCORE_MODS> dropout = group_dropout.with_head(p, batch_index, row.head);
+      const unsigned int kept = dropout.row_bits32(row.token);
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[0][n][e] = (kept >> (16 * n + 4 * quarter + e) & 1u) != 0 ? s[0][n][e] * dropout.scale() : 0.0f;
+    }
 
     // ---- Oᵀ = Vᵀ Pᵀ: the probabilities of key tile n, rounded to T, are the B operand of k-step n ----
     Operand p_fragment[kKeyTiles];

@@ -5,7 +5,8 @@
 // and V rows into its tiles with cp.async, computes S = Q Kᵀ with mma.sync m16n8k16 (at most two
 // 16-row query tiles by three 8-key tiles), takes the softmax on the accumulators (row reductions
 // inside each quad of lanes), reuses the probabilities as the A operand of O = P V, and writes O back
-// through the Q tile with 16-byte stores.
+// through the Q tile with 16-byte stores. Dropout (SCORE_MODS, common/dropout.h) scales the kept
+// probabilities and zeroes the dropped ones before P V, after the sum and the LSE.
 //
 // SPLIT warps share a problem (a team): each stages HEAD_DIM / SPLIT of its columns. With SPLIT = 2
 // each warp hands its partial S to the other through its K tile (K is no longer needed), both add
@@ -71,6 +72,7 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
   const int m_tiles = (len_q + 15) / 16;
   const Scores<SCORE_MODS> score = scores_of<SCORE_MODS>(p, x.batch_index, x.head);
   const float sink = sink_log2<SCORE_MODS>(p, x.head);
+  const Dropout<SCORE_MODS> dropout = dropout_of<SCORE_MODS>(p, x.batch_index, x.head);
   const KeyWindow window = key_window(p);
   // The key rows this lane addresses for the B operands of S (three 8-key tiles).
   const unsigned int k_rows01 = row_or_zero(k_tile, zero, 8 * (lane / 16) + lane % 8, len_k, kPitchBytes) +
@@ -158,6 +160,19 @@ HIPATTN_DEVICE void forward_problem(const SmallSeqForwardMmaParams& p, const Pro
       if (part == 0 && t == 0 && row[r] < len_q) {
         static_cast<float*>(p.lse)[x.batch_index * p.lse_batch_stride + x.head * p.lse_head_stride + x.q.start +
                                    row[r]] = row_lse(row_max[r], row_sum[r], sink);
+      }
+    }
+
+    // Dropout after the sum and the LSE: the dropped probabilities are 0, the kept ones scaled.
+    if (dropout.active()) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const unsigned long long kept = dropout.template m16n8_bits<4>(row[r], 0, t);  // keys 0..31
+#pragma unroll
+        for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            scores[nt][2 * r + h] = (kept >> (2 * nt + h) & 1ull) != 0 ? scores[nt][2 * r + h] * dropout.scale() : 0.0f;
       }
     }
 

@@ -1,7 +1,7 @@
 """flash-attn's dropout on the GPU: the flash kernels against float64 with hipattn.dropout's keep mask,
 both the ones the device runs (wgmma on sm_90a where it has the head_dim), through hipattn.forward and
 hipattn.backward with an explicit seed, and the mma.sync ones every sm_80+ part runs, through the ops
-launchers; the keep rate and its independence across heads and sequences; bit-reproducibility for a
+launchers; the small-seq kernels (one problem per head, grouped heads, the portable ones); the keep rate and its independence across heads and sequences; bit-reproducibility for a
 given torch generator state through hipattn.torch; the backward regenerating the forward's mask; and
 CUDA-graph replays drawing new seeds."""
 
@@ -18,7 +18,9 @@ from hipattn import runtime
 from hipattn.catalog.common import FLASH_HEAD_DIMS
 from hipattn.catalog.flash_backward import mma_tiles_for
 from hipattn.catalog.flash_forward import FLASH_FORWARD_MMA_TILES
+from hipattn.catalog.smallseq import SMALLSEQ_HEAD_DIMS
 from hipattn.dropout import keep_mask
+from hipattn.ops import smallseq as smallseq_ops
 
 from .conftest import (
     TOLERANCE,
@@ -33,10 +35,13 @@ from .conftest import (
 from .reference import attention_reference
 
 DROPOUT_P = 0.17
-# Short sequences (which the small-seq kernels would take without dropout), lengths off every tile,
+# Short sequences among longer ones (so the flash kernels take the call), lengths off every tile,
 # empty queries and keys, Q longer and shorter than KV.
 LENGTHS_Q = [0, 1, 17, 18, 63, 129, 200, 5, 40]
 LENGTHS_K = [9, 1, 18, 17, 65, 200, 129, 0, 31]
+# Every sequence within 17 tokens: the small-seq kernels' calls.
+SMALLSEQ_LENGTHS_Q = [0, 1, 17, 9, 5, 16, 17]
+SMALLSEQ_LENGTHS_K = [9, 1, 17, 0, 12, 3, 17]
 
 
 def _seed_tensor() -> torch.Tensor:
@@ -44,8 +49,8 @@ def _seed_tensor() -> torch.Tensor:
     return torch.tensor([fresh_seed() - (1 << 62)], dtype=torch.int64, device="cuda")
 
 
-def _varlen_inputs(heads_q, heads_kv, head_dim, dtype, rng):
-    cu_q, cu_k = cumulative(LENGTHS_Q), cumulative(LENGTHS_K)
+def _varlen_inputs(heads_q, heads_kv, head_dim, dtype, rng, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K):
+    cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
     t = TORCH_DTYPE[dtype]
     q = torch.randn(cu_q[-1], heads_q, head_dim, generator=rng, device="cuda").to(t)
     k = torch.randn(cu_k[-1], heads_kv, head_dim, generator=rng, device="cuda").to(t)
@@ -92,6 +97,42 @@ def test_forward_and_backward_match_float64_with_the_keep_mask(dtype, head_dim, 
     record_errors(f"dropout {kernel} {dtype} d{head_dim} {heads_q}/{heads_kv} causal={causal} window={window}",
                   **errors)
     assert max(errors.values()) < TOLERANCE[dtype], errors
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads_q,heads_kv", [(2, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("kernel", ["tensor-core", "portable"])
+@pytest.mark.parametrize("head_dim", SMALLSEQ_HEAD_DIMS)
+def test_the_small_seq_kernels_drop_with_the_keep_mask(head_dim, kernel, heads_q, heads_kv, causal, rng,
+                                                       monkeypatch, caplog):
+    """Calls whose sequences all fit 17 tokens run the small-seq kernels, dropout or not: one problem
+    per head (2/2), grouped heads (6/2, 4/1; each stacked row with its own head's keep bits), and the
+    portable kernels; every output against float64 with the same mask."""
+    if kernel == "portable":
+        monkeypatch.setenv(smallseq_ops.KERNEL_SWITCH, "portable")
+    q, k, v, cu_q, cu_k = _varlen_inputs(heads_q, heads_kv, head_dim, "bf16", rng, SMALLSEQ_LENGTHS_Q,
+                                         SMALLSEQ_LENGTHS_K)
+    dout = torch.randn(q.shape, generator=rng, device="cuda").to(q.dtype)
+    seed = _seed_tensor()
+    sequences = dict(cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
+                     cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
+                     max_seqlen_q=max(SMALLSEQ_LENGTHS_Q), max_seqlen_k=max(SMALLSEQ_LENGTHS_K), causal=causal,
+                     dropout_p=DROPOUT_P, dropout_seed=seed)
+    dq, dk, dv = (poisoned(x.shape, x.dtype) for x in (q, k, v))
+    out, lse = poisoned(q.shape, q.dtype), poisoned((heads_q, q.shape[0]), torch.float32)
+    with caplog.at_level("DEBUG", logger="hipattn"):
+        hipattn.forward(q, k, v, out=out, lse=lse, **sequences)
+        hipattn.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **sequences)
+    torch.cuda.synchronize()
+    assert "forward smallseq path" in caplog.text and "backward smallseq path" in caplog.text
+    ref_out, _, ref_dq, ref_dk, ref_dv = attention_reference(
+        q, k, v, cu_q, cu_k, causal=causal, scale=1 / math.sqrt(head_dim), dout=dout, dropout=(DROPOUT_P, seed))
+    for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"{name} has unwritten (NaN) elements"
+    errors = {"out": relative_error(out, ref_out), "dq": relative_error(dq, ref_dq),
+              "dk": relative_error(dk, ref_dk), "dv": relative_error(dv, ref_dv)}
+    record_errors(f"dropout small-seq {kernel} d{head_dim} {heads_q}/{heads_kv} causal={causal}", **errors)
+    assert max(errors.values()) < TOLERANCE["bf16"], errors
 
 
 def test_the_keep_rate_is_dropout_p_and_independent_across_heads_and_sequences():
