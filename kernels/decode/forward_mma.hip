@@ -14,9 +14,9 @@
 // served: a tile within one page (every tile of a contiguous cache, or of pages a multiple of BLOCK_N)
 // by running pointers, a tile that crosses pages row by row. Q rows past the block's and V rows past
 // the split's keys are zero-filled (a zero weight times stale shared memory could be NaN); scores past
-// the keys, before cache_leftpad and outside the window are masked by selection. The two rows a lane holds belong to
-// different query heads of the group: with SCORE_MODS each gets its own head's modifiers
-// (common/score_mods.h; an ALiBi slope is per head).
+// the keys, before cache_leftpad and outside the window are masked by selection. The two rows a lane
+// holds belong to different query heads of the group: with SCORE_MODS each gets its own head's
+// modifiers (common/score_mods.h; an ALiBi slope is per head).
 #pragma once
 #include "common/mma_nvidia.h"
 #include "common/score_mods.h"

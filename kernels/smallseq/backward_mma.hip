@@ -11,8 +11,8 @@
 //   dV = Pᵀ dO, dK = scale * dZᵀ Q             (Pᵀ and dZᵀ read back transposed with ldmatrix.trans)
 // D_i = sum_j P_ij dP_ij equals rowsum(dO * O), so O is never read. With dropout (SCORE_MODS,
 // common/dropout.h) dP is first Z dP / (1 - dropout_p), Z the forward's keep bits, and dV takes the kept
-// P / (1 - dropout_p). Each gradient is staged in a
-// tile its inputs no longer need (dQ in V's, dV in K's, dK in V's) and leaves with 16-byte stores.
+// P / (1 - dropout_p). Each gradient is staged in a tile its inputs no longer need (dQ in V's, dV in
+// K's, dK in V's) and leaves with 16-byte stores.
 //
 // SPLIT warps share a problem (a team): each stages and computes HEAD_DIM / SPLIT of its columns.
 // S and dP are sums over all columns, so with SPLIT = 2 the second warp hands its partial sums to

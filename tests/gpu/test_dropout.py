@@ -1,9 +1,10 @@
 """flash-attn's dropout on the GPU: the flash kernels against float64 with hipattn.dropout's keep mask,
 both the ones the device runs (wgmma on sm_90a where it has the head_dim), through hipattn.forward and
 hipattn.backward with an explicit seed, and the mma.sync ones every sm_80+ part runs, through the ops
-launchers; the small-seq kernels (one problem per head, grouped heads, the portable ones); the keep rate and its independence across heads and sequences; bit-reproducibility for a
-given torch generator state through hipattn.torch; the backward regenerating the forward's mask; and
-CUDA-graph replays drawing new seeds."""
+launchers; the small-seq kernels (one problem per head, grouped heads, the portable ones); the keep
+rate and its independence across heads and sequences; bit-reproducibility for a given torch generator
+state through hipattn.torch; the backward regenerating the forward's mask; and CUDA-graph replays
+drawing new seeds."""
 
 from __future__ import annotations
 
