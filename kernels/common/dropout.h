@@ -37,13 +37,17 @@ HIPATTN_DEVICE unsigned int multiply_high_low(unsigned int a, unsigned int b, un
   return static_cast<unsigned int>(product >> 32);
 }
 
-// Philox4x32 with 10 rounds: the four 32-bit words of counter x under key (k0, k1), in place.
+// Philox4x32 with 10 rounds: the four 32-bit words of counter x under key (k0, k1), in place. The
+// rounds are unrolled by UNROLL: fully by default; a caller that makes its calls in a rolled loop can
+// roll the rounds too, so that the ten round keys, uniform over a wave, are not all hoisted into
+// scalar registers ahead of the loop (on AMD they pushed a kernel past its 102 SGPRs).
+template <int UNROLL = 10>
 HIPATTN_DEVICE void philox4x32_10(unsigned int (&x)[4], unsigned int k0, unsigned int k1) {
   constexpr unsigned int kMultiplier0 = 0xD2511F53u;
   constexpr unsigned int kMultiplier1 = 0xCD9E8D57u;
   constexpr unsigned int kWeyl0 = 0x9E3779B9u;  // the golden ratio's fraction, and sqrt(3) - 1
   constexpr unsigned int kWeyl1 = 0xBB67AE85u;
-#pragma unroll
+#pragma unroll UNROLL
   for (int round = 0; round < 10; ++round) {
     unsigned int low0, low1;
     const unsigned int high0 = multiply_high_low(kMultiplier0, x[0], low0);
@@ -128,14 +132,15 @@ struct Dropout<true> {
   HIPATTN_DEVICE float scale() const { return keep_scale; }
 
   // The random words of query row `row` for the keys j with j / 32 == stripe and (j % 8) / 2 == pair:
-  // word w holds keys 32 stripe + 8 w + 2 pair (low half) and + 1 (high half).
+  // word w holds keys 32 stripe + 8 w + 2 pair (low half) and + 1 (high half). UNROLL is Philox's.
+  template <int UNROLL = 10>
   HIPATTN_DEVICE void words(int row, int stripe, int pair, unsigned int (&x)[4]) const {
     x[0] = static_cast<unsigned int>(row);
     x[1] = static_cast<unsigned int>(4 * stripe + pair);
     x[2] = stream;
     x[3] = 0u;
     const unsigned long long key = *seed;
-    philox4x32_10(x, static_cast<unsigned int>(key), static_cast<unsigned int>(key >> 32));
+    philox4x32_10<UNROLL>(x, static_cast<unsigned int>(key), static_cast<unsigned int>(key >> 32));
   }
   // Whether the low (high = false) or high half of a random word keeps its element.
   HIPATTN_DEVICE bool kept(unsigned int word, bool high) const {
@@ -152,13 +157,15 @@ struct Dropout<true> {
            (kept(high, true) ? 8u : 0u);
   }
   // The keep bits of keys 0..31 of row `row`, bit j for key j: the whole of a row the small-seq kernels
-  // hold (at most 17 keys), in four calls, one per pair (j % 8) / 2. A rolled loop, as m16n8_bits's.
+  // hold (at most 17 keys), in four calls, one per pair (j % 8) / 2. A rolled loop, as m16n8_bits's,
+  // of Philox calls with rolled rounds: the MFMA small-seq forward, which holds a whole row's K and V
+  // in registers, has no scalar registers left for ten hoisted round keys.
   HIPATTN_DEVICE unsigned int row_bits32(int row) const {
     unsigned int bits = 0u;
 #pragma unroll 1
     for (int pair = 0; pair < 4; ++pair) {
       unsigned int x[4];
-      words(row, 0, pair, x);
+      words<1>(row, 0, pair, x);
 #pragma unroll
       for (int w = 0; w < 4; ++w)
         bits |= ((kept(x[w], false) ? 1u : 0u) | (kept(x[w], true) ? 2u : 0u)) << (8 * w + 2 * pair);

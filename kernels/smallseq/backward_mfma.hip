@@ -86,18 +86,22 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) dk[s] = dv[s] = last[s] = mfma::zero_accumulator();
 
-  auto row_offset = [&](const smallseq::StackedRow& r, long long batch_stride, long long token_stride,
-                        long long head_stride) {
-    return batch_index * batch_stride + static_cast<long long>(seq_q.start + r.token) * token_stride +
-           r.head * head_stride + first_column;
+  // The sequence's first row of each per-row tensor, at the wave's columns: rows are then one product
+  // per stride away, and the batch strides are not held through the loop.
+  const long long first_row = static_cast<long long>(seq_q.start);
+  const T* const q_rows = static_cast<const T*>(p.q) + batch_index * p.q_batch_stride + first_row * p.q_token_stride +
+                          first_column;
+  const T* const dout_rows = static_cast<const T*>(p.dout) + batch_index * p.dout_batch_stride +
+                             first_row * p.dout_token_stride + first_column;
+  T* const dq_rows = static_cast<T*>(p.dq) + batch_index * p.dq_batch_stride + first_row * p.dq_token_stride + first_column;
+  const float* const lse_rows = static_cast<const float*>(p.lse) + batch_index * p.lse_batch_stride + first_row;
+  auto row_offset = [&](const smallseq::StackedRow& r, long long token_stride, long long head_stride) {
+    return r.token * token_stride + r.head * head_stride;
   };
   auto load_query_rows = [&](const smallseq::StackedRow& r, Operand(&q)[kSteps], Operand(&dout)[kSteps]) {
-    smallseq::load_row<T, kSteps>(
-        static_cast<const T*>(p.q) + row_offset(r, p.q_batch_stride, p.q_token_stride, p.q_head_stride), r.in,
-        quarter, q);
-    smallseq::load_row<T, kSteps>(static_cast<const T*>(p.dout) +
-                                      row_offset(r, p.dout_batch_stride, p.dout_token_stride, p.dout_head_stride),
-                                  r.in, quarter, dout);
+    smallseq::load_row<T, kSteps>(q_rows + row_offset(r, p.q_token_stride, p.q_head_stride), r.in, quarter, q);
+    smallseq::load_row<T, kSteps>(dout_rows + row_offset(r, p.dout_token_stride, p.dout_head_stride), r.in, quarter,
+                                  dout);
   };
   const int first_head = head_kv * group;
   smallseq::StackedRow row = smallseq::stacked_row(column, len_q, group, first_head);
@@ -126,12 +130,8 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
     smallseq::sum_over_waves<WAVES, 2, kKeyTiles>(exchange, m, wave, lane, sd);
 
     // ---- Pᵀ = exp(scale Sᵀ - LSE) on the row's visible keys, D = rowsum(P dP), dSᵀ = Pᵀ (dPᵀ - D) ----
-    const long long token = seq_q.start + row.token;
     // LSE = +inf (a row that saw no key) gives P = 0 and so zero gradients.
-    const float lse_log2 =
-        row.in ? static_cast<const float*>(p.lse)[batch_index * p.lse_batch_stride + row.head * p.lse_head_stride + token] *
-                     kLog2e
-               : 0.0f;
+    const float lse_log2 = row.in ? lse_rows[row.head * p.lse_head_stride + row.token] * kLog2e : 0.0f;
     const smallseq::RowKeys keys =
         row.in ? smallseq::row_keys(row.token, len_q, len_k, window) : smallseq::RowKeys{0, 0};
     // The row's own query head's scores (ALiBi's slope differs from row to row of a tile), measured from
@@ -141,9 +141,23 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
     Accumulator probs[kKeyTiles], dscores[kKeyTiles];
     float gradient[kKeyTiles][4];  // d(score)/d(scaled S), dSᵀ's factor: 1 but with softcap
     // With dropout, the row's head's keep bits: dP reaches only the kept entries, scaled as the forward
-    // scaled them, and dV takes the kept probabilities, scaled.
+    // scaled them, and dV takes the kept probabilities, scaled. Each entry's factor is a multiply, not
+    // a select: selects on the bits kept a 64-bit lane mask per entry in scalar registers, past the
+    // 102 a wave has.
     const Dropout<SCORE_MODS> dropout = group_dropout.with_head(p, batch_index, row.head);
-    const unsigned int kept = dropout.active() ? dropout.row_bits32(row.token) : 0xffffffffu;
+    float keep[kKeyTiles][4];  // the entry's 1 / (1 - dropout_p), or 0 where it was dropped; 1 without dropout
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) keep[n][e] = 1.0f;
+    if (dropout.active()) {
+      const unsigned int kept = dropout.row_bits32(row.token);
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          keep[n][e] = static_cast<float>(kept >> (16 * n + 4 * quarter + e) & 1u) * dropout.scale();
+    }
     float d_row = 0.0f;
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n)
@@ -153,7 +167,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
         gradient[n][e] = 1.0f;
         probs[n][e] =
             keys.contains(key) ? fast_exp2(score(sd[0][n][e], key - diagonal, gradient[n][e]) - lse_log2) : 0.0f;
-        if (dropout.active()) sd[1][n][e] = (kept >> key & 1u) != 0 ? sd[1][n][e] * dropout.scale() : 0.0f;
+        if (SCORE_MODS) sd[1][n][e] *= keep[n][e];
         d_row += probs[n][e] * sd[1][n][e];
       }
     d_row += shfl_xor(d_row, 16, kWarpSize, group_mask(kWarpSize));
@@ -164,8 +178,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         dscores[n][e] = probs[n][e] * (sd[1][n][e] - d_row) * gradient[n][e];
-        if (dropout.active())
-          probs[n][e] = (kept >> (16 * n + 4 * quarter + e) & 1u) != 0 ? probs[n][e] * dropout.scale() : 0.0f;
+        if (SCORE_MODS) probs[n][e] *= keep[n][e];
       }
       p_operand[n] = mfma::to_operand<T>(probs[n]);
       ds_operand[n] = mfma::to_operand<T>(dscores[n]);
@@ -181,9 +194,8 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_backward_mfma(const Small
         if (n < key_tiles) dq[k] = mfma::mfma_16x16x16<T>(kt_fragment[n][k], ds_operand[n], dq[k]);
     }
     if (row.in) {
-      smallseq::store_row<T, kSteps>(
-          static_cast<T*>(p.dq) + row_offset(row, p.dq_batch_stride, p.dq_token_stride, p.dq_head_stride), dq,
-          p.softmax_scale, quarter);
+      smallseq::store_row<T, kSteps>(dq_rows + row_offset(row, p.dq_token_stride, p.dq_head_stride), dq,
+                                     p.softmax_scale, quarter);
     }
 
     // Qᵀ and dOᵀ (A of dKᵀ and dVᵀ: column column(s, column / 4, column % 4), queries 4 quarter .. + 3);

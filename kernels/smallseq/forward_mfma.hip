@@ -144,7 +144,8 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
     const float sink = sink_log2<SCORE_MODS>(p, row.head);
     const float inv_sum = row_inv_sum(row_max, row_sum, sink);
     // Dropout after the sum and the LSE, with the row's head's keep bits: dropped probabilities are 0,
-    // kept ones scaled.
+    // kept ones scaled, by a multiply (a select per entry costs a lane mask and grew the kernel past
+    // its register budget).
     if (group_dropout.active()) {
       const Dropout<SCORE_MODS> dropout = group_dropout.with_head(p, batch_index, row.head);
       const unsigned int kept = dropout.row_bits32(row.token);
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(WAVES * 64) smallseq_forward_mfma(const SmallS
       for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          s[0][n][e] = (kept >> (16 * n + 4 * quarter + e) & 1u) != 0 ? s[0][n][e] * dropout.scale() : 0.0f;
+          s[0][n][e] *= static_cast<float>(kept >> (16 * n + 4 * quarter + e) & 1u) * dropout.scale();
     }
 
     // ---- Oᵀ = Vᵀ Pᵀ: the probabilities of key tile n, rounded to T, are the B operand of k-step n ----
