@@ -276,7 +276,7 @@ def forward(
         plan = launch_plans.record(launches, given,
                                    (qa, ka, va, out_a, lse_a, *call.sequences.values(), call.alibi_slopes,
                                     call.dropout_seed, call.learnable_sink),
-                                   _FORWARD_SLOTS, made, _FORWARD_OUTPUTS)
+                                   _FORWARD_SLOTS, made, _FORWARD_OUTPUTS, runtime=active)
         if plan is not None:
             active.launch_plans[key] = plan
     return out_obj, lse_obj

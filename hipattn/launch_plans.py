@@ -38,6 +38,7 @@ from typing import Any
 from . import checks
 from .dispatch import SMALLSEQ_SWITCH
 from .env import raw_reader
+from .jit.params import TENSOR_MAP, TENSOR_MAP_BYTES
 from .log import logger
 from .ops.smallseq import KERNEL_SWITCH
 from .problem import extent
@@ -54,22 +55,29 @@ MAX_PLANS = 512
 
 
 class Launch:
-    """One recorded kernel launch: its argument struct as bytes, and where its pointers go."""
+    """One recorded kernel launch: its argument struct as bytes, where its pointers go, and which of
+    its tensor maps describe which slot's array."""
 
-    __slots__ = ("kernel", "grid", "block", "shared_bytes", "struct_class", "template", "pointers")
+    __slots__ = ("kernel", "grid", "block", "shared_bytes", "struct_class", "template", "pointers", "tensor_maps",
+                 "encode_map")
 
     def __init__(self, kernel: Any, grid, block, shared_bytes: int, params: ctypes.Structure,
-                 pointers: tuple[tuple[int, int, int], ...]):
+                 pointers: tuple[tuple[int, int, int], ...], tensor_maps: tuple[tuple[int, int, Any], ...] = (),
+                 encode_map: Callable[[int, Any], Any] | None = None):
         self.kernel = kernel
         self.grid, self.block, self.shared_bytes = grid, block, shared_bytes
         self.struct_class = type(params)
         self.template = bytes(params)
         self.pointers = pointers  # (byte offset in the struct, slot or _WORKSPACE, bytes past that pointer)
+        self.tensor_maps = tensor_maps  # (byte offset in the struct, slot, TensorMapLayout)
+        self.encode_map = encode_map  # (address, layout) -> the map's bytes: the runtime's cache
 
     def run(self, stream: int, ptrs: list[int], workspace: int) -> None:
         buffer = bytearray(self.template)
         for offset, slot, past in self.pointers:
             _POINTER.pack_into(buffer, offset, (workspace if slot == _WORKSPACE else ptrs[slot]) + past)
+        for offset, slot, layout in self.tensor_maps:
+            buffer[offset:offset + TENSOR_MAP_BYTES] = bytes(self.encode_map(ptrs[slot], layout))
         self.kernel.launch(self.grid, self.block, self.shared_bytes, stream, self.struct_class.from_buffer(buffer))
 
 
@@ -156,16 +164,19 @@ def replay(plan: Plan, backend: Any, arrays: tuple, stream: Any) -> list | None:
 
 
 def record(launches: list, arrays: tuple, described: tuple, names: tuple[str, ...], made: dict,
-           written: tuple[int, ...], workspace=None) -> Plan | None:
+           written: tuple[int, ...], workspace=None, runtime=None) -> Plan | None:
     """The plan of a call that just ran the full path, from its recorded launches
     (``registry.recording_launches``), its arrays as given and as described (DeviceArrays, with the
     outputs the call allocated), the kernel field name of each slot, ``made`` (slot -> the object the
-    call allocated for an output left out), the slots it writes, and its workspace (a DeviceArray, or
-    None); None when the call did something a plan cannot replay.
+    call allocated for an output left out), the slots it writes, its workspace (a DeviceArray, or
+    None) and the runtime whose tensor maps its launches were handed; None when the call did something
+    a plan cannot replay.
 
     A kernel pointer belongs to the slot of its field's name when it holds that slot's pointer
     (cu_seqlens_q and cu_seqlens_k are often one array); else to the one slot that holds it; else to
-    the workspace; else (no array or two of them) there is no plan."""
+    the workspace; else (no array or two of them) there is no plan. A tensor map (field ``NAME_map``)
+    belongs to the slot whose pointer it was encoded from, found the same way, and a replay encodes the
+    same layout at that slot's new pointer."""
     ptrs = [0 if d is None else d.ptr for d in described]
     slot_of_name = {name: slot for slot, name in enumerate(names)}
     by_pointer: dict[int, int] = {}
@@ -173,26 +184,39 @@ def record(launches: list, arrays: tuple, described: tuple, names: tuple[str, ..
         if ptr:
             by_pointer[ptr] = -2 if ptr in by_pointer else slot  # -2: two arrays share it
     base, size = (workspace.ptr, workspace.nbytes) if workspace is not None else (0, 0)
+    def slot_holding(name: str, value: int) -> int | None:
+        slot = slot_of_name.get(name)
+        if slot is None or ptrs[slot] != value:
+            slot = by_pointer.get(value)
+        return slot
+
     recorded = []
     for kernel, grid, block, shared_bytes, params in launches:
-        pointers = []
+        pointers, tensor_maps = [], []
         for name, kind in kernel.params.fields:
+            offset = getattr(type(params), name).offset
+            if kind == TENSOR_MAP:
+                origin = runtime.tensor_maps.origin(bytes(getattr(params, name))) if runtime is not None else None
+                slot = slot_holding(name.removesuffix("_map"), origin[0]) if origin is not None else None
+                if slot is None or slot == -2:
+                    return None
+                tensor_maps.append((offset, slot, origin[1]))
+                continue
             if kind not in ("ptr", "const_ptr"):
                 continue
             value = getattr(params, name)
             if not value:
                 continue  # null in every replay: the residues keep the arrays that could fill it null
-            slot = slot_of_name.get(name)
-            if slot is None or ptrs[slot] != value:
-                slot = by_pointer.get(value)
+            slot = slot_holding(name, value)
             if slot is None and base <= value < base + size:
                 slot, past = _WORKSPACE, value - base
             elif slot is None or slot == -2:
                 return None
             else:
                 past = 0
-            pointers.append((getattr(type(params), name).offset, slot, past))
-        recorded.append(Launch(kernel, grid, block, shared_bytes, params, tuple(pointers)))
+            pointers.append((offset, slot, past))
+        recorded.append(Launch(kernel, grid, block, shared_bytes, params, tuple(pointers), tuple(tensor_maps),
+                               runtime.tensor_map if tensor_maps else None))
     given = [slot for slot, a in enumerate(arrays) if a is not None]
     residues = tuple((slot, ptrs[slot] & _RESIDUE_MASK if ptrs[slot] else None) for slot in given)
     spans = [None if arrays[slot] is None else _relative_span(d) for slot, d in enumerate(described)]

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 
 from .backends.base import Backend
+from .backends.tensor_maps import TensorMapCache
 from .jit.cache import DiskCache
 from .jit.registry import LoadedKernel, Registry
 from .jit.spec import KernelSpec
@@ -28,7 +29,8 @@ from .jit.target import Target
 class Runtime:
     """A backend, the registry of kernels loaded through it, and its devices' targets."""
 
-    __slots__ = ("_backend", "_cache", "_registry", "_targets", "_compute_units", "_lock", "launch_plans")
+    __slots__ = ("_backend", "_cache", "_registry", "_targets", "_compute_units", "_lock", "launch_plans",
+                 "tensor_maps")
 
     def __init__(self, backend: Backend | None = None, cache: DiskCache | None = None,
                  registry: Registry | None = None):
@@ -42,6 +44,13 @@ class Runtime:
         self._lock = threading.Lock()
         # Validated launches by call signature (launch_plans), over this runtime's kernels.
         self.launch_plans: dict = {}
+        # The tensor maps its kernels were handed, by address and layout (backends.tensor_maps).
+        self.tensor_maps = TensorMapCache()
+
+    def tensor_map(self, address: int, layout) -> object:
+        """The backend's tensor map of ``layout`` (a backends.tensor_maps.TensorMapLayout) at ``address``,
+        encoded once per pair."""
+        return self.tensor_maps.get(self.backend, address, layout)
 
     @property
     def backend(self) -> Backend:

@@ -241,6 +241,27 @@ def test_hip_error_names_come_from_the_runtime(hip_fake):
     assert caught.value.code == int(hip.hipError_t.hipErrorInvalidDevice)
 
 
+def test_cuda_tensor_maps_reach_the_driver_in_the_bindings_own_integer_types(cuda):
+    """cuTensorMapEncodeTiled's lists take cuuint64_t (dims, byte strides) and cuuint32_t (box, element
+    strides), not ints; the map comes back as its 128 bytes."""
+    from hipattn.backends.tensor_maps import TensorMapLayout
+
+    backend, fake, driver = cuda
+    encoded = driver.CUtensorMap()
+    encoded.opaque = list(range(16))
+    fake.cuTensorMapEncodeTiled = lambda *args: (fake.calls.append(("cuTensorMapEncodeTiled", args)) or
+                                                 (driver.CUresult.CUDA_SUCCESS, encoded))
+    layout = TensorMapLayout("fp16", (128, 16, 1000, 3), (256, 4096, 4096000), (64, 1, 128, 1))
+    returned = backend.encode_tensor_map(0xA000, layout)
+    (args,) = fake.called("cuTensorMapEncodeTiled")
+    assert args[0] == driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 and args[1:3] == (4, 0xA000)
+    assert all(isinstance(x, driver.cuuint64_t) for x in (*args[3], *args[4]))
+    assert all(isinstance(x, driver.cuuint32_t) for x in (*args[5], *args[6]))
+    assert [int(x) for x in args[3]] == [128, 16, 1000, 3] and [int(x) for x in args[5]] == [64, 1, 128, 1]
+    assert args[8] == driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    assert bytes(returned) == b"".join(i.to_bytes(8, "little") for i in range(16))
+
+
 def test_cuda_pointer_device_asks_for_the_device_ordinal(cuda):
     backend, fake, driver = cuda
     fake.cuPointerGetAttribute = fake._recorder("cuPointerGetAttribute", (driver.CUresult.CUDA_SUCCESS, 3))

@@ -1,7 +1,8 @@
-"""The Hopper (wgmma) kernels' tile tables, the forward's and the dK/dV kernel's: only sm_90a ships and
-runs them, their rows fit Hopper's shared memory, the bytes the launcher passes agree with the layouts
-the kernels compute, and the header that holds the wgmma instructions refuses every other target (all
-checked by NVRTC, no GPU needed), and ptxas neither serialises their wgmmas nor spills."""
+"""The Hopper (wgmma) kernels' tile tables, the forwards' (warp-specialised and FA2-class) and the dK/dV
+kernel's: only sm_90a ships and runs them, their rows fit Hopper's shared memory, the bytes the
+launcher passes agree with the layouts the kernels compute, and the header that holds the wgmma
+instructions refuses every other target (all checked by NVRTC, no GPU needed), and ptxas neither
+serialises their wgmmas nor spills, and honours the warp-specialised kernel's register split."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from hipattn.errors import CompileError
 from hipattn.jit.target import Target
 
 FORWARD_ROWS = flash_forward.FLASH_FORWARD_WGMMA_TILES
+SPECIALISED_ROWS = flash_forward.FLASH_FORWARD_WARP_SPECIALISED_TILES
+SPECIALISED_MODIFIED_ROWS = flash_forward.FLASH_FORWARD_WARP_SPECIALISED_MODIFIED_TILES
 DKDV_ROWS = flash_backward.FLASH_BACKWARD_DKDV_WGMMA_TILES
 
 
@@ -58,11 +61,62 @@ def test_only_sm_90a_ships_the_forward_for_every_head_dim():
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
 def test_each_target_gets_its_forward_kernels_row(head_dim):
     mma_row = flash_forward.FLASH_FORWARD_MMA_TILES[head_dim]
-    assert flash_forward.tiles_for(head_dim, Target.parse("sm_90a")) == FORWARD_ROWS.get(head_dim, mma_row)
+    hopper = Target.parse("sm_90a")
+    fa2_class = FORWARD_ROWS.get(head_dim, mma_row)
+    assert flash_forward.tiles_for(head_dim, hopper) == SPECIALISED_ROWS.get(head_dim, fa2_class)
+    assert flash_forward.tiles_for(head_dim, hopper, score_mods=True) == SPECIALISED_MODIFIED_ROWS.get(head_dim, fa2_class)
+    assert flash_forward.tiles_for(head_dim, hopper, tensor_maps=False) == fa2_class, \
+        "arrays with no tensor map take the kernel whose threads copy"
     for arch in ("sm_80", "sm_89", "sm_90", "sm_120"):
         assert flash_forward.tiles_for(head_dim, Target.parse(arch)) == mma_row
     for arch in ("gfx90a", "gfx942:xnack-"):
         assert flash_forward.tiles_for(head_dim, Target.parse(arch)) == flash_forward.FLASH_FORWARD_MFMA_TILES[head_dim]
+
+
+# ---- the warp-specialised forward -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("table", [SPECIALISED_ROWS, SPECIALISED_MODIFIED_ROWS], ids=["plain", "modified"])
+def test_every_warp_specialised_row_fits_hopper(table):
+    assert set(table) == set(SPECIALISED_ROWS), "the modified table changes rows, not head dims"
+    for head_dim, tiles in table.items():
+        assert tiles.block_n in (64, 128) and head_dim in (64, 96, 128)
+        assert tiles.threads == 128 * (tiles.consumers + 1) and tiles.block_m == 64 * tiles.consumers
+        assert tiles.ping_pong <= (tiles.consumers >= 2), "turns need two consumers"
+        assert tiles.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
+        assert tiles.tensor_map_rows() == {"q": tiles.block_m, "k": tiles.block_n, "v": tiles.block_n}
+
+
+def test_warp_specialised_shared_bytes_formula():
+    # head_dim 128, 128-key tiles, two consumers, two stages: Q (128 rows), two K and two V slots (128 rows
+    # each), 2 bytes; then nine 8-byte mbarriers (Q's, and four per slot).
+    tiles = flash_forward.FlashForwardWarpSpecialisedTiles(block_n=128, consumers=2, stages=2)
+    assert tiles.shared_bytes(128) == (128 + 4 * 128) * 128 * 2 + 8 * 9
+    assert tiles.shared_bytes(96) == tiles.shared_bytes(128), "head_dim 96 is stored in whole swizzle blocks"
+
+
+def test_only_sm_90a_ships_the_warp_specialised_forward_both_tables():
+    family = flash_forward.FLASH_FORWARD_WARP_SPECIALISED
+    shipped = {(spec.arg("dtype"), spec.arg("head_dim"), spec.arg(SCORE_MODS_PARAM), spec.arg("block_n"))
+               for spec in family.shipped(Target.parse("sm_90a"))}
+    assert shipped == {(dtype, head_dim, mods, table[head_dim].block_n) for dtype in DTYPES
+                       for mods, table in ((False, SPECIALISED_ROWS), (True, SPECIALISED_MODIFIED_ROWS))
+                       for head_dim in table}
+    for arch in ("sm_80", "sm_90", "sm_100a", "gfx90a"):
+        assert list(family.shipped(Target.parse(arch))) == []
+
+
+@pytest.mark.nvrtc
+def test_warp_specialised_kernel_gives_its_consumers_the_producers_registers():
+    """setmaxnreg takes effect only when the kernel has a register cap at entry: ptxas then emits it
+    (USETMAXREG in SASS, checked through the PTX it accepted without warning C7508)."""
+    backend, target = nvrtc_backend(), Target.parse("sm_90a")
+    spec = SPECIALISED_ROWS[128].spec("bf16", 128, score_mods=False)
+    log = compile_family(backend, flash_forward.FLASH_FORWARD_WARP_SPECIALISED, target, spec,
+                         options=("--ptxas-options=-v",)).log
+    assert "C7508" not in log, log
+    registers, _, _, _ = ptxas_resources(log)
+    assert registers == 65536 // (3 * 128) // 8 * 8, "the launch bound caps every thread at entry"
 
 
 @pytest.mark.nvrtc
@@ -124,14 +178,21 @@ def test_sm_90a_runs_the_dkdv_kernel_where_the_table_has_the_head_dim(head_dim):
 # ---- both -----------------------------------------------------------------------------------------
 
 
+def _specialised_layout(head_dim, tiles):
+    return (f"hipattn::flash::WarpSpecialisedForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}, "
+            f"{tiles.consumers}, {tiles.stages}>")
+
+
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("family, table, layout_of", [
     (flash_forward.FLASH_FORWARD_WGMMA, FORWARD_ROWS,
      lambda head_dim, tiles: f"hipattn::flash::WgmmaForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}, "
                              f"{tiles.warpgroups}, {tiles.stages}>"),
+    (flash_forward.FLASH_FORWARD_WARP_SPECIALISED, SPECIALISED_ROWS, _specialised_layout),
+    (flash_forward.FLASH_FORWARD_WARP_SPECIALISED, SPECIALISED_MODIFIED_ROWS, _specialised_layout),
     (flash_backward.FLASH_BACKWARD_DKDV_WGMMA, DKDV_ROWS,
      lambda head_dim, tiles: f"hipattn::flash::WgmmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.warpgroups}>"),
-], ids=["forward", "dkdv"])
+], ids=["forward", "specialised", "specialised-modified", "dkdv"])
 def test_kernel_layout_matches_the_launcher_bytes(family, table, layout_of):
     """One NVRTC compile of each kernel's unit with a static_assert per table row."""
     compile_with_layout_checks(nvrtc_backend(), family, Target.parse("sm_90a"), table, layout_of)
@@ -143,8 +204,8 @@ _SERIALISED = re.compile(r"\(C751\d\)[^\n]*")
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("family", [flash_forward.FLASH_FORWARD_WGMMA, flash_backward.FLASH_BACKWARD_DKDV_WGMMA],
-                         ids=["forward", "dkdv"])
+@pytest.mark.parametrize("family", [flash_forward.FLASH_FORWARD_WGMMA, flash_forward.FLASH_FORWARD_WARP_SPECIALISED,
+                                    flash_backward.FLASH_BACKWARD_DKDV_WGMMA], ids=["forward", "specialised", "dkdv"])
 def test_no_shipped_instantiation_is_serialised_by_ptxas(family):
     """Every bf16 instantiation (fp16 compiles to the same schedule), plain and modified (score
     modifiers, sinks and dropout), through NVRTC with ptxas's report: no wgmma serialisation warning,

@@ -4,6 +4,7 @@
     python -m tools.bench_flash --peers hipattn,hipattn@128x64x1x2 --no-backward   # a forward tile sweep
     python -m tools.bench_flash --peers hipattn@w128x1x1,hipattn@w64x2x2 --no-backward  # wgmma tiles (sm_90a)
     python -m tools.bench_flash --head-dim 64 --peers hipattn,hipattn@w128x2x2,sdpa_flash --no-backward
+    python -m tools.bench_flash --peers hipattn@s128x2x2,hipattn@s64x3x2 --no-backward  # warp-specialised tiles
 
 Workloads: bf16, head_dim 128 (--head-dim: another the flash path ships), 16 heads, 16k tokens per batch. Batch mode: BSHD with
 B = 16384 / S for S in 512 .. 16384. Varlen: the same 16k tokens split into sequences of lengths
@@ -17,8 +18,9 @@ Peers, each in its own process so that a failing one cannot take the others down
 its public entry points (hipattn.forward / hipattn.backward, the flash path), torch SDPA's flash
 (FA2) and cuDNN backends on the same data in [B, H, S, D] views (batch mode), and torch's varlen
 attention (varlen mode). ``hipattn@BMxBNxSTAGESxMTILES`` times hipattn's mma.sync forward kernel with
-those tiles and ``hipattn@wBNxWARPGROUPSxSTAGES`` its wgmma one (ops.flash.forward directly, which lets the
-mma.sync kernel run on sm_90a too); each checks its output against SDPA's.
+those tiles, ``hipattn@wBNxWARPGROUPSxSTAGES`` its FA2-class wgmma one and ``hipattn@sBNxCONSUMERSxSTAGES``
+its warp-specialised one (``...n``: without ping-pong) (ops.flash.forward directly, which lets the mma.sync kernel run on sm_90a too);
+each checks its output against SDPA's.
 """
 
 from __future__ import annotations
@@ -56,17 +58,37 @@ def forward_flops(lengths: list[int], causal: bool, head_dim: int) -> float:
     return 4.0 * HEADS * head_dim * pair_count(lengths, causal)
 
 
-def _tiles(peer: str):
-    """The tile override of a peer named ``hipattn@BMxBNxSTAGESxMTILES`` (mma.sync) or
-    ``hipattn@wBNxWARPGROUPSxSTAGES`` (wgmma)."""
-    from hipattn.catalog.flash_forward import FlashForwardMmaTiles, FlashForwardWgmmaTiles
+def forward_tiles(name: str):
+    """The forward tile row a peer or sweep variant spells: ``BMxBNxSTAGESxMTILES`` (mma.sync),
+    ``wBNxWARPGROUPSxSTAGES`` (FA2-class wgmma) or ``sBNxCONSUMERSxSTAGES`` (warp-specialised; a trailing
+    ``n`` turns its consumers' ping-pong off)."""
+    from hipattn.catalog.flash_forward import (
+        FlashForwardMmaTiles,
+        FlashForwardWarpSpecialisedTiles,
+        FlashForwardWgmmaTiles,
+    )
 
-    name = peer.split("@", 1)[1]
     if name.startswith("w"):
         block_n, warpgroups, stages = map(int, name[1:].split("x"))
         return FlashForwardWgmmaTiles(block_n=block_n, warpgroups=warpgroups, stages=stages)
+    if name.startswith("s"):
+        ping_pong = not name.endswith("n")
+        block_n, consumers, stages = map(int, name[1:].rstrip("n").split("x"))
+        return FlashForwardWarpSpecialisedTiles(block_n=block_n, consumers=consumers, stages=stages,
+                                                ping_pong=ping_pong)
     block_m, block_n, stages, m_tiles = map(int, name.split("x"))
     return FlashForwardMmaTiles(block_m=block_m, block_n=block_n, stages=stages, m_tiles=m_tiles)
+
+
+def spell_forward_tiles(tiles) -> str:
+    """``tiles`` as forward_tiles spells it."""
+    from hipattn.catalog.flash_forward import FlashForwardWarpSpecialisedTiles, FlashForwardWgmmaTiles
+
+    if isinstance(tiles, FlashForwardWgmmaTiles):
+        return f"w{tiles.block_n}x{tiles.warpgroups}x{tiles.stages}"
+    if isinstance(tiles, FlashForwardWarpSpecialisedTiles):
+        return f"s{tiles.block_n}x{tiles.consumers}x{tiles.stages}" + ("" if tiles.ping_pong else "n")
+    return f"{tiles.block_m}x{tiles.block_n}x{tiles.stages}x{tiles.m_tiles}"
 
 
 def _tile_variant_forward(q, k, v, out, lse, causal: bool, tiles):
@@ -125,7 +147,7 @@ def measure(peer: str, workload: str, causal: bool, backward: bool, head_dim: in
     elif peer.startswith("hipattn@"):
         out = torch.empty_like(q)
         lse = torch.empty(shape[0], HEADS, shape[1], device="cuda", dtype=torch.float32)
-        fwd = _tile_variant_forward(q, k, v, out, lse, causal, _tiles(peer))
+        fwd = _tile_variant_forward(q, k, v, out, lse, causal, forward_tiles(peer.split("@", 1)[1]))
         fwd()
         reference = torch.nn.functional.scaled_dot_product_attention(
             *(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal).transpose(1, 2)
@@ -204,8 +226,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_flash.json")
     parser.add_argument("--peers", default=",".join(PEERS),
-                        help="comma-separated; hipattn@BMxBNxSTAGESxMTILES (mma.sync) or hipattn@wBNxWARPGROUPSxSTAGES "
-                             "(wgmma) times hipattn's forward with those tiles")
+                        help="comma-separated; hipattn@BMxBNxSTAGESxMTILES (mma.sync), hipattn@wBNxWARPGROUPSxSTAGES "
+                             "(wgmma) or hipattn@sBNxCONSUMERSxSTAGES (warp-specialised) times hipattn's "
+                             "forward with those tiles")
     parser.add_argument("--workloads", default=",".join([*map(str, SEQLENS), "varlen"]),
                         help="sequence lengths S of batch mode, and/or 'varlen'")
     parser.add_argument("--no-backward", action="store_true", help="time the forward only")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -169,11 +170,12 @@ class Case:
     families: tuple[str, ...] = field(default=())
 
 
-def flash_forward_family(head_dim: int, kernel: str) -> str:
-    """The flash forward a case launches on the sanitizer's machine (SANITIZER_TARGET)."""
+def flash_forward_family(head_dim: int, kernel: str, score_mods: bool = False) -> str:
+    """The flash forward a case launches on the sanitizer's machine (SANITIZER_TARGET): its arrays are
+    contiguous, so on Hopper they have tensor maps."""
     if kernel == "mma.sync":
         return flash_forward_catalog.FLASH_FORWARD_MMA.name
-    return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET).family.name
+    return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET, score_mods=score_mods).family.name
 
 
 def adds_dq_atomically(case: Case) -> bool:
@@ -203,12 +205,12 @@ def families_of(case: Case) -> tuple[str, ...]:
         return ("smallseq_forward_mma", "smallseq_backward_mma" if mma_backward else "smallseq_backward")
     if case.kind == "flash_backward":  # the forward gives O and LSE, then the backward's kernels in order
         # (the forward is the device's own whatever the case's kernel)
-        return (flash_forward_family(case.head_dim, "device"),
+        return (flash_forward_family(case.head_dim, "device", score_mods=case.dropout_p > 0),
                 *(("varlen_records",) if case.varlen_prep == "device" else ()), "bwd_dot_do_o",
                 flash_dkdv_family(case.head_dim, case.kernel),
                 "bwd_convert_dq" if adds_dq_atomically(case) else "flash_backward_dq_mma")
     if case.kind == "flash_forward":
-        return (flash_forward_family(case.head_dim, case.kernel),)
+        return (flash_forward_family(case.head_dim, case.kernel, score_mods=case.dropout_p > 0),)
     return {"dot_do_o": ("bwd_dot_do_o",), "convert_dq": ("bwd_convert_dq",)}[case.kind]
 
 
@@ -649,9 +651,10 @@ def main() -> int:
     parser.add_argument("--no-guards", dest="guards", action="store_false",
                         help="exact-size allocations (for memcheck/initcheck with PYTORCH_NO_CUDA_MEMORY_CACHING=1)")
     parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+    parser.add_argument("--match", default="", help="run the cases whose name matches this regular expression")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     args = parser.parse_args()
-    cases = [c for c in build_cases(args.quick) if args.only in c.name]
+    cases = [c for c in build_cases(args.quick) if args.only in c.name and re.search(args.match, c.name)]
     if args.list:
         for case in cases:
             print(f"{case.name}  [{', '.join(case.families)}]")

@@ -204,6 +204,11 @@ class Backend(ABC):
     def _check(self, call: str, returned: tuple) -> Any:
         return binding_outputs(call, returned, self._error)
 
+    def encode_tensor_map(self, address: int, layout: Any) -> Any:
+        """The ``TensorMapBytes`` of a ``backends.tensor_maps.TensorMapLayout`` at ``address``: NVIDIA
+        Hopper's copy engine alone reads them, so only the CUDA backend encodes them."""
+        raise NotImplementedError(f"the {self.name} backend has no tensor maps (an NVIDIA sm_90 feature)")
+
     def launch(self, function: Any, grid: Dim3, block: Dim3, shared_bytes: int, stream: int,
                params: ctypes.Structure) -> None:
         """Enqueue ``function<<<grid, block, shared_bytes, stream>>>(params)``; ``params`` passed by value."""

@@ -18,13 +18,21 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from ..errors import BackendUnavailableError, DriverError
+from ..jit.params import TENSOR_MAP_BYTES, TensorMapBytes
 from ..jit.target import NVIDIA, Target
 from .base import Backend, KernelArgumentSlot, LoadedFunction, RuntimeCall, binding_modules
 from .rtc import RuntimeCompiler
+from .tensor_maps import TensorMapLayout
 
 logger = logging.getLogger("hipattn")
 
 _INSTALL_HINT = "install the NVIDIA extra: pip install hipattn[nvidia]"
+
+# A tensor map's element type per hipattn dtype, from the driver binding's enum.
+_TENSOR_MAP_DTYPES = {
+    "bf16": lambda d: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    "fp16": lambda d: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+}
 
 
 def driver_library_present() -> bool:
@@ -301,6 +309,17 @@ class CudaBackend(Backend):
                 nbytes,
             ),
         )
+
+    def encode_tensor_map(self, address: int, layout: TensorMapLayout) -> TensorMapBytes:
+        d = self._driver
+        wide, narrow = d.cuuint64_t, d.cuuint32_t  # the binding takes its own integer types in these lists
+        encoded = self._check("cuTensorMapEncodeTiled", d.cuTensorMapEncodeTiled(
+            _TENSOR_MAP_DTYPES[layout.dtype](d), len(layout.dims), address, [wide(x) for x in layout.dims],
+            [wide(x) for x in layout.strides], [narrow(x) for x in layout.box], [narrow(1)] * len(layout.dims),
+            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+        return TensorMapBytes.from_buffer_copy(ctypes.string_at(encoded.getPtr(), TENSOR_MAP_BYTES))
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:  # empty arrays may carry null pointers; a zero-byte copy is nothing to enqueue

@@ -22,6 +22,9 @@ MFMA_ROW_PAD = 4
 WGMMA_WARPGROUP_THREADS = 128
 WGMMA_WARPGROUP_ROWS = 64
 
+# A Hopper shared-memory barrier (mbarrier) is one 8-byte word.
+MBARRIER_BYTES = 8
+
 # The wgmma kernels' shared tiles are stored in 64-column (128-byte) swizzle blocks, so a row takes
 # whole blocks: head_dim 96 is stored as 128 columns (WgmmaForwardTiles::kRowElements).
 WGMMA_SWIZZLE_COLUMNS = 64

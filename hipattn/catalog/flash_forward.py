@@ -6,10 +6,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jit.params import ParamsStruct
+from ..jit.params import TENSOR_MAP, ParamsStruct
 from ..jit.spec import KernelFamily
 from ..jit.target import Target
-from .common import DTYPES, FLASH_ROW_PAD, MFMA_ROW_PAD, wgmma_row_elements
+from .common import (
+    DTYPES,
+    FLASH_ROW_PAD,
+    MBARRIER_BYTES,
+    MFMA_ROW_PAD,
+    WGMMA_WARPGROUP_ROWS,
+    WGMMA_WARPGROUP_THREADS,
+    wgmma_row_elements,
+)
 from .fields import (
     DROPOUT_FIELDS,
     SCORE_MOD_FIELDS,
@@ -32,11 +40,19 @@ FLASH_FORWARD_PARAMS = ParamsStruct(
 )
 
 
-def _family(name: str, template_params: tuple[str, ...], shipped) -> KernelFamily:
+# The warp-specialised kernel's struct: the forward's fields, then the tensor maps its producer copies
+# Q, K and V through (ops.tensor_map_fields): [batch, token, head, dim] maps whose boxes are one
+# 64-column swizzle block of a tile's rows.
+FLASH_FORWARD_TMA_PARAMS = ParamsStruct.extending(
+    "FlashForwardTmaParams", FLASH_FORWARD_PARAMS, (("q_map", TENSOR_MAP), ("k_map", TENSOR_MAP), ("v_map", TENSOR_MAP)))
+
+
+def _family(name: str, template_params: tuple[str, ...], shipped, params: ParamsStruct = FLASH_FORWARD_PARAMS
+            ) -> KernelFamily:
     return register(KernelFamily(
         name=name, source=f"flash/{name.replace('flash_', '')}.hip", template=f"hipattn::{name}",
-        template_params=("dtype", "head_dim", *template_params, SCORE_MODS_PARAM), params=FLASH_FORWARD_PARAMS,
-        shipped=shipped))
+        template_params=("dtype", "head_dim", *template_params, SCORE_MODS_PARAM), params=params,
+        structs=() if params is FLASH_FORWARD_PARAMS else (FLASH_FORWARD_PARAMS,), shipped=shipped))
 
 
 def _specs(table: dict[int, KernelTiles]) -> list:
@@ -48,6 +64,11 @@ FLASH_FORWARD_MMA = _family("flash_forward_mma", ("block_m", "block_n", "stages"
                             lambda target: _specs(FLASH_FORWARD_MMA_TILES) if runs_nvidia_mma(target) else [])
 FLASH_FORWARD_WGMMA = _family("flash_forward_wgmma", ("block_n", "warpgroups", "stages"),
                               lambda target: _specs(FLASH_FORWARD_WGMMA_TILES) if runs_nvidia_wgmma(target) else [])
+FLASH_FORWARD_WARP_SPECIALISED = _family(
+    "flash_forward_warp_specialised", ("block_n", "consumers", "stages", "ping_pong"),
+    lambda target: [row.spec(t, d, score_mods=m) for t in DTYPES for m in SCORE_MODS_VALUES
+                    for d, row in warp_specialised_tiles(m).items()] if runs_nvidia_wgmma(target) else [],
+    params=FLASH_FORWARD_TMA_PARAMS)
 FLASH_FORWARD_MFMA = _family("flash_forward_mfma", ("block_m", "block_n"),
                              lambda target: _specs(FLASH_FORWARD_MFMA_TILES) if runs_amd_mfma(target) else [])
 
@@ -97,6 +118,38 @@ class FlashForwardWgmmaTiles(WarpgroupTiles):
 
 
 @dataclass(frozen=True)
+class FlashForwardWarpSpecialisedTiles(KernelTiles):
+    """The warp-specialised wgmma forward's BLOCK_N, CONSUMERS, STAGES and PING_PONG (sm_90a): one
+    producer warpgroup stages Q, K and V, and ``consumers`` warpgroups of 64 query rows compute on them,
+    taking turns at the tensor cores when ``ping_pong``."""
+
+    block_n: int  # keys per tile of the inner loop: one wgmma's N for S (64 or 128)
+    consumers: int  # computing warpgroups, 64 query rows each
+    stages: int = 2  # K and V shared-memory slots each (2 to 4)
+    ping_pong: bool = True  # the consumers issue their products in turn (two consumers at least)
+
+    family = FLASH_FORWARD_WARP_SPECIALISED
+
+    @property
+    def block_m(self) -> int:
+        return WGMMA_WARPGROUP_ROWS * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return WGMMA_WARPGROUP_THREADS * (self.consumers + 1)
+
+    def tensor_map_rows(self) -> dict[str, int]:
+        """Q, K and V reach the kernel as tensor maps whose boxes hold a tile's rows."""
+        return {"q": self.block_m, "k": self.block_n, "v": self.block_n}
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """flash::WarpSpecialisedForwardTiles<...>::kBytes: the FA2-class wgmma forward's tiles, then the
+        ring's mbarriers (Q's, and four per slot)."""
+        rows = self.block_m + 2 * self.stages * self.block_n
+        return rows * wgmma_row_elements(head_dim) * element_bytes + MBARRIER_BYTES * (1 + 4 * self.stages)
+
+
+@dataclass(frozen=True)
 class FlashForwardMfmaTiles(KernelTiles):
     """The MFMA forward's BLOCK_M and BLOCK_N (AMD gfx90a, gfx94x, gfx950)."""
 
@@ -116,7 +169,8 @@ class FlashForwardMfmaTiles(KernelTiles):
         return elements * element_bytes
 
 
-FlashForwardTiles = FlashForwardMmaTiles | FlashForwardWgmmaTiles | FlashForwardMfmaTiles
+FlashForwardTiles = (FlashForwardMmaTiles | FlashForwardWgmmaTiles | FlashForwardWarpSpecialisedTiles
+                     | FlashForwardMfmaTiles)
 
 # Every sm_80+ target, both 16-bit dtypes. Every row fits the 99 KiB of sm_86/sm_89
 # (tests/test_flash_tiles.py). A warp holds 16 m_tiles x head_dim of O and 16 m_tiles x block_n of S
@@ -143,6 +197,29 @@ FLASH_FORWARD_WGMMA_TILES: dict[int, FlashForwardWgmmaTiles] = {
     256: FlashForwardWgmmaTiles(block_n=64, warpgroups=2),
 }
 
+# sm_90a, the warp-specialised kernel (its producer copies through tensor maps and keeps 24 registers;
+# two consumers share the rest, 240 each), by head_dim: 128-key tiles, and three K/V slots at head_dim
+# 64, whose rows are small. Head_dim 256 stays with the FA2-class kernel: O alone takes 128 of a
+# consumer's registers, and 64-key tiles beside it spilled. tools.sweep_flash_forward measured these
+# rows against 64-key tiles, three slots and no ping-pong (BENCHMARKS.md).
+FLASH_FORWARD_WARP_SPECIALISED_TILES: dict[int, FlashForwardWarpSpecialisedTiles] = {
+    64: FlashForwardWarpSpecialisedTiles(block_n=128, consumers=2, stages=3),
+    96: FlashForwardWarpSpecialisedTiles(block_n=128, consumers=2),
+    128: FlashForwardWarpSpecialisedTiles(block_n=128, consumers=2),
+}
+# The modified instantiations (score modifiers, dropout, sinks) unroll their main loop by two
+# (forward_wgmma.hip says why), which at head_dim 128 holds more than 240 registers with 128-key tiles:
+# they take 64-key ones there.
+FLASH_FORWARD_WARP_SPECIALISED_MODIFIED_TILES: dict[int, FlashForwardWarpSpecialisedTiles] = {
+    **FLASH_FORWARD_WARP_SPECIALISED_TILES,
+    128: FlashForwardWarpSpecialisedTiles(block_n=64, consumers=2),
+}
+
+
+def warp_specialised_tiles(score_mods: bool) -> dict[int, FlashForwardWarpSpecialisedTiles]:
+    """The warp-specialised kernel's table for its plain or its modified instantiations."""
+    return FLASH_FORWARD_WARP_SPECIALISED_MODIFIED_TILES if score_mods else FLASH_FORWARD_WARP_SPECIALISED_TILES
+
 # AMD gfx90a/gfx94x/gfx950. LDS holds one K tile and one transposed V tile (Q and O live in registers), so
 # every row fits 64 KiB (17, 25.3, 33.5 and 18.1 KiB). Eight waves per block leave each wave 256
 # registers per lane; with block_n 32 the hiprtc 5.2 build of head_dim 256 spilled, with block_n 16
@@ -155,11 +232,16 @@ FLASH_FORWARD_MFMA_TILES: dict[int, FlashForwardMfmaTiles] = {
 }
 
 
-def tiles_for(head_dim: int, target: Target | None) -> FlashForwardTiles:
-    """The row ``target`` runs at ``head_dim``: MFMA on AMD gfx90a/gfx94x/gfx950, wgmma on sm_90a,
-    mma.sync on every other target."""
+def tiles_for(head_dim: int, target: Target | None, tensor_maps: bool = True,
+              score_mods: bool = False) -> FlashForwardTiles:
+    """The row ``target`` runs at ``head_dim``: MFMA on AMD gfx90a/gfx94x/gfx950, on sm_90a the
+    warp-specialised wgmma kernel where its table has the head_dim and the call's arrays have tensor
+    maps (``tensor_maps``; the row of its plain or modified instantiation, by ``score_mods``), else
+    the FA2-class wgmma kernel, and mma.sync on every other target."""
     if runs_amd_mfma(target):
         return FLASH_FORWARD_MFMA_TILES[head_dim]
+    if tensor_maps and runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WARP_SPECIALISED_TILES:
+        return warp_specialised_tiles(score_mods)[head_dim]
     if runs_nvidia_wgmma(target) and head_dim in FLASH_FORWARD_WGMMA_TILES:
         return FLASH_FORWARD_WGMMA_TILES[head_dim]
     return FLASH_FORWARD_MMA_TILES[head_dim]

@@ -43,6 +43,11 @@ class KernelTiles(ABC):
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """Dynamic shared memory of one block: the kernel's own constexpr layout, from the same numbers."""
 
+    def tensor_map_rows(self) -> dict[str, int]:
+        """The arrays the kernel copies through tensor maps (hipattn.ops.tensor_map_fields), each with the
+        rows of its box: none, unless the kernel's producer uses Hopper's copy engine."""
+        return {}
+
     def spec(self, dtype: str, head_dim: int, **more: Any) -> KernelSpec:
         """The instantiation of this row's kernel for ``dtype`` and ``head_dim`` (``more``: the family's
         other template arguments, such as ``heads`` or ``write_dq``)."""

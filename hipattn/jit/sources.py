@@ -1,7 +1,7 @@
 """Kernel sources: where they live, and the compile unit for one instantiation.
 
 The compile unit is tiny: the platform header, the generated structs (the family's further
-``structs``, each with a size check, then its parameter struct), and an include of the family's
+``structs``, then its parameter struct, each with a size check), and an include of the family's
 source. Every file it reaches through ``#include "..."`` is handed to the compiler as an in-memory
 header (neither hiprtc nor NVRTC searches directories by default), and the same texts
 feed the cache key, so a change to any included header changes the key.
@@ -47,8 +47,8 @@ def compile_unit(family: KernelFamily) -> tuple[str, dict[str, str]]:
         '#include "common/platform.h"\n'
         "namespace hipattn {\n"
         + "".join(s.cpp_checked_declaration() for s in family.structs)
-        + f"{family.params.cpp_declaration()}"
-        "}  // namespace hipattn\n"
+        + family.params.cpp_checked_declaration()
+        + "}  // namespace hipattn\n"
         f'#include "{family.source}"\n'
     )
     return source, include_closure(source)

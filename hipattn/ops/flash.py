@@ -1,5 +1,7 @@
-"""Launch the general attention forward (FlashAttention-2 on tensor cores): wgmma on NVIDIA sm_90a
-(H100, H200), mma.sync on other NVIDIA sm_80+ parts, MFMA on AMD gfx90a/gfx94x/gfx950. Every call the
+"""Launch the general attention forward (FlashAttention on tensor cores): on NVIDIA sm_90a (H100, H200)
+the warp-specialised wgmma kernel, whose producer copies through tensor maps (ops.tensor_map_fields),
+or the FA2-class wgmma kernel where the arrays have no maps or the head_dim no warp-specialised row;
+mma.sync on other NVIDIA sm_80+ parts, MFMA on AMD gfx90a/gfx94x/gfx950. Every call the
 small-seq path cannot take comes here (hipattn.dispatch).
 
 The caller has validated the problem (problem.describe), made the device current and resolved the
@@ -19,6 +21,7 @@ from ..catalog.targets import check_grid, runs_amd_mfma, runs_nvidia_mma
 from ..jit.spec import KernelSpec
 from ..problem import Problem
 from .fields import forward_fields
+from .tensor_map_fields import tensor_map_fields
 
 
 def ineligibility(problem: Problem, direction: str) -> str | None:
@@ -60,11 +63,21 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         raise ValueError(f"flash forward: {reason}")
     active = runtime.active()
     target = active.target(problem.device)
-    if tiles is None:
-        tiles = flash_forward.tiles_for(problem.head_dim, target)
+    chosen = tiles is None
+    if chosen:
+        tiles = flash_forward.tiles_for(problem.head_dim, target, score_mods=problem.score_mods)
     blocks = grid_blocks(problem, tiles.block_m)
     if blocks == 0:
         return  # batch 0 or max_seqlen_q 0: nothing to write
+    map_fields, box_rows = {}, tiles.tensor_map_rows()
+    if box_rows:
+        map_fields = tensor_map_fields(active, problem, {"q": q, "k": k, "v": v}, box_rows)
+        if map_fields is None and not chosen:
+            raise ValueError(f"flash forward: {tiles} copies q, k and v through tensor maps, and one of them has "
+                             "a stride no tensor map takes (a positive multiple of 16 bytes)")
+        if map_fields is None:
+            tiles, map_fields = flash_forward.tiles_for(problem.head_dim, target, tensor_maps=False), {}
+            blocks = grid_blocks(problem, tiles.block_m)
     threads = tiles.threads
     check_grid(target, blocks, threads, "query tiles x sequences x heads")
     spec, shared = _launch_of(tiles, problem.dtype, problem.head_dim, problem.score_mods)
@@ -74,4 +87,5 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
                             alibi_slopes, learnable_sink)
     fields["heads_q"] = problem.heads_q
     fields.update(dropout.fields(problem.dropout_p, dropout_seed))
+    fields.update(map_fields)
     kernel.launch((blocks, 1, 1), (threads, 1, 1), shared, stream, kernel.params.from_dict(fields))

@@ -168,11 +168,11 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   // and 0 x stale NaN would be NaN.
   {
     const long long token = seq_k.start + n0;
-    flash::stage_swizzled_tile<T, HEAD_DIM, kBlockN, kThreads, true>(
+    flash::stage_swizzled_tile<T, HEAD_DIM, kBlockN, kThreads, flash::TileTail::kZeroByStore>(
         k_tile, static_cast<const T*>(p.k) + batch_index * p.k_batch_stride + token * p.k_token_stride +
                     block.head_kv * p.k_head_stride,
         p.k_token_stride, keys);
-    flash::stage_swizzled_tile<T, HEAD_DIM, kBlockN, kThreads, true>(
+    flash::stage_swizzled_tile<T, HEAD_DIM, kBlockN, kThreads, flash::TileTail::kZeroByStore>(
         v_tile, static_cast<const T*>(p.v) + batch_index * p.v_batch_stride + token * p.v_token_stride +
                     block.head_kv * p.v_head_stride,
         p.v_token_stride, keys);
@@ -191,12 +191,12 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       const int slot = i % 2;
       const long long token = seq_q.start + m0;
       // Q and dO rows past the sequence are zeroed: they are B operands of dK and dV, met by P = 0.
-      flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, true>(
+      flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, flash::TileTail::kZeroByStore>(
           q_slots + slot * Tiles::kQueryElements,
           static_cast<const T*>(p.q) + batch_index * p.q_batch_stride + token * p.q_token_stride +
               head * p.q_head_stride,
           p.q_token_stride, rows);
-      flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, true>(
+      flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, flash::TileTail::kZeroByStore>(
           do_slots + slot * Tiles::kQueryElements,
           static_cast<const T*>(p.dout) + batch_index * p.dout_batch_stride + token * p.dout_token_stride +
               head * p.dout_head_stride,

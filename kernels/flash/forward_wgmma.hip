@@ -88,12 +88,12 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   auto key_start = [&](int i) { return (b.tile_end - 1 - i) * BLOCK_N; };  // iteration i's first key
   auto tile_rows = [&](int i) { return len_k - key_start(i) < BLOCK_N ? len_k - key_start(i) : BLOCK_N; };
   auto stage_k = [&](int i) {
-    flash::stage_swizzled_tile<T, HEAD_DIM, BLOCK_N, kThreads, false>(
+    flash::stage_swizzled_tile<T, HEAD_DIM, BLOCK_N, kThreads, flash::TileTail::kLeave>(
         k_slots + (i % STAGES) * Tiles::kSlotElements, static_cast<const T*>(b.k) + key_start(i) * p.k_token_stride,
         p.k_token_stride, tile_rows(i));
   };
   auto stage_v = [&](int i) {
-    flash::stage_swizzled_tile<T, HEAD_DIM, BLOCK_N, kThreads, true>(
+    flash::stage_swizzled_tile<T, HEAD_DIM, BLOCK_N, kThreads, flash::TileTail::kZeroByStore>(
         v_slots + (i % STAGES) * Tiles::kSlotElements, static_cast<const T*>(b.v) + key_start(i) * p.v_token_stride,
         p.v_token_stride, tile_rows(i));
   };
@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     // Q rows past the block's are zeroed: they only feed rows that are never stored, but zeros keep
     // every lane's arithmetic finite.
     const int rows = b.row_end - b.m0;
-    flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, true>(q_tile, static_cast<const T*>(b.q),
-                                                                       p.q_token_stride, rows);
+    flash::stage_swizzled_tile<T, HEAD_DIM, kBlockM, kThreads, flash::TileTail::kZeroByStore>(
+        q_tile, static_cast<const T*>(b.q), p.q_token_stride, rows);
     if (b.n_tiles > 0) stage_k(0);
     mma::commit_async_copies();
   }

@@ -1,21 +1,27 @@
 // Staging of row tiles from global into shared memory with cp.async, in wgmma's 128-byte swizzled
 // layout (common/wgmma_nvidia.h), for the flash kernels on Hopper's warpgroup tensor cores.
 #pragma once
+#include "common/async_pipeline_nvidia.h"
 #include "common/wgmma_nvidia.h"
 
 namespace hipattn {
 namespace flash {
 
-// Copy rows [0, rows) of a swizzled tile of TILE_ROWS rows with cp.async; rows past `rows` are
-// zero-filled when ZERO_TAIL (V, Q: their products must stay finite) and left alone otherwise (K: their
-// scores are masked by selection). Consecutive threads copy consecutive 16-byte chunks of a row, and a
+// What a staged tile holds past its sequence's rows: left alone (K: its scores are masked by
+// selection), or zeros (V, Q: their products must stay finite, and 0 x NaN is NaN), written by ordinary
+// stores or, for a warp-specialised producer that signals its slot through cp.async's own mbarrier
+// arrival (which tracks its copies, not its stores), by cp.async reading no bytes.
+enum class TileTail { kLeave, kZeroByStore, kZeroByCopy };
+
+// Copy rows [0, rows) of a swizzled tile of TILE_ROWS rows with cp.async, and the rows past `rows`
+// as TAIL says. Consecutive threads copy consecutive 16-byte chunks of a row, and a
 // pass covers kPassRows rows, a multiple of the swizzle's 8: so a thread copies the same chunk of every
 // kPassRows-th row, at the same swizzled column, and its addresses move by constants from pass to
 // pass. Worked out per chunk instead, the index arithmetic was a fifth of the dK/dV kernel's
 // instructions (1480 against 1205 per warp and query tile, ncu; BENCHMARKS.md, run 6). A pass takes
 // every thread when a row's chunks divide them into whole 8-row groups; head_dim 96 (12 chunks) on 256
 // threads uses 192 of them, 16 rows a pass.
-template <typename T, int HEAD_DIM, int TILE_ROWS, int THREADS, bool ZERO_TAIL>
+template <typename T, int HEAD_DIM, int TILE_ROWS, int THREADS, TileTail TAIL>
 HIPATTN_DEVICE void stage_swizzled_tile(T* tile, const T* first_row, long long token_stride, int rows) {
   constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
   constexpr int kPassRows = THREADS / kChunks / 8 * 8;
@@ -29,9 +35,13 @@ HIPATTN_DEVICE void stage_swizzled_tile(T* tile, const T* first_row, long long t
   for (int pass = 0; pass * kPassRows < TILE_ROWS; ++pass) {
     const int row = row0 + pass * kPassRows;
     if (TILE_ROWS % kPassRows != 0 && row >= TILE_ROWS) break;  // the last pass covers part of the rows
-    if (row < rows) {
+    if (TAIL == TileTail::kZeroByCopy) {
+      // A zero row's copy still names an address, the tile's first row's, which exists.
+      copy_async_16_or_zero(destination + pass * kPassRows * 64,
+                            row < rows ? source + pass * kPassRows * token_stride : first_row, row < rows);
+    } else if (row < rows) {
       mma::copy_async_16(destination + pass * kPassRows * 64, source + pass * kPassRows * token_stride);
-    } else if (ZERO_TAIL) {
+    } else if (TAIL == TileTail::kZeroByStore) {
       *reinterpret_cast<Vec<T, 8>*>(destination + pass * kPassRows * 64) = Vec<T, 8>{};
     }
   }

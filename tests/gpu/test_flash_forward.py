@@ -4,16 +4,22 @@ outputs poisoned with NaN first, every written element checked and every unwritt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from hipattn import arrays
+from hipattn import arrays, runtime
 from hipattn import problem as problem_mod
 from hipattn.backends import get_backend
 from hipattn.catalog.common import FLASH_HEAD_DIMS
-from hipattn.catalog.flash_forward import FLASH_FORWARD_MMA_TILES, FLASH_FORWARD_WGMMA_TILES
+from hipattn.catalog.flash_forward import (
+    FLASH_FORWARD_MMA_TILES,
+    FLASH_FORWARD_WARP_SPECIALISED_TILES,
+    FLASH_FORWARD_WGMMA_TILES,
+)
+from hipattn.catalog.targets import runs_nvidia_wgmma
 from hipattn.ops import flash
 from hipattn.streams import on_device, resolve_stream
 
@@ -131,6 +137,29 @@ def test_the_mma_sync_kernel_matches_float64_and_sdpa(dtype, head_dim, causal, r
                  tiles=FLASH_FORWARD_MMA_TILES[head_dim], case=f"mma.sync {dtype} d{head_dim} causal={causal}")
 
 
+def _hopper_rows_not_picked() -> list:
+    """The sm_90a rows a call does not pick by default, each as pytest.param(head_dim, row): the
+    FA2-class wgmma kernel where the warp-specialised one serves the head_dim, and the warp-specialised
+    kernel with its consumers' ping-pong off (both kept: tools.sweep_flash_forward times them against
+    the default)."""
+    rows = []
+    for head_dim, tiles in FLASH_FORWARD_WARP_SPECIALISED_TILES.items():
+        rows.append(pytest.param(head_dim, FLASH_FORWARD_WGMMA_TILES[head_dim], id=f"fa2-class-wgmma-d{head_dim}"))
+        if tiles.ping_pong:
+            rows.append(pytest.param(head_dim, dataclasses.replace(tiles, ping_pong=False),
+                                     id=f"no-ping-pong-d{head_dim}"))
+    return rows
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,tiles", _hopper_rows_not_picked())
+def test_the_hopper_kernels_a_call_does_not_pick_match_float64(head_dim, tiles, causal, rng):
+    if not runs_nvidia_wgmma(runtime.active().target(torch.cuda.current_device())):
+        pytest.skip("the wgmma kernels run on sm_90a (H100, H200) only")
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, "bf16", causal, rng, tail_rows=3, tiles=tiles,
+                 case=f"{tiles} causal={causal}")
+
+
 # flash-attn's sliding windows (-1: no bound on that side): a long left side with none on the right,
 # both sides bounded (rows of the short-KV sequences see nothing, long rows skip key tiles at both
 # ends), a one-tile band, and causal with a left side (a band under the diagonal).
@@ -187,8 +216,8 @@ def test_lengths_around_the_tiles(lengths_q, lengths_k, causal, rng):
 
 def test_max_seqlen_is_an_upper_bound(rng):
     """A bound far above every real length launches idle blocks that must write nothing."""
-    block_m = max(tiles.block_m for table in (FLASH_FORWARD_MMA_TILES, FLASH_FORWARD_WGMMA_TILES)
-                  for tiles in table.values())
+    block_m = max(tiles.block_m for table in (FLASH_FORWARD_MMA_TILES, FLASH_FORWARD_WGMMA_TILES,
+                                              FLASH_FORWARD_WARP_SPECIALISED_TILES) for tiles in table.values())
     _varlen_case([33, 250, 7], [250, 33, 7], 4, 2, 128, "bf16", True, rng, bound_slack=3 * block_m + 5,
                  tail_rows=2, case="bound slack")
 

@@ -9,6 +9,7 @@ import torch
 
 import hipattn
 from hipattn import runtime
+from hipattn.catalog.targets import runs_nvidia_wgmma
 
 from .conftest import bshd_inputs, cumulative, poisoned, randn_like
 
@@ -58,6 +59,21 @@ def test_new_inputs_of_the_same_signature_give_new_results(rng, fresh_plans):
     fresh_plans.clear()
     full, _ = hipattn.forward(q2, k2, v2, **kwargs)
     assert torch.equal(replayed, full)
+
+
+def test_new_flash_inputs_replay_with_tensor_maps_of_their_own(rng, fresh_plans):
+    """On H100/H200 the flash forward reads q, k and v through tensor maps, which hold their addresses:
+    a replay with new arrays must encode maps of the new arrays, not reuse the recorded call's."""
+    (q, k, v), kwargs = _batch_call(rng)
+    hipattn.forward(q, k, v, **kwargs)
+    (plan,) = fresh_plans.values()
+    if runs_nvidia_wgmma(runtime.active().target(q.device.index)):
+        assert [len(launch.tensor_maps) for launch in plan.launches] == [3], "q, k and v each through a map"
+    (q2, k2, v2), _ = _batch_call(rng)
+    replayed, replayed_lse = hipattn.forward(q2, k2, v2, **kwargs)
+    fresh_plans.clear()
+    full, full_lse = hipattn.forward(q2, k2, v2, **kwargs)
+    assert torch.equal(replayed, full) and torch.equal(replayed_lse, full_lse)
 
 
 def test_pointer_checks_still_refuse_after_a_plan_exists(rng, fresh_plans):
