@@ -18,6 +18,14 @@ def test_comments_and_per_compile_symbol_ids_are_taken_out():
     assert fingerprint.normalized_ptx(first) != fingerprint.normalized_ptx(first.replace(b"= 32", b"= 64"))
 
 
+def test_the_order_of_module_constants_is_taken_out_but_not_their_values():
+    code = b".visible .entry _Z1kv()\n{\n\tret;\n}\n"
+    first = b".global .align 4 .u32 _ZN7hipattn1aE = 4;\n.global .align 4 .u32 _ZN7hipattn1bE = 128;\n" + code
+    second = b".global .align 4 .u32 _ZN7hipattn1bE = 128;\n.global .align 4 .u32 _ZN7hipattn1aE = 4;\n" + code
+    assert fingerprint.normalized_ptx(first) == fingerprint.normalized_ptx(second)
+    assert fingerprint.normalized_ptx(first) != fingerprint.normalized_ptx(second.replace(b"= 128", b"= 64"))
+
+
 def test_only_nvidia_archs_are_fingerprinted():
     assert fingerprint.virtual_arch("sm_90a") == "compute_90a"
     assert fingerprint.virtual_arch("sm_80") == "compute_80"

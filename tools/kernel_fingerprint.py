@@ -12,7 +12,8 @@ parameter struct, so that a template argument added with the value that compiles
 before it (NEUTRAL_ARGUMENTS: score_mods=false, which is also left out of the name a spec is compared
 by) and fields appended to a struct that a kernel never reads leave its hash alone (a field it reads,
 or one moved, changes the offsets its loads name).
-Equal hashes mean ptxas gets the same input, so a kernel change that keeps
+Equal hashes mean ptxas gets the same input (but for the order of the module's constant
+declarations), so a kernel change that keeps
 every hash (comments, renamed locals, helpers moved between headers, macros folded) runs what the GPU
 last ran, and one that changes a hash must run on the GPU again. With --against, the revision is
 checked out into a temporary git worktree and fingerprinted by this script the same way (in a child
@@ -48,8 +49,13 @@ NEUTRAL_ARGUMENTS = {"score_mods": False}
 
 def normalized_ptx(ptx: bytes) -> bytes:
     """PTX without comment lines, with per-compilation symbol IDs and the kernel's name replaced by
-    one token each and the parameter struct's byte size left out."""
-    lines = (line for line in ptx.rstrip(b"\0").split(b"\n") if not line.lstrip().startswith(b"//"))
+    one token each, the parameter struct's byte size left out, and the module's one-line global
+    declarations (the constants a kernel's headers define) in sorted order: NVVM declares them in the
+    order the code first names them, which moving a helper between headers changes."""
+    lines = [line for line in ptx.rstrip(b"\0").split(b"\n") if not line.lstrip().startswith(b"//")]
+    declared = [i for i, line in enumerate(lines) if line.startswith(b".global ") and line.endswith(b";")]
+    for i, line in zip(declared, sorted(lines[i] for i in declared), strict=True):
+        lines[i] = line
     text = _PARAM_BYTES.sub(rb"\1[]", _INTERNAL_ID.sub(b"_INTERNAL_", b"\n".join(lines)))
     for name in set(_ENTRY.findall(text)):
         # The kernel's function-local statics (a __shared__ array) carry its name nested in theirs,

@@ -146,7 +146,8 @@ class Case:
     heads_kv: int = 8
     # small-seq: "tensor-core" or "portable" (HIPATTN_SMALLSEQ_KERNEL=portable); flash forward and the
     # backward's dK/dV kernel: the device's own (on the H200, sm_90a: wgmma at the head_dims of its tables)
-    # or "mma.sync" (its tile row)
+    # or "mma.sync" (its tile row); flash forward also "fa2-class wgmma" (its row, where sm_90a runs the
+    # warp-specialised kernel)
     kernel: str = "tensor-core"
     layout: str = "thd"
     cu_seqlens_q: list[int] | None = None
@@ -170,11 +171,18 @@ class Case:
     families: tuple[str, ...] = field(default=())
 
 
+# The forward rows a case's kernel names instead of the device's own (FORWARD_TILES_OF_KERNEL[kernel][head_dim]).
+FORWARD_TILES_OF_KERNEL = {"mma.sync": flash_forward_catalog.FLASH_FORWARD_MMA_TILES,
+                           "fa2-class wgmma": flash_forward_catalog.FLASH_FORWARD_WGMMA_TILES}
+
+
 def flash_forward_family(head_dim: int, kernel: str, score_mods: bool = False) -> str:
     """The flash forward a case launches on the sanitizer's machine (SANITIZER_TARGET): its arrays are
     contiguous, so on Hopper they have tensor maps."""
     if kernel == "mma.sync":
         return flash_forward_catalog.FLASH_FORWARD_MMA.name
+    if kernel == "fa2-class wgmma":
+        return flash_forward_catalog.FLASH_FORWARD_WGMMA.name
     return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET, score_mods=score_mods).family.name
 
 
@@ -285,7 +293,8 @@ def build_cases(quick: bool = False) -> list[Case]:
     for flash_q, flash_k, base in _flash_configurations("flash_forward", [0, 1, 70, 33], [5, 64, 0, 40], quick):
         dtype, head_dim, hq, hkv = base["dtype"], base["head_dim"], base["heads_q"], base["heads_kv"]
         for causal in (False, True):
-            for kernel in ("device", "mma.sync"):
+            # The FA2-class wgmma forward, which H100/H200 run for arrays without tensor maps, at every head_dim.
+            for kernel in ("device", "mma.sync", "fa2-class wgmma"):
                 cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid causal={causal} kernel={kernel}",
                                   cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal, kernel=kernel, **base))
                 cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid window (20, 7) causal={causal} "
@@ -529,8 +538,7 @@ def run_flash_forward(runner: Runner, case: Case) -> None:
         stream = resolve_stream((qa, ka, va), None, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
                       stream, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka, dropout_seed=seed,
-                      tiles=flash_forward_catalog.FLASH_FORWARD_MMA_TILES[case.head_dim] if case.kernel == "mma.sync"
-                      else None)
+                      tiles=FORWARD_TILES_OF_KERNEL.get(case.kernel, {}).get(case.head_dim))
     # The flash kernels pass max_seqlen as their tile (no tile limit of their own).
     rows_q = rows_a_kernel_may_write(case.cu_seqlens_q, None, BATCH, case.max_seqlen_q, case.total_q, case.max_seqlen_q)
     runner.check_outputs({

@@ -12,8 +12,8 @@ import ctypes
 from dataclasses import dataclass, field
 
 # field kind -> (ctypes type, C++ type). A tensor map is CUDA's opaque CUtensorMap, encoded on the
-# host (hipattn.ops.tensor_maps) and read by the copy engine from the kernel's parameter space: 128
-# bytes, 64-byte aligned. The ctypes side holds it as a TensorMapBytes array.
+# host (hipattn.backends.tensor_maps) and read by the copy engine from the kernel's parameter space:
+# 128 bytes, 64-byte aligned. The ctypes side holds it as a TensorMapBytes array.
 TENSOR_MAP = "tensor_map"
 TENSOR_MAP_BYTES = 128
 TENSOR_MAP_ALIGNMENT = 64

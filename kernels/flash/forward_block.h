@@ -1,6 +1,6 @@
 // Which (query tile, sequence, head) a block of a flash forward owns and which keys it visits: shared
-// by the three forwards (forward_mma.hip: mma.sync; forward_wgmma.hip: Hopper's wgmma;
-// forward_mfma.hip: AMD's MFMA), written without any vendor's instructions.
+// by the forwards (forward_mma.hip: mma.sync; forward_wgmma.hip and forward_warp_specialised.hip:
+// Hopper's wgmma; forward_mfma.hip: AMD's MFMA), written without any vendor's instructions.
 //
 // Conventions (flash-attn's): the keys a row sees are common/key_window.h's bottom-right aligned
 // window (causal is its right side at 0); a row that sees no key gets O = 0 and LSE = +inf. Sequence

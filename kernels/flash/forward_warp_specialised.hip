@@ -29,11 +29,13 @@
 // barriers, one per consumer, passed round in a ring), so that while one warpgroup's products occupy
 // the tensor cores the others run their softmax: a warpgroup's exponentials take about half as long as
 // its products at head_dim 128, and unordered, the warpgroups would often contend for the tensor cores
-// together and then leave them idle together. Masks, score modifiers, dropout and sinks enter through
-// the FA2-class kernels' code (flash/online_softmax_m16n8.h, common/score_mods.h, common/dropout.h,
-// common/sink.h).
+// together and then leave them idle together. The products and the output's way out through the
+// consumer's Q rows are flash/forward_warpgroup.h's, as in the FA2-class kernel; masks, score
+// modifiers, dropout and sinks enter through the same code as there (flash/online_softmax_m16n8.h,
+// common/score_mods.h, common/dropout.h, common/sink.h).
 #pragma once
 #include "common/async_pipeline_nvidia.h"
+#include "flash/forward_warpgroup.h"
 #include "flash/softmax_m16n8.h"
 #include "flash/stage_swizzled_cp_async.h"
 
@@ -222,38 +224,10 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   float row_max[2] = {-infinity(), -infinity()};  // scaled base-2 domain
   float row_sum[2] = {0.0f, 0.0f};
 
-  // Descriptors, as in the FA2-class kernel: Q and K K-major (a k16 step 32 bytes along a 128-byte
-  // row, 8-row atoms 1024 bytes apart), V the MN-major B of P V (a k16 step is 16 keys, its 64-column
-  // blocks BLOCK_N rows apart). The consumer's Q rows start 64 rows into each column block.
-  const wgmma::u64 q_descriptor = wgmma::descriptor(mma::shared_address(q_tile + 64 * consumer * 64),
-                                                    wgmma::kRowBytes, wgmma::kAtomBytes);
-  const wgmma::u64 k_descriptor =
-      wgmma::descriptor(mma::shared_address(k_slots), wgmma::kRowBytes, wgmma::kAtomBytes);
-  const wgmma::u64 v_descriptor =
-      wgmma::descriptor(mma::shared_address(v_slots), BLOCK_N * wgmma::kRowBytes, wgmma::kAtomBytes);
-  constexpr int kSlotBytes = Tiles::kSlotElements * static_cast<int>(sizeof(T));
-
-  auto key_tile = [&](int i) { return wgmma::advance(k_descriptor, (i % STAGES) * kSlotBytes); };
-  auto value_tile = [&](int i) { return wgmma::advance(v_descriptor, (i % STAGES) * kSlotBytes); };
-  typedef wgmma::u64 ScoreSteps[HEAD_DIM / 16];
-  typedef wgmma::u64 ValueSteps[BLOCK_N / 16];
-  auto score_steps = [&](ScoreSteps& q_steps, ScoreSteps& k_steps, int i) {
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      q_steps[ks] = wgmma::pin(wgmma::advance(q_descriptor, wgmma::k_major_step<kBlockM>(ks)));
-      k_steps[ks] = wgmma::pin(wgmma::advance(key_tile(i), wgmma::k_major_step<BLOCK_N>(ks)));
-    }
-  };
-  auto value_steps = [&](ValueSteps& steps, int i) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-      steps[kk] = wgmma::pin(wgmma::advance(value_tile(i), 2 * wgmma::kAtomBytes * kk));
-  };
-  auto issue_scores = [&](float(&s)[kNTiles][4], const ScoreSteps& q_steps, const ScoreSteps& k_steps) {
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma::mma_ss<T, BLOCK_N>(s, q_steps[ks], k_steps[ks], ks > 0);
-    wgmma::commit();
-  };
+  using Products = flash::WarpgroupProducts<T, HEAD_DIM, BLOCK_N, kBlockM, STAGES>;
+  using ScoreSteps = typename Products::ScoreSteps;
+  using ValueSteps = typename Products::ValueSteps;
+  const Products products(q_tile, k_slots, v_slots, consumer);
   auto softmax = [&](float(&s)[kNTiles][4], int i, unsigned int(&p_packed)[kNTiles][2], float(&correction)[2]) {
     const int n0 = key_start(i);
     flash::online_softmax<T>(s, row_max, row_sum, p_packed, correction,
@@ -272,10 +246,10 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     await_full(k_full(0), 0, false);
     float s[kNTiles][4];
     ScoreSteps q_steps, k_steps;
-    score_steps(q_steps, k_steps, 0);
+    products.score_steps(q_steps, k_steps, 0);
     take_turn();
     wgmma::fence();
-    issue_scores(s, q_steps, k_steps);
+    Products::issue_scores(s, q_steps, k_steps);
     pass_turn();
     wgmma::wait<0>();
     wgmma::pin(s);
@@ -284,15 +258,6 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     softmax(s, 0, p_packed, correction);
     drop(p_packed, 0);
   }
-  auto issue_values = [&](const ValueSteps& v_steps) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      const unsigned int a[4] = {p_packed[2 * kk][0], p_packed[2 * kk][1], p_packed[2 * kk + 1][0],
-                                 p_packed[2 * kk + 1][1]};
-      wgmma::mma_rs<T, HEAD_DIM>(o, a, v_steps[kk], 1);
-    }
-    wgmma::commit();
-  };
   // The loop is unrolled as the FA2-class kernel's is, for the same ptxas behaviour (forward_wgmma.hip).
 #pragma unroll(SCORE_MODS ? 2 : 1)
   for (int i = 0; i + 1 < b.n_tiles; ++i) {
@@ -301,13 +266,13 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     float s[kNTiles][4];
     ScoreSteps q_steps, k_steps;
     ValueSteps v_steps;
-    score_steps(q_steps, k_steps, i + 1);
-    value_steps(v_steps, i);
+    products.score_steps(q_steps, k_steps, i + 1);
+    products.value_steps(v_steps, i);
     take_turn();
     wgmma::pin(o);
     wgmma::fence();
-    issue_scores(s, q_steps, k_steps);
-    issue_values(v_steps);
+    Products::issue_scores(s, q_steps, k_steps);
+    Products::issue_values(o, p_packed, v_steps);
     pass_turn();
     wgmma::wait<1>();  // S of tile i + 1 (groups complete in order; P V may still run)
     wgmma::pin(s);
@@ -328,11 +293,11 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     const int last = b.n_tiles - 1;
     await_full(v_full(last % STAGES), phase(last), v_tile_is_partial(last));
     ValueSteps v_steps;
-    value_steps(v_steps, last);
+    products.value_steps(v_steps, last);
     take_turn();
     wgmma::pin(o);
     wgmma::fence();
-    issue_values(v_steps);
+    Products::issue_values(o, p_packed, v_steps);
     pass_turn();
     wgmma::wait<0>();
     wgmma::pin(o);
@@ -349,25 +314,9 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   // Every warp of the warpgroup has read its Q rows for the last time (the barrier below orders the
   // other warps' wgmma reads before these writes as well).
   barrier_sync<128>(1 + consumer);
-#pragma unroll
-  for (int d = 0; d < kDTiles; ++d)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      *reinterpret_cast<unsigned int*>(q_tile + wgmma::swizzled_offset<kBlockM>(o_row + 8 * r, 8 * d + 2 * t)) =
-          mma::pack2<T>(o[d][2 * r] * inv_sum[r], o[d][2 * r + 1] * inv_sum[r]);
+  flash::stage_output<T, kBlockM>(q_tile, o, inv_sum, o_row, t);
   barrier_sync<128>(1 + consumer);
-  constexpr int kChunks = HEAD_DIM / 8;
-  const int rows = b.row_end - consumer_first < 64 ? b.row_end - consumer_first : 64;
-  T* const o_rows = static_cast<T*>(p.o) + b.batch_index * p.o_batch_stride +
-                    static_cast<long long>(b.seq_q.start + consumer_first) * p.o_token_stride +
-                    b.head * p.o_head_stride;
-  for (int c = threadIdx.x % 128; c < 64 * kChunks; c += 128) {
-    const int row = c / kChunks;
-    const int col = (c % kChunks) * 8;
-    if (row < rows)
-      *reinterpret_cast<Vec<T, 8>*>(o_rows + row * p.o_token_stride + col) =
-          *reinterpret_cast<const Vec<T, 8>*>(q_tile + wgmma::swizzled_offset<kBlockM>(64 * consumer + row, col));
-  }
+  flash::write_output<T, HEAD_DIM, kBlockM>(p, b, q_tile, consumer, consumer_first);
 }
 
 }  // namespace hipattn

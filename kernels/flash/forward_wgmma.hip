@@ -18,12 +18,16 @@
 // with cp.async through a ring of STAGES slots each, one commit group {V[i], K[i + 1]} per tile, so
 // the copies run STAGES - 1 tiles ahead.
 //
+// A warpgroup's products and its output's way out are flash/forward_warpgroup.h's, which the
+// warp-specialised kernel (forward_warp_specialised.hip) shares.
+//
 // Shared tiles are in wgmma's 128-byte swizzled layout (common/wgmma_nvidia.h): the copies read whole
 // 128-byte row segments, and neither they nor the tensor cores' reads conflict on banks. At head_dim 96
 // a row is a column block and a half: S takes six k16 steps, and O is an m64n96 product. (The
 // unswizzled layout, whose conflict-free copies read 64-byte segments, left this kernel bound by L2:
 // 76% of its throughput at 250 TFLOP/s on the H200, against 23% at 319 swizzled, same tiles.)
 #pragma once
+#include "flash/forward_warpgroup.h"
 #include "flash/softmax_m16n8.h"
 #include "flash/stage_swizzled_cp_async.h"
 
@@ -132,42 +136,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   float row_max[2] = {-infinity(), -infinity()};  // scaled base-2 domain
   float row_sum[2] = {0.0f, 0.0f};
 
-  // Descriptors. Q and K are K-major operands: a k16 step is 32 bytes along their 128-byte rows (then
-  // the next column block), 8-row atoms are 1024 bytes apart. V is the MN-major B of P V: a k16 step is
-  // 16 keys (two atoms), and its 64-column blocks are BLOCK_N rows apart. The warpgroup's Q rows start
-  // 64 rows into each column block of the Q tile.
-  const wgmma::u64 q_descriptor = wgmma::descriptor(mma::shared_address(q_tile + 64 * warpgroup * 64),
-                                                    wgmma::kRowBytes, wgmma::kAtomBytes);
-  const wgmma::u64 k_descriptor =
-      wgmma::descriptor(mma::shared_address(k_slots), wgmma::kRowBytes, wgmma::kAtomBytes);
-  const wgmma::u64 v_descriptor =
-      wgmma::descriptor(mma::shared_address(v_slots), BLOCK_N * wgmma::kRowBytes, wgmma::kAtomBytes);
-  constexpr int kSlotBytes = Tiles::kSlotElements * static_cast<int>(sizeof(T));
-
-  auto key_tile = [&](int i) { return wgmma::advance(k_descriptor, (i % STAGES) * kSlotBytes); };
-  auto value_tile = [&](int i) { return wgmma::advance(v_descriptor, (i % STAGES) * kSlotBytes); };
-  // The descriptors of every k16 step of S = Q Kᵀ (tile i) and of O += P V (tile i), formed before the
-  // fence that opens a batch, so that nothing but wgmmas runs between the fence and the commits.
-  typedef wgmma::u64 ScoreSteps[HEAD_DIM / 16];
-  typedef wgmma::u64 ValueSteps[BLOCK_N / 16];
-  auto score_steps = [&](ScoreSteps& q_steps, ScoreSteps& k_steps, int i) {
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      q_steps[ks] = wgmma::pin(wgmma::advance(q_descriptor, wgmma::k_major_step<kBlockM>(ks)));
-      k_steps[ks] = wgmma::pin(wgmma::advance(key_tile(i), wgmma::k_major_step<BLOCK_N>(ks)));
-    }
-  };
-  auto value_steps = [&](ValueSteps& steps, int i) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-      steps[kk] = wgmma::pin(wgmma::advance(value_tile(i), 2 * wgmma::kAtomBytes * kk));
-  };
-  // S = Q Kᵀ into s, one wgmma group, committed and not waited for.
-  auto issue_scores = [&](float(&s)[kNTiles][4], const ScoreSteps& q_steps, const ScoreSteps& k_steps) {
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma::mma_ss<T, BLOCK_N>(s, q_steps[ks], k_steps[ks], ks > 0);
-    wgmma::commit();
-  };
+  using Products = flash::WarpgroupProducts<T, HEAD_DIM, BLOCK_N, kBlockM, STAGES>;
+  using ScoreSteps = typename Products::ScoreSteps;
+  using ValueSteps = typename Products::ValueSteps;
+  const Products products(q_tile, k_slots, v_slots, warpgroup);
   auto softmax = [&](float(&s)[kNTiles][4], int i, unsigned int(&p_packed)[kNTiles][2], float(&correction)[2]) {
     const int n0 = key_start(i);
     flash::online_softmax<T>(s, row_max, row_sum, p_packed, correction,
@@ -189,9 +161,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     __syncthreads();  // ... for every thread
     float s[kNTiles][4];
     ScoreSteps q_steps, k_steps;
-    score_steps(q_steps, k_steps, 0);
+    products.score_steps(q_steps, k_steps, 0);
     wgmma::fence();
-    issue_scores(s, q_steps, k_steps);
+    Products::issue_scores(s, q_steps, k_steps);
     wgmma::wait<0>();
     wgmma::pin(s);
     float correction[2];  // O is still 0: nothing to rescale
@@ -206,16 +178,6 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     __syncthreads();
     load_group(i + STAGES - 1);
   };
-  // O += P V, one wgmma group, committed and not waited for.
-  auto issue_values = [&](const ValueSteps& v_steps) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      const unsigned int a[4] = {p_packed[2 * kk][0], p_packed[2 * kk][1], p_packed[2 * kk + 1][0],
-                                 p_packed[2 * kk + 1][1]};
-      wgmma::mma_rs<T, HEAD_DIM>(o, a, v_steps[kk], 1);
-    }
-    wgmma::commit();
-  };
   // Every tile but the last issues S of the next one with its own P V; the last tile runs alone (ptxas
   // serialises every wgmma of a loop whose S product is issued conditionally: warning C7514).
   // The modified kernels' loop is unrolled by two: NVRTC 13.0's ptxas otherwise serialises every wgmma
@@ -229,12 +191,12 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
     float s[kNTiles][4];
     ScoreSteps q_steps, k_steps;
     ValueSteps v_steps;
-    score_steps(q_steps, k_steps, i + 1);
-    value_steps(v_steps, i);
+    products.score_steps(q_steps, k_steps, i + 1);
+    products.value_steps(v_steps, i);
     wgmma::pin(o);
     wgmma::fence();
-    issue_scores(s, q_steps, k_steps);
-    issue_values(v_steps);
+    Products::issue_scores(s, q_steps, k_steps);
+    Products::issue_values(o, p_packed, v_steps);
     wgmma::wait<1>();  // S of tile i + 1 (groups complete in order; P V may still run)
     wgmma::pin(s);
     unsigned int p_next[kNTiles][2];
@@ -253,10 +215,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   if (b.n_tiles > 0) {
     await_tile(b.n_tiles - 1);
     ValueSteps v_steps;
-    value_steps(v_steps, b.n_tiles - 1);
+    products.value_steps(v_steps, b.n_tiles - 1);
     wgmma::pin(o);
     wgmma::fence();
-    issue_values(v_steps);
+    Products::issue_values(o, p_packed, v_steps);
     wgmma::wait<0>();
     wgmma::pin(o);
   }
@@ -271,25 +233,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
   flash::finish_rows(p, b, warp_first + g, row_max, row_sum, inv_sum, t, sink_log2<SCORE_MODS>(p, b.head));
   inv_sum[0] *= dropout.scale();  // the kept probabilities' 1 / (1 - dropout_p)
   inv_sum[1] *= dropout.scale();
-#pragma unroll
-  for (int d = 0; d < kDTiles; ++d)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      *reinterpret_cast<unsigned int*>(q_tile + wgmma::swizzled_offset<kBlockM>(o_row + 8 * r, 8 * d + 2 * t)) =
-          mma::pack2<T>(o[d][2 * r] * inv_sum[r], o[d][2 * r + 1] * inv_sum[r]);
+  flash::stage_output<T, kBlockM>(q_tile, o, inv_sum, o_row, t);
   __syncthreads();
-  constexpr int kChunks = HEAD_DIM / 8;
-  const int rows = b.row_end - warpgroup_first < 64 ? b.row_end - warpgroup_first : 64;
-  T* const o_rows = static_cast<T*>(p.o) + b.batch_index * p.o_batch_stride +
-                    static_cast<long long>(b.seq_q.start + warpgroup_first) * p.o_token_stride +
-                    b.head * p.o_head_stride;
-  for (int c = threadIdx.x % 128; c < 64 * kChunks; c += 128) {
-    const int row = c / kChunks;
-    const int col = (c % kChunks) * 8;
-    if (row < rows)
-      *reinterpret_cast<Vec<T, 8>*>(o_rows + row * p.o_token_stride + col) =
-          *reinterpret_cast<const Vec<T, 8>*>(q_tile + wgmma::swizzled_offset<kBlockM>(64 * warpgroup + row, col));
-  }
+  flash::write_output<T, HEAD_DIM, kBlockM>(p, b, q_tile, warpgroup, warpgroup_first);
 }
 
 }  // namespace hipattn

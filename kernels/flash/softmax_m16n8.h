@@ -1,7 +1,8 @@
 // The flash forwards' masks and final LSE for one warp's 16-row accumulator tile in mma.sync's m16n8
 // C-fragment layout (rows g and g + 8, columns 2t and 2t + 1 of each 8-column tile), around the
 // online softmax of flash/online_softmax_m16n8.h: shared by the NVIDIA flash forwards (forward_mma.hip:
-// mma.sync; forward_wgmma.hip: Hopper's wgmma, whose accumulators have the same per-warp layout).
+// mma.sync; forward_wgmma.hip and forward_warp_specialised.hip: Hopper's wgmma, whose accumulators
+// have the same per-warp layout).
 #pragma once
 #include "common/dropout.h"
 #include "common/mma_nvidia.h"
