@@ -184,7 +184,10 @@ def record(launches: list, arrays: tuple, described: tuple, names: tuple[str, ..
         if ptr:
             by_pointer[ptr] = -2 if ptr in by_pointer else slot  # -2: two arrays share it
     base, size = (workspace.ptr, workspace.nbytes) if workspace is not None else (0, 0)
+
     def slot_holding(name: str, value: int) -> int | None:
+        """The slot of field ``name`` when it holds that slot's pointer, else the one slot that holds
+        ``value`` (-2: two do), else None."""
         slot = slot_of_name.get(name)
         if slot is None or ptrs[slot] != value:
             slot = by_pointer.get(value)
