@@ -18,9 +18,10 @@ Peers, each in its own process so that a failing one cannot take the others down
 its public entry points (hipattn.forward / hipattn.backward, the flash path), torch SDPA's flash
 (FA2) and cuDNN backends on the same data in [B, H, S, D] views (batch mode), and torch's varlen
 attention (varlen mode). ``hipattn@BMxBNxSTAGESxMTILES`` times hipattn's mma.sync forward kernel with
-those tiles, ``hipattn@wBNxWARPGROUPSxSTAGES`` its FA2-class wgmma one and ``hipattn@sBNxCONSUMERSxSTAGES``
-its warp-specialised one (``...n``: without ping-pong) (ops.flash.forward directly, which lets the mma.sync kernel run on sm_90a too);
-each checks its output against SDPA's.
+those tiles, ``hipattn@wBNxWARPGROUPSxSTAGES`` its FA2-class wgmma one and
+``hipattn@sBNxCONSUMERSxSTAGES`` its warp-specialised one (``...n``: without ping-pong), through
+ops.flash.forward directly, which lets the mma.sync kernel run on sm_90a too; each checks its output
+against SDPA's.
 """
 
 from __future__ import annotations

@@ -52,16 +52,18 @@ def normalized_ptx(ptx: bytes) -> bytes:
     one token each, the parameter struct's byte size left out, and the module's one-line global
     declarations (the constants a kernel's headers define) in sorted order: NVVM declares them in the
     order the code first names them, which moving a helper between headers changes."""
-    lines = [line for line in ptx.rstrip(b"\0").split(b"\n") if not line.lstrip().startswith(b"//")]
-    declared = [i for i, line in enumerate(lines) if line.startswith(b".global ") and line.endswith(b";")]
-    for i, line in zip(declared, sorted(lines[i] for i in declared), strict=True):
-        lines[i] = line
+    lines = (line for line in ptx.rstrip(b"\0").split(b"\n") if not line.lstrip().startswith(b"//"))
     text = _PARAM_BYTES.sub(rb"\1[]", _INTERNAL_ID.sub(b"_INTERNAL_", b"\n".join(lines)))
     for name in set(_ENTRY.findall(text)):
         # The kernel's function-local statics (a __shared__ array) carry its name nested in theirs,
         # without the leading _Z.
         text = text.replace(name, b"_KERNEL_").replace(name[2:], b"_KERNEL_")
-    return text
+    # Sorted once the per-compilation IDs are out, which would otherwise order the internal names.
+    lines = text.split(b"\n")
+    declared = [i for i, line in enumerate(lines) if line.startswith(b".global ") and line.endswith(b";")]
+    for i, line in zip(declared, sorted(lines[i] for i in declared), strict=True):
+        lines[i] = line
+    return b"\n".join(lines)
 
 
 def comparable_name(canonical: str) -> str:

@@ -179,10 +179,8 @@ FORWARD_TILES_OF_KERNEL = {"mma.sync": flash_forward_catalog.FLASH_FORWARD_MMA_T
 def flash_forward_family(head_dim: int, kernel: str, score_mods: bool = False) -> str:
     """The flash forward a case launches on the sanitizer's machine (SANITIZER_TARGET): its arrays are
     contiguous, so on Hopper they have tensor maps."""
-    if kernel == "mma.sync":
-        return flash_forward_catalog.FLASH_FORWARD_MMA.name
-    if kernel == "fa2-class wgmma":
-        return flash_forward_catalog.FLASH_FORWARD_WGMMA.name
+    if kernel in FORWARD_TILES_OF_KERNEL:
+        return FORWARD_TILES_OF_KERNEL[kernel][head_dim].family.name
     return flash_forward_catalog.tiles_for(head_dim, SANITIZER_TARGET, score_mods=score_mods).family.name
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from ..backends.tensor_maps import TensorMapLayout
 from ..catalog.common import WGMMA_SWIZZLE_COLUMNS
-from ..catalog.tiles import ELEMENT_BYTES
-from ..device_array import DeviceArray
+from ..device_array import DeviceArray, element_size
 from ..errors import DriverError
 from ..log import logger
 from ..problem import THD
@@ -34,10 +33,11 @@ def map_layout(a: DeviceArray, layout: str, box_rows: int) -> TensorMapLayout | 
     else:
         (batch, tokens, heads, head_dim), (batch_stride, token_stride, head_stride, _) = a.shape, a.strides
     dims = (head_dim, heads, tokens, batch)
-    strides = [head_stride * ELEMENT_BYTES, token_stride * ELEMENT_BYTES, batch_stride * ELEMENT_BYTES]
+    itemsize = element_size(a.dtype)
+    strides = [head_stride * itemsize, token_stride * itemsize, batch_stride * itemsize]
     # A dimension of extent 1 is never stepped along, so whatever stride it has (0 for a varlen array's
     # batch) becomes a contiguous array's, which the map's rules accept.
-    extent_bytes = head_dim * ELEMENT_BYTES
+    extent_bytes = head_dim * itemsize
     for i, extent in enumerate(dims[1:]):
         if extent == 1:
             strides[i] = extent_bytes
