@@ -125,7 +125,7 @@ def flash_attn_with_kvcache(
                 raise ValueError(f"lse has strides {lse_a.strides}; its last dimension must be contiguous")
             problem_mod.check_row_statistic_alignment(lse_a, "lse")
         check_outputs_disjoint((out_span, lse_span))
-        tiles, splits = decode.attention_plan(p)
+        tiles, splits = decode.attention_plan(call)
         plan = kvcache_workspace(p, splits)
         sections, base = {}, None
         if plan.sections:
@@ -140,7 +140,8 @@ def flash_attn_with_kvcache(
         made = {slot: obj for slot, obj in zip(_OUTPUTS, (out_obj, lse_obj), strict=True)
                 if given[slot] is None and obj is not None}
         written_slots = _OUTPUTS + ((1, 2) if p.seqlen_new else ())
-        recorded = launch_plans.record(launches, given, described, _SLOTS, made, written_slots, base)
+        recorded = launch_plans.record(launches, given, described, _SLOTS, made, written_slots, base,
+                                       runtime=active)
         if recorded is not None:
             active.launch_plans[key] = recorded
     return (out_obj, lse_obj) if p.return_lse else out_obj
@@ -156,7 +157,7 @@ def kvcache_workspace_bytes(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
     call = kvcache_problem.describe(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, block_table, None, causal, True,
                                     num_splits, False, None, window_size)
-    return kvcache_workspace(call.problem, decode.attention_plan(call.problem)[1]).total_bytes
+    return kvcache_workspace(call.problem, decode.attention_plan(call)[1]).total_bytes
 
 
 def _check_cache_disjoint(inputs: list, written: list) -> None:

@@ -1,15 +1,17 @@
 """flash_attn_with_kvcache's arguments on the host: each invalid call fails with a TypeError or
 ValueError that names the argument, before anything is enqueued; a valid one launches the
-tensor-core kernel over (sequences x KV heads, splits, query-row chunks).
+copy-engine kernel over a persistent grid, or, where no tensor map can read the cache, the
+thread-copy kernel over (sequences x KV heads, splits, query-row chunks).
 
-Inputs are raw arrays at fake device addresses, each in its own range, on a fake sm_90 backend that
-records launches (tests/support/fake_backend.py); no GPU is needed.
+Inputs are raw arrays at fake device addresses, each in its own range, on a fake sm_90a backend with
+132 SMs that records launches and encodes maps that spell their address
+(tests/support/fake_backend.py); no GPU is needed.
 """
 
 from __future__ import annotations
 
 import pytest
-from support.fake_backend import FakeBackend
+from support.fake_backend import HopperWithMaps
 
 import hipattn
 from hipattn import runtime
@@ -19,9 +21,14 @@ from hipattn.jit.cache import DiskCache
 from hipattn.jit.registry import Registry
 
 
+class H200(HopperWithMaps):
+    def compute_units(self, device):
+        return 132
+
+
 @pytest.fixture
 def backend(tmp_path, monkeypatch):
-    fake = FakeBackend(device_arch="sm_90a")
+    fake = H200()
     monkeypatch.setattr(runtime, "_active", runtime.Runtime(fake, registry=Registry(fake, DiskCache(tmp_path))))
     return fake
 
@@ -114,14 +121,65 @@ def test_an_invalid_call_names_its_argument_and_enqueues_nothing(backend, case):
     assert backend.launches == []
 
 
-def test_a_valid_call_launches_the_tensor_core_kernel_per_kv_head_and_split(backend):
+def _kernel_name(launch) -> str:
+    return launch[0][1].split(b"|")[1].decode()
+
+
+def _workspace():
+    return raw_array(0x20_0000_0000, (1 << 20,), "uint8", 0)
+
+
+def test_a_valid_call_launches_the_copy_engine_kernel_over_a_persistent_grid(backend):
     arguments = _call(num_splits=3)
-    hipattn.flash_attn_with_kvcache(**arguments, workspace=raw_array(0x20_0000_0000, (1 << 20,), "uint8", 0))
-    (_, grid, block, shared, _, params), (_, combine_grid, *_) = backend.launches
-    assert grid == (2 * 2, 3, 1), "x: sequences x KV heads, y: splits, z: one chunk of 16 query rows"
-    assert block == (128, 1, 1) and shared > 0
+    hipattn.flash_attn_with_kvcache(**arguments, workspace=_workspace())
+    attention, (_, combine_grid, *_) = backend.launches
+    _, grid, block, shared, _, params = attention
+    assert _kernel_name(attention).startswith("hipattn::decode_forward_tma<")
+    assert grid == (2 * 2 * 3, 1, 1), "a block per work item (sequence x KV head x split x row chunk), at most an SM each"
+    assert block == (128 + 32, 1, 1) and shared > 0
     assert params.splits == 3 and params.heads_q == 8 and params.cache_capacity == 512
+    assert bytes(params.k_map).startswith(f"{arguments['k_cache'].ptr:x}|(128, 2, 512, 2)|(64, 1, 64, 1)".encode())
+    assert bytes(params.v_map).startswith(f"{arguments['v_cache'].ptr:x}|".encode())
     assert combine_grid == (2 * 8 * 1, 1, 1), "one combine block per query row"
+
+
+def test_more_work_items_than_sms_share_the_sms(backend):
+    hipattn.flash_attn_with_kvcache(**_call(q=lambda m, a: m.array((2, 1, 8, 128))), num_splits=40,
+                                    workspace=_workspace())
+    (_, grid, *_), _ = backend.launches
+    assert grid == (132, 1, 1), "160 items on 132 SMs: each block walks its items"
+
+
+def test_pages_that_split_a_tile_take_the_thread_copy_kernel(backend):
+    """A 64-key tile must lie in one page for the copy engine's box; pages of 16 tokens take the
+    kernel whose threads copy row by row, one block per (sequence x KV head, split, row chunk)."""
+    paged = _call(k_cache=lambda m, a: m.array((64, 16, 2, 128)), v_cache=lambda m, a: m.array((64, 16, 2, 128)),
+                  block_table=lambda m, a: m.array((2, 32), "int32"))
+    hipattn.flash_attn_with_kvcache(**paged, num_splits=3, workspace=_workspace())
+    attention, _ = backend.launches
+    _, grid, block, *_ = attention
+    assert _kernel_name(attention).startswith("hipattn::decode_forward_mma<")
+    assert grid == (2 * 2, 3, 1) and block == (128, 1, 1)
+
+
+def test_pages_of_whole_tiles_take_the_copy_engine_kernel_with_page_maps(backend):
+    paged = _call(k_cache=lambda m, a: m.array((16, 64, 2, 128)), v_cache=lambda m, a: m.array((16, 64, 2, 128)),
+                  block_table=lambda m, a: m.array((2, 8), "int32"))
+    hipattn.flash_attn_with_kvcache(**paged, num_splits=1)
+    (attention,) = backend.launches
+    assert _kernel_name(attention).startswith("hipattn::decode_forward_tma<")
+    assert bytes(attention[-1].k_map).startswith(f"{paged['k_cache'].ptr:x}|(128, 2, 64, 16)|".encode()), \
+        "a map of [page, token, head, dim]: a box is 64 tokens of one page"
+
+
+def test_a_cache_no_map_describes_takes_the_thread_copy_kernel(backend):
+    """A map's strides are positive: a cache broadcast over its entries (stride 0) is read by the threads."""
+    shared = (0, 2 * 128, 128, 1)
+    hipattn.flash_attn_with_kvcache(**_call(k_cache=lambda m, a: m.array((2, 512, 2, 128), strides=shared),
+                                            v_cache=lambda m, a: m.array((2, 512, 2, 128), strides=shared)),
+                                     num_splits=1)
+    (attention,) = backend.launches
+    assert _kernel_name(attention).startswith("hipattn::decode_forward_mma<")
 
 
 def test_score_modifiers_launch_the_modified_kernel_with_their_fields(backend):
@@ -135,7 +193,7 @@ def test_score_modifiers_launch_the_modified_kernel_with_their_fields(backend):
     assert params.alibi_batch_stride == 8, "[batch, Hq] slopes: a sequence's row of 8 heads"
     assert plain_params.softcap == 0.0 and not plain_params.alibi_slopes
     name = modified[1].split(b"|")[1].decode()
-    assert name.startswith("hipattn::decode_forward_mma<") and name.endswith("true>")
+    assert name.startswith("hipattn::decode_forward_tma<") and name.endswith("true>")
     assert plain[1].split(b"|")[1].decode().endswith("false>")
 
 

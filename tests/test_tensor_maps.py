@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-from support.fake_backend import FakeBackend
+from support.fake_backend import CountingEncoder, HopperWithMaps
 
 from hipattn import launch_plans, runtime
 from hipattn import problem as problem_mod
@@ -32,20 +32,6 @@ from hipattn.problem import BSHD, THD
 def _array(shape, strides=None, ptr=0x10000, dtype="bf16") -> DeviceArray:
     return DeviceArray(ptr=ptr, shape=shape, strides=strides or contiguous_strides(shape), dtype=dtype, device=0,
                        framework="raw")
-
-
-class CountingEncoder:
-    """A backend whose maps spell their address and layout, counting its encodings."""
-
-    name = "counting"
-
-    def __init__(self):
-        self.encoded: list[tuple[int, TensorMapLayout]] = []
-
-    def encode_tensor_map(self, address, layout):
-        self.encoded.append((address, layout))
-        text = f"{address:x}|{layout.dims}|{layout.box}".encode()
-        return TensorMapBytes.from_buffer_copy(text.ljust(TENSOR_MAP_BYTES, b"."))
 
 
 # ---- which arrays have a map, and what it says ----------------------------------------------------
@@ -166,17 +152,6 @@ def test_a_map_no_cache_knows_leaves_the_call_without_a_plan():
 
 
 # ---- the launcher's choice on Hopper -------------------------------------------------------------------
-
-
-class HopperWithMaps(FakeBackend):
-    """A fake sm_90a whose maps spell their address (CountingEncoder's rule)."""
-
-    def __init__(self):
-        super().__init__(device_arch="sm_90a")
-        self.maps = CountingEncoder()
-
-    def encode_tensor_map(self, address, layout):
-        return self.maps.encode_tensor_map(address, layout)
 
 
 @pytest.fixture

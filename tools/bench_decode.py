@@ -4,10 +4,12 @@ torch SDPA's cuDNN and flash backends, on the decode shapes of the benchmark mat
     python -m tools.bench_decode --out bench_decode.json                     # the shipped configuration
     python -m tools.bench_decode --kernel mma:2,mma:3 --num-splits 0,1,16 --min-keys 512,1024
     python -m tools.bench_decode --kernel portable:4x4+8x2,portable:4x2+8x1  # the portable kernel on NVIDIA
+    python -m tools.bench_decode --kernel shipped,tma:3,tma:5,mma:3          # Hopper's two kernels
 
 A configuration is one attention row, ``shipped`` (catalog.decode.tiles_for), ``mma:STAGES`` (the
-tensor-core kernel with 64-key tiles) or ``portable:ROWSxUNROLL+...`` (the portable kernel's table,
-smallest rows first), with one ``num_splits`` (0: ops.decode.choose_splits) and one
+tensor-core kernel with 64-key tiles, its threads copying), ``tma:STAGES`` (the same fed by the copy
+engine, persistent; Hopper) or ``portable:ROWSxUNROLL+...`` (the portable kernel's table, smallest rows
+first), with one ``num_splits`` (0: ops.decode.choose_splits) and one
 ``MIN_KEYS_PER_SPLIT`` (ops.decode); every combination of the given lists is timed on every shape,
 contiguous and paged (pages of 256). Times are the
 median device time per call over BACK_TO_BACK_CALLS back-to-back calls (benchlib.median_ms), eager
@@ -41,11 +43,15 @@ def _attention_rows(text: str):
     if kind == "mma":
         tiles = decode.DecodeMmaTiles(block_n=64, stages=int(detail))
         return lambda head_dim, rows: tiles
+    if kind == "tma":  # tma:STAGES, or tma:STAGESvLAG: each tile's V copied after the K of LAG tiles later
+        stages, _, lag = detail.partition("v")
+        tiles = decode.DecodeTmaTiles(stages=int(stages), v_lag=int(lag or 0))
+        return lambda head_dim, rows: tiles
     if kind == "portable":
         table = sorted((decode.DecodeTiles(rows=int(r), unroll=int(u))
                         for r, u in (item.lower().split("x") for item in detail.split("+"))), key=lambda t: t.rows)
         return lambda head_dim, rows: next((t for t in table if rows <= t.rows), table[-1])
-    raise ValueError(f"unknown kernel {text!r}: shipped, mma:STAGES or portable:RxU+RxU")
+    raise ValueError(f"unknown kernel {text!r}: shipped, mma:STAGES, tma:STAGES or portable:RxU+RxU")
 
 
 def _copy_bandwidth(torch) -> float:
@@ -119,7 +125,7 @@ def main() -> None:
         for kernel, splits, keys in itertools.product(kernels, split_counts, min_keys):
             rows = _attention_rows(kernel)
             ops.attention_tiles = shipped_tiles if rows is None else (
-                lambda problem, rows=rows: rows(problem.head_dim, problem.rows_per_kv_head))
+                lambda problem, tensor_maps=True, rows=rows: rows(problem.head_dim, problem.rows_per_kv_head))
             ops.MIN_KEYS_PER_SPLIT = keys
             runtime.active().launch_plans.clear()  # a plan replays the configuration it recorded
             config = {"kernel": kernel, "num_splits": splits, "min_keys": keys}

@@ -4,7 +4,7 @@ adversarial.
 Valid calls cover contiguous and paged caches (pages of 16 and 64 tokens), new tokens appended with
 rotary, causal query runs, split counts of 1 and 3, and softcap with ALiBi (whose slopes the kernel
 reads per row's query head), so that every KV-cache family shipped for the H200 launches (append, the
-tensor-core attention, combine). Adversarial calls give the device arrays values no host check can
+tensor-core attention that the copy engine feeds and the one whose threads copy, combine). Adversarial calls give the device arrays values no host check can
 see: cache_seqlens past the cache and negative, block-table entries and batch indices outside the
 cache, left padding past the sequence, int32 extremes. Such input gives meaningless numbers, but the
 kernels must clamp it (kernels/decode/cache.h) and touch no memory outside their tensors: every
@@ -47,8 +47,14 @@ class KvCacheCase:
 
 
 def families_of(case: KvCacheCase) -> tuple[str, ...]:
-    """The kernel families a case launches on the H200, in order: append, attention, combine."""
-    return (*(("decode_append",) if case.seqlen_new else ()), "decode_forward_mma",
+    """The kernel families a case launches on the H200, in order: append, attention (the copy engine's
+    where its table has the head_dim and no page splits a 64-key tile, else the threads'), combine."""
+    from hipattn.catalog import decode
+
+    tiles_in_pages = case.page_size is None or case.page_size % decode.MMA_TILE_KEYS == 0
+    attention = "decode_forward_tma" if tiles_in_pages and case.head_dim in decode.DECODE_TMA_TILES else (
+        "decode_forward_mma")
+    return (*(("decode_append",) if case.seqlen_new else ()), attention,
             *(("decode_combine",) if case.num_splits > 1 else ()))
 
 
@@ -77,6 +83,9 @@ def build_cases(quick: bool = False) -> list[KvCacheCase]:
                     seqlen_new=2, rotary_dim=32, causal=True, seqlen_q=2),
         KvCacheCase(name="kvcache block table outside the pages", page_size=16, seqlen_new=1, num_splits=3,
                     block_table=tuple((-1, 10**6, INT32_MAX, INT32_MIN, 3, 2)[i:] + (0,) * i for i in range(BATCH))),
+        KvCacheCase(name="kvcache pages of 64, block table outside the pages", page_size=64, seqlen_new=1,
+                    num_splits=3, block_table=tuple(((-1, INT32_MAX), (INT32_MIN, 7), (10**6, 0), (3, -2))[b]
+                                                    for b in range(BATCH))),
         KvCacheCase(name="kvcache batch index outside the cache", batch_idx=(-3, 6, INT32_MAX, INT32_MIN),
                     seqlen_new=1),
         KvCacheCase(name="kvcache leftpad outside the sequence", leftpad=(-7, INT32_MAX, 200, INT32_MIN)),

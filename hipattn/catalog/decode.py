@@ -3,8 +3,10 @@ attention kernel, and the combine of its splits.
 
 Decoding reads K and V once and is bound by that read. On NVIDIA sm_80+ the attention runs on the
 tensor cores (kernels/decode/forward_mma.hip: cp.async staging, mma.sync), one table row per
-head_dim; on AMD gfx90a/gfx94x/gfx950 on the matrix cores (kernels/decode/forward_mfma.hip: operands
-straight from global memory, MFMA 16x16x16) at head_dims that are multiples of 32; elsewhere the
+head_dim; on Hopper, where the cache has tensor maps, the same tensor-core work is fed by the copy
+engine in a persistent grid (kernels/decode/forward_tma.hip); on AMD gfx90a/gfx94x/gfx950 on the
+matrix cores (kernels/decode/forward_mfma.hip: operands straight from global memory, MFMA 16x16x16)
+at head_dims that are multiples of 32; elsewhere the
 portable kernel (kernels/decode/forward.hip: 16-byte loads per lane, dot products on the vector
 units), one row per query-rows bound. Append and combine are portable."""
 
@@ -12,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jit.params import ParamsStruct
+from ..jit.params import TENSOR_MAP, ParamsStruct
 from ..jit.spec import KernelFamily, KernelSpec
 from ..jit.target import Target
-from .common import DTYPES, FLASH_ROW_PAD
+from .common import DTYPES, FLASH_ROW_PAD, MBARRIER_BYTES, wgmma_row_elements
 from .fields import (
     SCORE_MOD_FIELDS,
     SCORE_MODS_PARAM,
@@ -33,6 +35,7 @@ from .targets import (
     has_hopper_shared_memory,
     runs_amd_mfma,
     runs_nvidia_mma,
+    runs_nvidia_wgmma,
 )
 from .tiles import ELEMENT_BYTES, KernelTiles
 
@@ -42,6 +45,10 @@ DECODE_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 
 # A block of the attention and combine kernels (decode::Layout::kThreads, decode_combine's bounds).
 DECODE_BLOCK_THREADS = 128
+# The tensor-core kernels' tile (decode/warp_keys_mma.h): 16 query rows, four warps of 16 keys.
+MMA_ROWS = 16
+MMA_WARPS = 4
+MMA_TILE_KEYS = 64
 # decode_combine: one block per query row, merging at most this many splits (one per thread).
 MAX_SPLITS = DECODE_BLOCK_THREADS
 # decode_append: one thread per pair of elements of a row.
@@ -71,6 +78,10 @@ DECODE_FORWARD_PARAMS = ParamsStruct(
     + (("o_partial", "ptr"), ("lse_partial", "ptr"), ("cache_leftpad", "const_ptr")) + _CACHE_FIELDS
     + (("splits", "i32"), ("softmax_scale", "f32")) + WINDOW_FIELDS + SCORE_MOD_FIELDS + SINK_FIELDS,
 )
+# The copy-engine kernel's struct: the attention's fields, then the tensor maps of the K and V caches
+# ([entry or page, token, head, dim], boxes of one 64-column swizzle block of a tile's rows).
+DECODE_FORWARD_TMA_PARAMS = ParamsStruct.extending(
+    "DecodeForwardTmaParams", DECODE_FORWARD_PARAMS, (("k_map", TENSOR_MAP), ("v_map", TENSOR_MAP)))
 DECODE_COMBINE_PARAMS = ParamsStruct(
     "DecodeCombineParams",
     strided("o") + row_statistic("lse", "ptr")
@@ -98,6 +109,7 @@ class DecodeTiles(KernelTiles):
 
     family = property(lambda self: DECODE_FORWARD)
     threads = DECODE_BLOCK_THREADS
+    persistent = False  # a block per (sequence, KV head, split, row chunk)
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         return 0  # its merge buffers are static shared arrays
@@ -127,7 +139,8 @@ class DecodeMmaTiles(KernelTiles):
 
     family = property(lambda self: DECODE_FORWARD_MMA)
     threads = DECODE_BLOCK_THREADS
-    rows = 16
+    rows = MMA_ROWS
+    persistent = False
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """decode::MmaLayout<...>::kBytes: the Q tile and STAGES K and V slots, rows of head_dim + 8
@@ -163,6 +176,52 @@ DECODE_MMA_TILES: dict[int, DecodeMmaTiles] = {
 }
 
 @dataclass(frozen=True)
+class DecodeTmaTiles(KernelTiles):
+    """A row of the copy-engine attention kernel (Hopper): the tensor-core kernel's tiles (16 query
+    rows, four consumer warps of 16 keys per 64-key tile) and a producer warp, ``stages`` K/V slots,
+    and with ``v_lag`` each tile's V copied after the next tile's K. Its grid is persistent: the blocks
+    an SM holds (blocks_per_unit) walk the call's work items."""
+
+    stages: int
+    v_lag: int = 0
+
+    family = property(lambda self: DECODE_FORWARD_TMA)
+    threads = DECODE_BLOCK_THREADS + 32
+    rows = MMA_ROWS
+    persistent = True
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """decode::TmaLayout<...>::kBytes: STAGES slots of a swizzled K and V tile (rows in whole
+        64-column blocks), two Q tiles (rows of head_dim + 8), the warps' merge states and two
+        mbarriers per slot."""
+        tile = MMA_TILE_KEYS * wgmma_row_elements(head_dim) * element_bytes
+        query = 2 * MMA_ROWS * (head_dim + FLASH_ROW_PAD) * element_bytes
+        merge = MMA_WARPS * MMA_ROWS * (head_dim + 4 + 2) * 4
+        return self.stages * 2 * tile + query + merge + 2 * self.stages * MBARRIER_BYTES
+
+    def blocks_per_unit(self, target: Target | None, head_dim: int) -> int:
+        """Persistent blocks per SM: as many as its shared memory holds and its registers allow
+        (resident_blocks)."""
+        return max(1, min(self.resident_blocks(head_dim), HOPPER_SHARED_BYTES // self.shared_bytes(head_dim)))
+
+    @staticmethod
+    def resident_blocks(head_dim: int) -> int:
+        """decode::TmaLayout<...>::kResidentBlocks, the kernel's launch bound: two blocks of 160 threads
+        share an SM's registers up to head_dim 128; above, one (two would spill)."""
+        return 2 if head_dim <= 128 else 1
+
+    def tensor_map_rows(self) -> dict[str, int]:
+        return {"k": MMA_TILE_KEYS, "v": MMA_TILE_KEYS}
+
+
+# Three slots, each tile's V copied after the next tile's K: on the H200 (tools/bench_decode.py) a V
+# copied beside its own K, or deeper rings (four or five slots), read 3-8% slower. Head_dim 256 stays
+# with the thread-copy kernel: its consumers' O and Q fragments leave the score-modified instantiation
+# too few registers (ptxas spills).
+DECODE_TMA_TILES: dict[int, DecodeTmaTiles] = {d: DecodeTmaTiles(stages=3, v_lag=1) for d in (64, 80, 96, 128, 192)}
+
+
+@dataclass(frozen=True)
 class DecodeMfmaTiles(KernelTiles):
     """A row of the matrix-core attention kernel (AMD gfx90a/gfx94x/gfx950): 16 query rows per block,
     ``waves`` waves that each walk their own runs of 16 keys."""
@@ -171,6 +230,7 @@ class DecodeMfmaTiles(KernelTiles):
 
     family = property(lambda self: DECODE_FORWARD_MFMA)
     rows = 16
+    persistent = False
 
     @property
     def threads(self) -> int:
@@ -189,13 +249,16 @@ class DecodeMfmaTiles(KernelTiles):
 DECODE_MFMA_TILES: dict[int, DecodeMfmaTiles] = {
     d: DecodeMfmaTiles(waves=4 if d <= 128 else 2) for d in (32, 64, 96, 128, 192, 256)}
 
-AttentionTiles = DecodeTiles | DecodeMmaTiles | DecodeMfmaTiles
+AttentionTiles = DecodeTiles | DecodeMmaTiles | DecodeTmaTiles | DecodeMfmaTiles
 
 
-def tiles_for(target: Target | None, head_dim: int, rows: int) -> AttentionTiles:
+def tiles_for(target: Target | None, head_dim: int, rows: int, tensor_maps: bool = True) -> AttentionTiles:
     """The attention row ``target`` runs for ``rows`` query rows per KV head (query tokens x group):
-    the tensor-core kernel on NVIDIA sm_80+, the matrix-core one on AMD's MFMA targets where its table
-    has head_dim, else the portable one."""
+    on Hopper the copy-engine kernel where its table has head_dim and the cache has tensor maps
+    (``tensor_maps``), else the tensor-core kernel on NVIDIA sm_80+; the matrix-core one on AMD's MFMA
+    targets where its table has head_dim; else the portable one."""
+    if tensor_maps and runs_nvidia_wgmma(target) and head_dim in DECODE_TMA_TILES:
+        return DECODE_TMA_TILES[head_dim]
     if runs_nvidia_mma(target):
         table = DECODE_MMA_TILES_HOPPER if has_hopper_shared_memory(target) else DECODE_MMA_TILES
         return table[head_dim]
@@ -219,9 +282,10 @@ def _row_dims(target: Target) -> list:
     found = []
     for d in DECODE_HEAD_DIMS:
         for bound in (t.rows for t in DECODE_TILES):
-            pair = (tiles_for(target, d, bound), d)
-            if pair not in found:
-                found.append(pair)
+            for tensor_maps in (True, False):
+                pair = (tiles_for(target, d, bound, tensor_maps), d)
+                if pair not in found:
+                    found.append(pair)
     return found
 
 
@@ -234,6 +298,10 @@ DECODE_FORWARD_MMA = register(KernelFamily(
     name="decode_forward_mma", source="decode/forward_mma.hip", template="hipattn::decode_forward_mma",
     template_params=("dtype", "head_dim", "block_n", "stages", SCORE_MODS_PARAM), params=DECODE_FORWARD_PARAMS,
     shipped=lambda target: _shipped("decode_forward_mma", target)))
+DECODE_FORWARD_TMA = register(KernelFamily(
+    name="decode_forward_tma", source="decode/forward_tma.hip", template="hipattn::decode_forward_tma",
+    template_params=("dtype", "head_dim", "stages", "v_lag", SCORE_MODS_PARAM), params=DECODE_FORWARD_TMA_PARAMS,
+    structs=(DECODE_FORWARD_PARAMS,), shipped=lambda target: _shipped("decode_forward_tma", target)))
 DECODE_FORWARD_MFMA = register(KernelFamily(
     name="decode_forward_mfma", source="decode/forward_mfma.hip", template="hipattn::decode_forward_mfma",
     template_params=("dtype", "head_dim", "waves", SCORE_MODS_PARAM), params=DECODE_FORWARD_PARAMS,

@@ -17,6 +17,7 @@ from ..device_array import DeviceArray
 from ..kvcache_problem import KvCacheCall, KvCacheProblem
 from ..problem import BSHD
 from .fields import kernel_window_side, put_absent_tensor, put_tensor, score_mod_fields
+from .tensor_map_fields import has_tensor_maps, tensor_map_fields
 
 # The split heuristic (choose_splits) gives no split fewer keys than this: below it, a block's pipeline
 # start and the partials' writes and combine cost more than the parallelism gains ...
@@ -110,10 +111,27 @@ def append(call: KvCacheCall, q_rotated: DeviceArray | None, stream: int) -> Non
     kernel.launch((blocks, 1, 1), (decode.DECODE_BLOCK_THREADS, 1, 1), 0, stream, kernel.params.from_dict(fields))
 
 
-def attention_tiles(problem: KvCacheProblem) -> decode.AttentionTiles:
-    """The attention kernel's row for the call's device (catalog.decode.tiles_for)."""
+def attention_tiles(problem: KvCacheProblem, tensor_maps: bool = True) -> decode.AttentionTiles:
+    """The attention kernel's row for the call's device (catalog.decode.tiles_for), with or without
+    tensor maps of the cache."""
     target = runtime.active().target(problem.device)
-    return decode.tiles_for(target, problem.head_dim, problem.rows_per_kv_head)
+    return decode.tiles_for(target, problem.head_dim, problem.rows_per_kv_head, tensor_maps)
+
+
+def _cache_maps(call: KvCacheCall, tiles: decode.AttentionTiles) -> dict[str, DeviceArray]:
+    """The caches a row's tensor maps describe (by its kernel's field names)."""
+    return {name: a for name, a in (("k", call.k_cache), ("v", call.v_cache)) if name in tiles.tensor_map_rows()}
+
+
+def cache_has_tensor_maps(call: KvCacheCall) -> bool:
+    """Whether the copy-engine kernel can read the call's cache: maps describe both caches
+    (ops.tensor_map_fields), and a paged cache's pages hold whole 64-key tiles, so that no box
+    crosses a page."""
+    p = call.problem
+    if call.block_table is not None and p.page_size % decode.MMA_TILE_KEYS:
+        return False
+    rows = {"k": decode.MMA_TILE_KEYS, "v": decode.MMA_TILE_KEYS}
+    return has_tensor_maps({"k": call.k_cache, "v": call.v_cache}, BSHD, rows)
 
 
 def device_slots(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
@@ -122,10 +140,10 @@ def device_slots(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
     return active.compute_units(problem.device) * tiles.blocks_per_unit(active.target(problem.device), problem.head_dim)
 
 
-def attention_plan(problem: KvCacheProblem) -> tuple[decode.AttentionTiles, int]:
+def attention_plan(call: KvCacheCall) -> tuple[decode.AttentionTiles, int]:
     """The attention row the call runs and its split count (attention_tiles, choose_splits)."""
-    tiles = attention_tiles(problem)
-    return tiles, choose_splits(problem, tiles, device_slots(problem, tiles))
+    tiles = attention_tiles(call.problem, cache_has_tensor_maps(call))
+    return tiles, choose_splits(call.problem, tiles, device_slots(call.problem, tiles))
 
 
 def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray | None, splits: int,
@@ -144,13 +162,18 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
     if chunks > MAX_GRID_YZ:
         raise ValueError(f"the call has {p.rows_per_kv_head} query rows per KV head (seqlen_q x query heads per "
                          f"KV head); at most {MAX_GRID_YZ * tiles.rows} fit one launch")
+    maps = {}
+    if tiles.tensor_map_rows():
+        maps = tensor_map_fields(active, BSHD, _cache_maps(call, tiles), tiles.tensor_map_rows())
+        if maps is None:  # the driver refused an encoding: the threads copy instead, with the same splits
+            tiles, maps = attention_tiles(p, tensor_maps=False), {}
     check_grid(target, blocks, tiles.threads, "sequences x KV heads")
     kernel = active.kernel(tiles.spec(p.dtype, p.head_dim, score_mods=p.score_mods), p.device)
     shared = tiles.shared_bytes(p.head_dim)
     if shared:
         kernel.reserve_dynamic_shared_memory(shared)
     sink = call.learnable_sink.ptr if call.learnable_sink is not None else 0
-    fields = {**_cache_fields(call), **score_mod_fields(p.softcap, call.alibi_slopes), "learnable_sink": sink}
+    fields = {**_cache_fields(call), **score_mod_fields(p.softcap, call.alibi_slopes), "learnable_sink": sink, **maps}
     for name, a in (("q", q), ("k", call.k_cache), ("v", call.v_cache), ("o", out)):
         _tensor(fields, name, a)
     lse_batch, lse_head = lse.strides[:2] if lse is not None else (0, 0)  # [B, Hq, S_q], tokens contiguous
@@ -161,7 +184,11 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
                   splits=splits, softmax_scale=p.softmax_scale,
                   window_left=kernel_window_side(p.window_left, p.capacity),
                   window_right=kernel_window_side(p.window_right, p.seqlen_q))
-    kernel.launch((blocks, splits, chunks), (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
+    # A persistent grid: a block per slot, each walking items blockIdx.x, + gridDim.x, ... of the
+    # blocks x splits x chunks (decode/forward_tma.hip).
+    grid = (min(blocks * splits * chunks, device_slots(p, tiles)), 1, 1) if tiles.persistent else (
+        blocks, splits, chunks)
+    kernel.launch(grid, (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
     if splits == 1:
         return
     combine_blocks = p.batch * p.heads_q * p.seqlen_q  # one per query row

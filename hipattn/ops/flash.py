@@ -71,7 +71,7 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         return  # batch 0 or max_seqlen_q 0: nothing to write
     map_fields, box_rows = {}, tiles.tensor_map_rows()
     if box_rows:
-        map_fields = tensor_map_fields(active, problem, {"q": q, "k": k, "v": v}, box_rows)
+        map_fields = tensor_map_fields(active, problem.layout, {"q": q, "k": k, "v": v}, box_rows)
         if map_fields is None and not chosen:
             raise ValueError(f"flash forward: {tiles} copies q, k and v through tensor maps, and one of them has "
                              "a stride no tensor map takes (a positive multiple of 16 bytes)")

@@ -48,13 +48,19 @@ def map_layout(a: DeviceArray, layout: str, box_rows: int) -> TensorMapLayout | 
     return TensorMapLayout(a.dtype, dims, tuple(strides), (WGMMA_SWIZZLE_COLUMNS, 1, box_rows, 1))
 
 
-def tensor_map_fields(runtime, problem, arrays: dict[str, DeviceArray], box_rows: dict[str, int]) -> dict | None:
-    """``{name}_map`` of each array ``box_rows`` names (its box's rows), encoded through ``runtime``
-    (cached per address and layout), or None when one of them has no map."""
+def has_tensor_maps(arrays: dict[str, DeviceArray], layout: str, box_rows: dict[str, int]) -> bool:
+    """Whether every array ``box_rows`` names has a map (map_layout), by host facts alone."""
+    return all(map_layout(arrays[name], layout, rows) is not None for name, rows in box_rows.items())
+
+
+def tensor_map_fields(runtime, layout: str, arrays: dict[str, DeviceArray], box_rows: dict[str, int]) -> dict | None:
+    """``{name}_map`` of each array ``box_rows`` names (its box's rows; arrays in ``layout``, BSHD or
+    THD), encoded through ``runtime`` (cached per address and layout), or None when one of them has
+    no map."""
     fields = {}
     for name, rows in box_rows.items():
         a = arrays[name]
-        map_of = map_layout(a, problem.layout, rows)
+        map_of = map_layout(a, layout, rows)
         if map_of is None:
             return None
         try:

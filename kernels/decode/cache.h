@@ -36,13 +36,19 @@ struct CacheAddress {
   const int* pages;   // the sequence's block table row, or null
 };
 
+// The batch entry of a contiguous cache that sequence b uses: cache_batch_idx[b], or b.
+template <typename Params>
+HIPATTN_DEVICE int cache_entry(const Params& p, int b) {
+  const int* batch_index = static_cast<const int*>(p.cache_batch_idx);
+  return batch_index != nullptr ? clamp_int(batch_index[b], 0, p.cache_entries - 1) : b;
+}
+
 template <typename Params>
 HIPATTN_DEVICE CacheAddress cache_address(const Params& p, int b, int kv_head) {
   if (p.block_table != nullptr)
     return {kv_head * p.k_head_stride, kv_head * p.v_head_stride,
             static_cast<const int*>(p.block_table) + b * p.block_table_batch_stride};
-  const int* batch_index = static_cast<const int*>(p.cache_batch_idx);
-  const long long entry = batch_index != nullptr ? clamp_int(batch_index[b], 0, p.cache_entries - 1) : b;
+  const long long entry = cache_entry(p, b);
   return {entry * p.k_batch_stride + kv_head * p.k_head_stride, entry * p.v_batch_stride + kv_head * p.v_head_stride,
           nullptr};
 }

@@ -5,10 +5,10 @@
 // A block holds 16 query rows (one m16 tile) and four warps. K and V tiles of BLOCK_N keys are staged
 // in shared memory with cp.async through a ring of STAGES slots, one commit group per tile, one barrier
 // per tile; the copies of the next STAGES - 1 tiles are in flight while a tile is computed. Each warp
-// takes a quarter of every tile (BLOCK_N / 4 keys): S = Q Kᵀ for the 16 rows and its keys, the online
-// softmax (flash/online_softmax_m16n8.h), O += P V with P reused in registers as the A operand. Every
-// warp keeps its own softmax state over its keys; decode/merge.h merges the four at the end, through
-// the staging memory, and writes O and the LSE, or the split's partials.
+// takes a quarter of every tile (BLOCK_N / 4 keys; decode/warp_keys_mma.h): S = Q Kᵀ for the 16 rows
+// and its keys, the online softmax, O += P V with P reused in registers as the A operand. Every warp
+// keeps its own softmax state over its keys; decode/merge.h merges the four at the end, through the
+// staging memory, and writes O and the LSE, or the split's partials.
 //
 // Rows are found through decode/cache.h's slots, so paged and contiguous caches and any page size are
 // served: a tile within one page (every tile of a contiguous cache, or of pages a multiple of BLOCK_N)
@@ -18,11 +18,7 @@
 // holds belong to different query heads of the group: with SCORE_MODS each gets its own head's
 // modifiers (common/score_mods.h; an ALiBi slope is per head).
 #pragma once
-#include "common/mma_nvidia.h"
-#include "common/score_mods.h"
-#include "decode/cache.h"
-#include "decode/merge.h"
-#include "flash/online_softmax_m16n8.h"
+#include "decode/warp_keys_mma.h"
 
 namespace hipattn {
 namespace decode {
@@ -33,8 +29,8 @@ namespace decode {
 // computes kBytes with the same formula.
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES>
 struct MmaLayout {
-  static constexpr int kRows = 16;
-  static constexpr int kWarps = 4;
+  static constexpr int kRows = kMmaRows;
+  static constexpr int kWarps = kMmaWarps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kWarpKeys = BLOCK_N / kWarps;
   static constexpr int kPitch = HEAD_DIM + 8;
@@ -43,15 +39,22 @@ struct MmaLayout {
   static constexpr int kKOffset = kRows * kPitch;
   static constexpr int kVOffset = kKOffset + STAGES * kSlotElements;
   static constexpr int kStagingBytes = (kVOffset + STAGES * kSlotElements) * static_cast<int>(sizeof(T));
-  static constexpr int kMergePitch = HEAD_DIM + 4;  // floats
-  static constexpr int kMergeBytes = kWarps * kRows * (kMergePitch + 2) * 4;
+  static constexpr int kMergeBytes = WarpMerge<HEAD_DIM>::kBytes;
   static constexpr int kBytes = kStagingBytes > kMergeBytes ? kStagingBytes : kMergeBytes;
 
   static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
   static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "head_dim is a multiple of 16 up to 256");
-  static_assert(kWarpKeys == 16, "each warp's keys are one k-step of P V (BLOCK_N = 64)");
+  static_assert(kWarpKeys == kMmaWarpKeys, "each warp's keys are one k-step of P V (BLOCK_N = 64)");
   static_assert(STAGES >= 1 && STAGES <= 4, "one to four K/V slots");
   static_assert(kBytes <= 227 * 1024, "the tiles must fit 227 KiB of shared memory");
+};
+
+// The lane's ldmatrix rows in a slot of padded rows: a 16-column step is 32 bytes along the row.
+struct PaddedOperands {
+  unsigned int k_lane;
+  unsigned int v_lane;
+  HIPATTN_DEVICE unsigned int k_step(int ks) const { return k_lane + 32 * ks; }
+  HIPATTN_DEVICE unsigned int v_step(int dp) const { return v_lane + 32 * dp; }
 };
 
 }  // namespace decode
@@ -61,7 +64,6 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
   using L = decode::MmaLayout<T, HEAD_DIM, BLOCK_N, STAGES>;
   constexpr int kThreads = L::kThreads;
   constexpr int kPitch = L::kPitch;
-  constexpr int kDTiles = HEAD_DIM / 8;
   constexpr int kBytesPerElement = static_cast<int>(sizeof(T));
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
@@ -147,43 +149,15 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
   };
 
   // ---- prologue: Q (rows past the block's zeroed) with tile 0, then tiles up to the ring's depth ----
-  for (int c = threadIdx.x; c < L::kRows * L::kChunks; c += kThreads) {
-    const int r = c / L::kChunks;
-    const int chunk = c % L::kChunks;
-    T* const destination = q_tile + r * kPitch + chunk * 8;
-    if (r < rows) {
-      const int token = (row0 + r) / group;
-      const int head = kv_head * group + (row0 + r) % group;
-      mma::copy_async_16(destination, static_cast<const T*>(p.q) + b * p.q_batch_stride + token * p.q_token_stride +
-                                          head * p.q_head_stride + chunk * 8);
-    } else {
-      *reinterpret_cast<Vec<T, 8>*>(destination) = Vec<T, 8>{};
-    }
-  }
+  decode::stage_query_rows<T, HEAD_DIM>(q_tile, kPitch, p, rows, row0, group, b, kv_head, threadIdx.x, kThreads);
   // Tiles 0 .. STAGES - 2 (tile 0 with one slot): group 0 holds Q and tile 0.
 #pragma unroll
   for (int s = 0; s < (STAGES > 1 ? STAGES - 1 : 1); ++s) load_tile(s);
 
-  // Per accumulator row (g, g + 8): the keys its query token sees (none past the block's rows), and the
-  // key on its diagonal.
-  flash::RowKeys keys;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = g + 8 * r;
-    const decode::TokenKeys seen = row < rows ? decode::token_keys(p, range, (row0 + row) / group)
-                                              : decode::TokenKeys{0, 0};
-    keys.first[r] = seen.first;
-    keys.end[r] = seen.end < key_end ? seen.end : key_end;
-    keys.diagonal[r] = row < rows ? decode::token_diagonal(p, range, (row0 + row) / group) : 0;
-  }
-  // Rows g and g + 8 are tokens of different query heads of the group: each row has its head's scores.
-  const Scores<SCORE_MODS> scores_g = scores_of<SCORE_MODS>(p, b, kv_head * group + (row0 + g) % group);
-  const Scores<SCORE_MODS> scores_g8 = scores_g.with_head(p, b, kv_head * group + (row0 + g + 8) % group);
-  float o[kDTiles][4];
-#pragma unroll
-  for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
-  float row_max[2] = {-infinity(), -infinity()};
-  float row_sum[2] = {0.0f, 0.0f};
+  const decode::LaneRows<SCORE_MODS> lane_keys =
+      decode::lane_rows<SCORE_MODS>(p, range, key_end, rows, row0, group, b, kv_head, g);
+  decode::WarpState<HEAD_DIM> state;
+  state.reset();
   unsigned int q_fragments[HEAD_DIM / 16][4];
 
   for (int i = 0; i < n_tiles; ++i) {
@@ -192,52 +166,15 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
     if (STAGES > 1) {
       load_tile(i + STAGES - 1);
     }
-    if (i == 0) {
-#pragma unroll
-      for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
-        mma::ldmatrix_x4(q_fragments[ks], q_tile + (lane % 16) * kPitch + 8 * (lane / 16) + 16 * ks);
-    }
+    if (i == 0) decode::load_query_fragments<T, HEAD_DIM>(q_fragments, q_tile, kPitch, lane);
     const T* const k_tile = k_slots + (i % STAGES) * L::kSlotElements;
     const T* const v_tile = v_slots + (i % STAGES) * L::kSlotElements;
-    const unsigned int k_lane = mma::opaque(mma::shared_address(
-        k_tile + (L::kWarpKeys * warp + 8 * (lane / 16) + lane % 8) * kPitch + 8 * ((lane / 8) % 2)));
-    const unsigned int v_lane = mma::opaque(mma::shared_address(
-        v_tile + (L::kWarpKeys * warp + lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + 8 * (lane / 16)));
-
-    // ---- S = Q Kᵀ over the warp's 16 keys: two 8-key accumulator tiles ----
-    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      unsigned int kb[4];
-      mma::ldmatrix_x4(kb, k_lane + 16 * ks * kBytesPerElement);
-      mma::mma_16816<T>(s[0], q_fragments[ks], kb[0], kb[1]);
-      mma::mma_16816<T>(s[1], q_fragments[ks], kb[2], kb[3]);
-    }
-    // The mask, by selection, with the scores formed here, each row's by its head (the softmax below
-    // then takes them as they are).
-    const int n0 = key_begin + i * BLOCK_N + L::kWarpKeys * warp;
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + 8 * n + 2 * t + (e & 1);
-        const bool visible = key >= keys.first[e / 2] && key < keys.end[e / 2];
-        s[n][e] = visible ? (e < 2 ? scores_g : scores_g8)(s[n][e], key - keys.diagonal[e / 2]) : -infinity();
-      }
-    unsigned int p_packed[2][2];
-    float correction[2];
-    flash::online_softmax<T, 2>(s, row_max, row_sum, p_packed, correction, false, 0, keys, Scores<false>{1.0f}, t);
-    flash::rescale(o, correction);
-
-    // ---- O += P V: P's two n-tiles are the A operand of one k-step ----
-    const unsigned int pa[4] = {p_packed[0][0], p_packed[0][1], p_packed[1][0], p_packed[1][1]};
-#pragma unroll
-    for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-      unsigned int vb[4];
-      mma::ldmatrix_x4_trans(vb, v_lane + 16 * dp * kBytesPerElement);
-      mma::mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
-      mma::mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
-    }
+    const decode::PaddedOperands operands{
+        mma::opaque(mma::shared_address(
+            k_tile + (L::kWarpKeys * warp + 8 * (lane / 16) + lane % 8) * kPitch + 8 * ((lane / 8) % 2))),
+        mma::opaque(mma::shared_address(
+            v_tile + (L::kWarpKeys * warp + lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + 8 * (lane / 16)))};
+    decode::attend_warp_keys<T, HEAD_DIM, SCORE_MODS>(state, q_fragments, operands, key_begin + i * BLOCK_N + L::kWarpKeys * warp, lane_keys, t);
     if (STAGES == 1) {
       __syncthreads();  // every warp is done with the one slot
       load_tile(i + 1);
@@ -248,29 +185,11 @@ __global__ void __launch_bounds__(128) decode_forward_mma(const DecodeForwardPar
   __syncthreads();
 
   // ---- the warps' states into the staging memory, then merged per row ----
-  float* const merge_max = reinterpret_cast<float*>(shared_bytes);
-  float* const merge_sum = merge_max + L::kWarps * L::kRows;
-  float* const merge_o = merge_sum + L::kWarps * L::kRows;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
-    sum += shfl_xor(sum, 1, 32, 0xffffffffu);
-    sum += shfl_xor(sum, 2, 32, 0xffffffffu);
-    const int row = g + 8 * r;
-    if (t == 0) {
-      merge_max[warp * L::kRows + row] = row_max[r];
-      merge_sum[warp * L::kRows + row] = sum;
-    }
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      float* const at = merge_o + (warp * L::kRows + row) * L::kMergePitch + 8 * d + 2 * t;
-      at[0] = o[d][2 * r];
-      at[1] = o[d][2 * r + 1];
-    }
-  }
+  const decode::MergeBuffer merge =
+      decode::store_warp_state(state, reinterpret_cast<float*>(shared_bytes), warp, g, t);
   __syncthreads();
-  decode::merge_and_store<T, HEAD_DIM, L::kRows, SCORE_MODS>(p, {merge_max, merge_sum, merge_o, L::kMergePitch},
-                                                             L::kWarps, rows, row0, group, b, kv_head, split, kThreads);
+  decode::merge_and_store<T, HEAD_DIM, L::kRows, SCORE_MODS>(p, merge, L::kWarps, rows, row0, group, b, kv_head,
+                                                             split, kThreads);
 }
 
 }  // namespace hipattn

@@ -16,6 +16,9 @@ from support.reference import TOLERANCE, alibi_slopes, relative_error, sink_logi
 import hipattn
 import hipattn.torch as hat
 from hipattn import runtime
+from hipattn.catalog import decode as decode_catalog
+from hipattn.jit.registry import LoadedKernel
+from hipattn.ops import decode as decode_ops
 
 from . import conftest as gpu
 
@@ -122,6 +125,73 @@ def test_decode_matches_float64(rng, dtype, page_size, heads_q, heads_kv, seqlen
     full = call.capacity - 2
     call.cache_seqlens.copy_(torch.tensor([0, full, 517, 3], dtype=torch.int32))
     run_and_check(call, f"{dtype} page {page_size} {heads_q}/{heads_kv} q{seqlen_q}")
+
+
+def _poison_unseen_rows(call: Call, first_seen, seqlen_new: int) -> None:
+    """NaN in every cache row of sequence b before first_seen[b] or past the append: a kernel that
+    lets a zero weight meet such a row returns NaN."""
+    lengths = call.cache_seqlens.tolist()
+    table = None if call.block_table is None else call.block_table.cpu()
+    for b, length in enumerate(lengths):
+        unseen = torch.tensor([*range(first_seen[b]), *range(length + seqlen_new, call.capacity)], dtype=torch.long)
+        for cache in (call.k_cache, call.v_cache):
+            if table is None:
+                cache[b, unseen] = float("nan")
+            else:
+                page_size = cache.shape[1]
+                cache[table[b, unseen // page_size].long(), unseen % page_size] = float("nan")
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("kernel", ["decode_forward_tma", "decode_forward_mma"])
+@pytest.mark.parametrize("head_dim", decode_catalog.DECODE_HEAD_DIMS)
+def test_each_kernel_and_head_dim_ignores_the_cache_rows_it_must_not_see(rng, monkeypatch, head_dim, kernel,
+                                                                          page_size):
+    """Hopper's two tensor-core kernels (the copy engine's and the threads' copies) at every head_dim,
+    contiguous and with pages of whole 64-key tiles: three causal query tokens with a window of 150
+    keys, cache_leftpad (contiguous caches only, as flash-attn), so that the keys start and end inside
+    tiles, NaN in every cache row outside them, three splits."""
+    if kernel == "decode_forward_tma" and head_dim not in decode_catalog.DECODE_TMA_TILES:
+        pytest.skip(f"the copy-engine kernel has no head_dim {head_dim} row")
+    # A runtime of its own: no launch plan recorded by an earlier call of the same signature replays.
+    monkeypatch.setattr(runtime, "_active", runtime.Runtime(registry=runtime.active().registry))
+    if kernel == "decode_forward_mma":
+        monkeypatch.setattr(decode_ops, "cache_has_tensor_maps", lambda call: False)
+    ran = []
+    launch = LoadedKernel.launch
+    monkeypatch.setattr(LoadedKernel, "launch", lambda self, *a, **k: (ran.append(self.spec.family.name),
+                                                                       launch(self, *a, **k))[1])
+    lengths, new, window = [100, 517, 0, 600], 3, 150
+    leftpad = [0, 70, 0, 130] if page_size is None else None
+    call = Call(rng, "bf16", batch=4, seqlen_q=new, heads_q=8, heads_kv=2, head_dim=head_dim, capacity=640,
+                seqlen_new=new, page_size=page_size, causal=True, window=(window, 0), lengths=lengths, leftpad=leftpad)
+    want_out, want_lse, _, _ = expected(call.case(), head_dim ** -0.5, _round16("bf16"))
+    # The first query token's diagonal is key `length` (the cache's end after the append, less the new
+    # tokens); its window starts `window` keys before.
+    first_seen = [max(leftpad[b] if leftpad else 0, length - window) for b, length in enumerate(lengths)]
+    _poison_unseen_rows(call, first_seen, new)
+    out = gpu.poisoned(call.q.shape, call.q.dtype)
+    lse = gpu.poisoned((4, 8, new), torch.float32)
+    call.run(out=out, lse=lse, num_splits=3)
+    torch.cuda.synchronize()
+    assert kernel in ran, f"{kernel} did not run: {ran}"
+    got_out, got_lse = _numpy(out), _numpy(lse)
+    assert not np.isnan(got_out).any() and not np.isnan(got_lse).any(), "an unseen row reached the output"
+    assert relative_error(got_out, want_out) < TOLERANCE["bf16"]
+    finite = np.isfinite(want_lse)
+    assert (np.isinf(got_lse) == ~finite).all()
+    assert np.abs(got_lse[finite] - want_lse[finite]).max(initial=0.0) < 2e-3
+
+
+@pytest.mark.parametrize("page_size,num_splits", [(None, 1), (64, 3)])
+def test_blocks_that_walk_several_work_items_match_float64(rng, page_size, num_splits):
+    """More work items (sequence x KV head x split) than the GPU holds blocks: each block of the
+    persistent kernel runs several, its next item's queries copied while the last one runs."""
+    call = Call(rng, "bf16", batch=96, seqlen_q=1, heads_q=16, heads_kv=4, head_dim=128, capacity=384, seqlen_new=1,
+                page_size=page_size)
+    slots = runtime.active().compute_units(0) * 2
+    assert 96 * 4 * num_splits > slots, "the test needs more items than blocks"
+    run_and_check(call, f"several items per block, page_size={page_size}", num_splits=num_splits)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])

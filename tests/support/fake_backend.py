@@ -12,9 +12,10 @@ import threading
 import time
 
 from hipattn.backends.base import Backend, CompiledKernel
+from hipattn.backends.tensor_maps import TensorMapLayout
 from hipattn.errors import CompileError
 from hipattn.jit.cache import DiskCache
-from hipattn.jit.params import ParamsStruct
+from hipattn.jit.params import TENSOR_MAP_BYTES, ParamsStruct, TensorMapBytes
 from hipattn.jit.spec import KernelFamily
 from hipattn.jit.target import NVIDIA, Target
 
@@ -116,6 +117,31 @@ def _unused(self, *args, **kwargs):
 for _name in sorted(FakeBackend.__abstractmethods__):
     setattr(FakeBackend, _name, _unused)
 FakeBackend.__abstractmethods__ = frozenset()
+
+
+class CountingEncoder:
+    """A backend whose maps spell their address and layout, counting its encodings."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.encoded: list[tuple[int, TensorMapLayout]] = []
+
+    def encode_tensor_map(self, address, layout):
+        self.encoded.append((address, layout))
+        text = f"{address:x}|{layout.dims}|{layout.box}".encode()
+        return TensorMapBytes.from_buffer_copy(text.ljust(TENSOR_MAP_BYTES, b"."))
+
+
+class HopperWithMaps(FakeBackend):
+    """A fake sm_90a whose maps spell their address (CountingEncoder's rule)."""
+
+    def __init__(self):
+        super().__init__(device_arch="sm_90a")
+        self.maps = CountingEncoder()
+
+    def encode_tensor_map(self, address, layout):
+        return self.maps.encode_tensor_map(address, layout)
 
 
 def put_same_key(directory: str, key: str, payload_byte: int, start, rounds: int) -> None:
