@@ -134,12 +134,26 @@ def test_plain_sm_90_is_refused_with_the_reason():
 @pytest.mark.parametrize("head_dim", sorted(DKDV_ROWS))
 def test_every_dkdv_row_fits_hopper_and_splits_dq_along_swizzle_blocks(head_dim):
     tiles = DKDV_ROWS[head_dim]
-    assert head_dim in (64, 96, 128), "dK and dV are one m64nN wgmma each, N = head_dim (the header's 64, 96, 128)"
-    dq_columns = wgmma_row_elements(head_dim) // tiles.warpgroups
-    assert dq_columns % 64 == 0 or dq_columns == 32, \
-        "each warpgroup's dQ columns are whole 64-column blocks or one half of a block"
-    assert tiles.block_n == 64 * tiles.warpgroups and tiles.threads == 128 * tiles.warpgroups
+    assert tiles.threads == 128 * tiles.warpgroups
     assert tiles.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
+    if tiles.column_groups == 1:
+        assert head_dim in (64, 96, 128), "dK and dV are one m64nN wgmma each, N = head_dim (the header's 64, 96, 128)"
+        dq_columns = wgmma_row_elements(head_dim) // tiles.warpgroups
+        assert dq_columns % 64 == 0 or dq_columns == 32, \
+            "each warpgroup's dQ columns are whole 64-column blocks or one half of a block"
+        assert tiles.block_n == 64 * tiles.warpgroups
+    else:
+        assert head_dim == 256 and tiles.column_groups == tiles.warpgroups == 2, \
+            "two warpgroups share 64 keys, each with one m64n128 wgmma of dK and of dV"
+        assert tiles.block_n == 64
+        assert wgmma_row_elements(head_dim) // tiles.column_groups == 128
+
+
+def test_dkdv_column_groups_stage_the_transposed_scores_instead_of_dq():
+    # head_dim 256, two warpgroups sharing 64 keys: K and V (64 rows each), two Q and two dO slots (64
+    # rows each), Pᵀ and dSᵀ (64 x 64 each), 2 bytes; LSE and Delta; no staged dQ.
+    tiles = flash_backward.FlashDkdvWgmmaTiles(warpgroups=2, column_groups=2)
+    assert tiles.shared_bytes(256) == (2 * 64 + 4 * 64) * 256 * 2 + 2 * 64 * 64 * 2 + 2 * 2 * 64 * 4
 
 
 def test_dkdv_shared_bytes_formula():
@@ -191,7 +205,8 @@ def _specialised_layout(head_dim, tiles):
     (flash_forward.FLASH_FORWARD_WARP_SPECIALISED, SPECIALISED_ROWS, _specialised_layout),
     (flash_forward.FLASH_FORWARD_WARP_SPECIALISED, SPECIALISED_MODIFIED_ROWS, _specialised_layout),
     (flash_backward.FLASH_BACKWARD_DKDV_WGMMA, DKDV_ROWS,
-     lambda head_dim, tiles: f"hipattn::flash::WgmmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.warpgroups}>"),
+     lambda head_dim, tiles: f"hipattn::flash::WgmmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.warpgroups}, "
+                             f"{tiles.column_groups}>"),
 ], ids=["forward", "specialised", "specialised-modified", "dkdv"])
 def test_kernel_layout_matches_the_launcher_bytes(family, table, layout_of):
     """One NVRTC compile of each kernel's unit with a static_assert per table row."""

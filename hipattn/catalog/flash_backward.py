@@ -76,7 +76,7 @@ FLASH_BACKWARD_DKDV_MMA = _family(
     "flash_backward_dkdv_mma", "flash/backward_mma.hip", ("block_m", "block_n", "warps", "write_dq"),
     lambda target: _dkdv_specs(_mma_rows(target, 0)))
 FLASH_BACKWARD_DKDV_WGMMA = _family(
-    "flash_backward_dkdv_wgmma", "flash/backward_wgmma.hip", ("warpgroups", "write_dq"),
+    "flash_backward_dkdv_wgmma", "flash/backward_wgmma.hip", ("warpgroups", "column_groups", "write_dq"),
     lambda target: _dkdv_specs(FLASH_BACKWARD_DKDV_WGMMA_TILES.items() if runs_nvidia_wgmma(target) else ()))
 FLASH_BACKWARD_DQ_MMA = _family(
     "flash_backward_dq_mma", "flash/backward_mma.hip", ("block_m", "block_n", "warps"),
@@ -138,10 +138,13 @@ WGMMA_DQ_ROW_PAD = 8
 
 @dataclass(frozen=True)
 class FlashDkdvWgmmaTiles(WarpgroupTiles):
-    """The wgmma dK/dV kernel (sm_90a): its WARPGROUPS, 64 keys each, walk query tiles of 64 rows (the
-    M of dQ's wgmma)."""
+    """The wgmma dK/dV kernel (sm_90a): its WARPGROUPS walk query tiles of 64 rows (the M of dQ's
+    wgmma). With one column group each warpgroup owns 64 keys and every column of their dK and dV;
+    with ``column_groups`` of them, that many warpgroups share 64 keys and split the columns (head_dim
+    256, whose dK and dV of 64 keys would not fit one warpgroup's registers)."""
 
     warpgroups: int
+    column_groups: int = 1
 
     block_m = WGMMA_WARPGROUP_ROWS  # query rows per tile, fixed (dQ's M): not a field
 
@@ -149,17 +152,21 @@ class FlashDkdvWgmmaTiles(WarpgroupTiles):
 
     @property
     def block_n(self) -> int:
-        return self.warpgroup_rows
+        return self.warpgroup_rows // self.column_groups
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
         """flash::WgmmaKeyBlockTiles<...>::kBytes: K and V (block_n rows each), two slots each of Q and
-        dO (block_m rows), unpadded (swizzled) in whole 64-column blocks; dSᵀ (block_n rows of block_m);
-        then fp32 LSE and Delta, two slots of block_m; then each warpgroup's fp32 share of dQ (block_m
-        rows of its stored columns / warpgroups, padded by 8 words)."""
+        dO (block_m rows), unpadded (swizzled) in whole 64-column blocks; dSᵀ (block_n rows of block_m),
+        and with column groups Pᵀ the same; then fp32 LSE and Delta, two slots of block_m; then, with
+        one column group, each warpgroup's fp32 share of dQ (block_m rows of its stored columns /
+        warpgroups, padded by 8 words)."""
         row_elements = wgmma_row_elements(head_dim)
-        elements = (2 * self.block_n + 4 * self.block_m) * row_elements + self.block_n * self.block_m
+        shared_keys = self.column_groups > 1
+        score_tiles = 2 if shared_keys else 1
+        elements = (2 * self.block_n + 4 * self.block_m) * row_elements + score_tiles * self.block_n * self.block_m
         dq_pitch = row_elements // self.warpgroups + WGMMA_DQ_ROW_PAD
-        return elements * element_bytes + 2 * 2 * self.block_m * 4 + self.warpgroups * self.block_m * dq_pitch * 4
+        staged_dq_rows = 0 if shared_keys else self.warpgroups * self.block_m
+        return elements * element_bytes + 2 * 2 * self.block_m * 4 + staged_dq_rows * dq_pitch * 4
 
 
 @dataclass(frozen=True)
@@ -245,12 +252,15 @@ HOPPER_DQ_KERNEL_HEAD_DIMS = frozenset({256})
 # thread) beside Sᵀ and dPᵀ (32 each), and takes half of dQ's stored columns: a whole swizzle block of K
 # at head_dim 128, half of one at 64 (an m64n32 wgmma from the block's 64th byte), and at 96 (rows
 # stored as 128 columns) the first block, and the second of which 32 columns are the head's. One
-# warpgroup at 64 would add dQ once per 64 keys instead of 128. At 256 dK and dV alone would take every
-# register: it keeps the mma.sync kernel.
+# warpgroup at 64 would add dQ once per 64 keys instead of 128. At 256 dK and dV of 64 keys alone would
+# take every register: two warpgroups share 64 keys, each with 128 columns of dK and dV (128 registers)
+# and 32 queries of Sᵀ and dPᵀ (16 each); K, V, two slots of Q and dO and Pᵀ and dSᵀ take 209 KiB, and
+# dQ leaves from the registers.
 FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashDkdvWgmmaTiles] = {
     64: FlashDkdvWgmmaTiles(warpgroups=2),
     96: FlashDkdvWgmmaTiles(warpgroups=2),
     128: FlashDkdvWgmmaTiles(warpgroups=2),
+    256: FlashDkdvWgmmaTiles(warpgroups=2, column_groups=2),
 }
 
 # Every head_dim, both dtypes. dK/dV: four waves of 16 keys each; a wave keeps its K and V fragments,

@@ -88,6 +88,13 @@ HIPATTN_DEVICE void bulk_wait_read() {
 // Until every group of the thread is complete, its global writes performed.
 HIPATTN_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// Adds four adjacent fp32 words (16-byte aligned) into global memory in one reduction (sm_90's vector
+// red): for a share of dQ with no shared memory left to stage it for the copy engine.
+HIPATTN_DEVICE void reduce_add_quad(float* global, float x, float y, float z, float w) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(global), "f"(x), "f"(y), "f"(z), "f"(w)
+               : "memory");
+}
+
 // Accumulators are written by the tensor cores until wait(): pinning each register through an
 // empty asm after the wait keeps the compiler from moving their reads above it (and, before a
 // batch, their writes below the fence).
@@ -117,11 +124,14 @@ HIPATTN_DEVICE u64 pin(u64 descriptor) {
 
 // d (+)= A B for one k16 step, m64nN. ss: A and B from shared memory, both K-major (rows of A and
 // of B contiguous along K). ss_mn: both MN-major (A's columns contiguous along M, B's rows along N:
-// both transpose bits set). rs: A from registers, B MN-major. `accumulate` 0 overwrites d.
+// both transpose bits set). ss_k_mn: A K-major, B MN-major. rs: A from registers, B MN-major.
+// `accumulate` 0 overwrites d.
 template <typename T, int N>
 HIPATTN_DEVICE void mma_ss(float (&d)[N / 8][4], u64 a, u64 b, int accumulate);
 template <typename T, int N>
 HIPATTN_DEVICE void mma_ss_mn(float (&d)[N / 8][4], u64 a, u64 b, int accumulate);
+template <typename T, int N>
+HIPATTN_DEVICE void mma_ss_k_mn(float (&d)[N / 8][4], u64 a, u64 b, int accumulate);
 template <typename T, int N>
 HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64 b, int accumulate);
 
@@ -155,7 +165,7 @@ HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64
 
 // The specialisations per (type, N). I0.. are the operand numbers after the N / 2 accumulators. The
 // shared-memory forms differ only in the transpose immediates of A and B (TRANSPOSE: "0, 0" K-major,
-// "1, 1" MN-major).
+// "1, 1" MN-major, "0, 1" A K-major and B MN-major).
 #define HIPATTN_WGMMA_SS(NAME, TRANSPOSE, TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2)                          \
   template <>                                                                                              \
   HIPATTN_DEVICE void NAME<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) {                  \
@@ -167,6 +177,7 @@ HIPATTN_DEVICE void mma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], u64
 #define HIPATTN_WGMMA(TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2, I3, I4, I5)                                  \
   HIPATTN_WGMMA_SS(mma_ss, "0, 0", TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2)                                 \
   HIPATTN_WGMMA_SS(mma_ss_mn, "1, 1", TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2)                              \
+  HIPATTN_WGMMA_SS(mma_ss_k_mn, "0, 1", TYPE, PTX_TYPE, N, OPS, ACC, I0, I1, I2)                            \
   template <>                                                                                              \
   HIPATTN_DEVICE void mma_rs<TYPE, N>(float (&d)[N / 8][4], const unsigned int (&a)[4], u64 b, int accumulate) { \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I5 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N     \

@@ -2,8 +2,14 @@
 // warpgroup tensor cores (sm_90a): backward_mma.hip's algorithm with wgmma.mma_async in place of
 // mma.sync and ldmatrix.
 //
-// One block per (key tile of 64 * WARPGROUPS keys, sequence, KV head), found as backward_mma.hip's
-// (flash/backward_common.h); each warpgroup owns 64 of the keys, as the rows of its accumulators.
+// One block per (key tile, sequence, KV head), found as backward_mma.hip's (flash/backward_common.h).
+// Up to head_dim 128 each warpgroup owns 64 of the tile's keys (64 * WARPGROUPS), as the rows of its
+// accumulators, and every column of their dK and dV. Above, dK and dV of 64 keys over every column
+// would take more registers than a thread has: COLUMN_GROUPS warpgroups then share the tile's 64 keys,
+// each owning a slice of dK's and dV's columns and computing Sᵀ and dPᵀ for a slice of the queries;
+// Pᵀ and dSᵀ meet in shared memory, where every warpgroup reads all of them as the A operands of dV and
+// dK, and each warpgroup's share of dQ goes to dq_accum from its registers (no shared memory is left
+// to stage it).
 // K and V stay in shared memory and dK, dV in fp32 registers while the block walks every 64-row query
 // tile (of every query head of the KV head's group) whose rows see some of its keys; Q, dO, LSE and
 // Delta are double-buffered with cp.async, so the next tile's copies overlap this tile's math. Per
@@ -11,7 +17,8 @@
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ   both operands from shared memory (K-major), issued together; Pᵀ is
 //                               exponentiated while dPᵀ is still in flight
 //   dV += Pᵀ dO, dK += dSᵀ Q     Pᵀ and dSᵀ = Pᵀ (dPᵀ - Delta) from registers (the accumulator layout
-//                               is the A fragment's), dO and Q from shared memory read transposed
+//                               is the A fragment's; from shared memory with column groups), dO and Q
+//                               from shared memory read transposed
 //   dQ_partial = dS K           WRITE_DQ: dSᵀ goes to shared memory, where the tensor cores read it
 //                               transposed as dS; every warpgroup takes HEAD_DIM / WARPGROUPS columns of
 //                               dQ over all the block's keys, stages them in shared memory, and the
@@ -40,20 +47,26 @@ namespace flash {
 //   K, V        BLOCK_N rows each
 //   Q, dO       two slots of BLOCK_M rows each (double buffer)
 //   dSᵀ         BLOCK_N rows of BLOCK_M queries (one 128-byte swizzle row each)
+//   Pᵀ          the same, with column groups only
 //   LSE, Delta  fp32, two slots of BLOCK_M each: [slot][LSE | Delta]
-//   dQ          fp32, per warpgroup BLOCK_M rows of its kDqColumns (kRowElements / WARPGROUPS: at
-//               head_dim 96 the second warpgroup's last 32 lie past the head and never leave), each row
-//               padded by 8 words: a warp's two-word stores of rows g and g + 8 then meet no bank twice,
-//               and a row stays a contiguous 16-byte-aligned run for the copy engine (staged in
-//               deterministic mode too: a block fits an SM either way)
+//   dQ          without column groups: fp32, per warpgroup BLOCK_M rows of its kDqColumns
+//               (kRowElements / WARPGROUPS: at head_dim 96 the second warpgroup's last 32 lie past the
+//               head and never leave), each row padded by 8 words: a warp's two-word stores of rows g
+//               and g + 8 then meet no bank twice, and a row stays a contiguous 16-byte-aligned run for
+//               the copy engine (staged in deterministic mode too: a block fits an SM either way)
 // The host's row (hipattn/catalog/flash_backward.py, FlashDkdvWgmmaTiles.shared_bytes) computes kBytes
 // from the same arguments.
-template <typename T, int HEAD_DIM, int WARPGROUPS>
+template <typename T, int HEAD_DIM, int WARPGROUPS, int COLUMN_GROUPS>
 struct WgmmaKeyBlockTiles {
-  static constexpr int kBlockN = 64 * WARPGROUPS;
+  static constexpr bool kSharedKeys = COLUMN_GROUPS > 1;  // the warpgroups split columns, not keys
+  static constexpr int kKeyGroups = WARPGROUPS / COLUMN_GROUPS;
+  static constexpr int kBlockN = 64 * kKeyGroups;
   static constexpr int kBlockM = 64;  // dQ's rows: one wgmma's M
   static constexpr int kThreads = 128 * WARPGROUPS;
   static constexpr int kRowElements = (HEAD_DIM + 63) / 64 * 64;
+  // A warpgroup's columns of dK and dV, and its queries of Sᵀ and dPᵀ.
+  static constexpr int kOwnColumns = kSharedKeys ? kRowElements / COLUMN_GROUPS : HEAD_DIM;
+  static constexpr int kOwnQueries = kBlockM / COLUMN_GROUPS;
   static constexpr int kDqColumns = kRowElements / WARPGROUPS;  // dQ columns per warpgroup
   static constexpr int kKeyElements = kBlockN * kRowElements;
   static constexpr int kQueryElements = kBlockM * kRowElements;
@@ -62,15 +75,21 @@ struct WgmmaKeyBlockTiles {
   static constexpr int kQOffset = 2 * kKeyElements;
   static constexpr int kDoOffset = kQOffset + 2 * kQueryElements;
   static constexpr int kDsOffset = kDoOffset + 2 * kQueryElements;
-  static constexpr int kElements = kDsOffset + kBlockN * kBlockM;
+  static constexpr int kPOffset = kDsOffset + kBlockN * kBlockM;
+  static constexpr int kElements = kPOffset + (kSharedKeys ? kBlockN * kBlockM : 0);
   static constexpr int kStatsOffsetBytes = kElements * static_cast<int>(sizeof(T));
   static constexpr int kDqPitch = kDqColumns + 8;  // floats per staged dQ row
   static constexpr int kDqOffsetBytes = kStatsOffsetBytes + 2 * 2 * kBlockM * static_cast<int>(sizeof(float));
-  static constexpr int kBytes = kDqOffsetBytes + WARPGROUPS * kBlockM * kDqPitch * static_cast<int>(sizeof(float));
+  static constexpr int kDqStagedRows = kSharedKeys ? 0 : WARPGROUPS * kBlockM;
+  static constexpr int kBytes = kDqOffsetBytes + kDqStagedRows * kDqPitch * static_cast<int>(sizeof(float));
 
   static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128, "dK and dV are one wgmma's N each (64 to 128)");
-  static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 2, "one or two warpgroups (64 or 128 keys)");
+  static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 2, "one or two warpgroups");
+  static_assert(COLUMN_GROUPS >= 1 && WARPGROUPS % COLUMN_GROUPS == 0, "column groups split the warpgroups");
+  static_assert(kOwnColumns == 64 || kOwnColumns == 96 || kOwnColumns == 128,
+                "a warpgroup's dK and dV are one wgmma's N each (64 to 128 columns)");
+  static_assert(!kSharedKeys || (kOwnColumns % 64 == 0 && kOwnQueries % 16 == 0),
+                "column groups take whole 64-column blocks of dK and dV and whole k16 steps of queries");
   static_assert(kDqColumns % 64 == 0 || kDqColumns == 32,
                 "a warpgroup's dQ columns are whole 64-column swizzle blocks of K or one half of a block: one "
                 "wgmma's N");
@@ -124,14 +143,17 @@ struct TransposedProbabilities {
 
 }  // namespace flash
 
-template <typename T, int HEAD_DIM, int WARPGROUPS, bool WRITE_DQ, bool SCORE_MODS>
+template <typename T, int HEAD_DIM, int WARPGROUPS, int COLUMN_GROUPS, bool WRITE_DQ, bool SCORE_MODS>
 __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(const FlashBackwardParams p) {
-  using Tiles = flash::WgmmaKeyBlockTiles<T, HEAD_DIM, WARPGROUPS>;
+  using Tiles = flash::WgmmaKeyBlockTiles<T, HEAD_DIM, WARPGROUPS, COLUMN_GROUPS>;
+  constexpr bool kSharedKeys = Tiles::kSharedKeys;
   constexpr int kBlockN = Tiles::kBlockN;
   constexpr int kBlockM = Tiles::kBlockM;
   constexpr int kThreads = Tiles::kThreads;
-  constexpr int kQTiles = kBlockM / 8;     // 8-query accumulator tiles of Sᵀ and dPᵀ
-  constexpr int kDTiles = HEAD_DIM / 8;    // 8-column accumulator tiles of dK and dV
+  constexpr int kOwnQueries = Tiles::kOwnQueries;
+  constexpr int kOwnColumns = Tiles::kOwnColumns;
+  constexpr int kQTiles = kOwnQueries / 8;  // 8-query accumulator tiles of Sᵀ and dPᵀ
+  constexpr int kDTiles = kOwnColumns / 8;  // 8-column accumulator tiles of dK and dV
   constexpr int kDqColumns = Tiles::kDqColumns;
   extern __shared__ __align__(1024) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
@@ -163,6 +185,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   T* const q_slots = shared + Tiles::kQOffset;
   T* const do_slots = shared + Tiles::kDoOffset;
   T* const ds_tile = shared + Tiles::kDsOffset;
+  T* const p_tile = shared + Tiles::kPOffset;  // with column groups only
 
   // K and V rows past the sequence are zeroed: they meet probabilities of exactly 0 in dS and dQ,
   // and 0 x stale NaN would be NaN.
@@ -228,7 +251,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;  // accumulator rows g and g + 8 of the warp's 16
   const int t = lane % 4;  // accumulator column pair 2t, 2t + 1 of each 8-column tile
-  const int own_first_key = 64 * warpgroup;  // the warpgroup's keys in the block's tile
+  const int column_group = warpgroup / Tiles::kKeyGroups;
+  const int own_first_key = 64 * (warpgroup % Tiles::kKeyGroups);  // the warpgroup's keys in the block's tile
+  const int own_first_query = kOwnQueries * column_group;         // ... its queries of a query tile
+  const int own_first_column = kSharedKeys ? kOwnColumns * column_group : 0;  // ... its columns of dK, dV
   // The warpgroup's dQ columns that lie in the head: all of them but at head_dim 96, where the second
   // warpgroup's m64n64 share also reads K's unwritten columns 96-127, into columns it leaves out.
   const int dq_head_columns =
@@ -245,22 +271,29 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.0f;
 
   // Descriptors. K and V rows (the warpgroup's 64) are the K-major A of Sᵀ and dPᵀ, whose B, the Q and
-  // dO rows, are K-major too: a k16 step is 32 bytes along a 128-byte row, then the next column block.
-  // Q and dO are also the MN-major B of dK and dV: a k16 step is 16 queries (two 8-row atoms), column
-  // blocks BLOCK_M rows apart. dQ reads dSᵀ as the MN-major A (queries contiguous: one column block,
-  // k16 steps of 16 keys) and the warpgroup's columns of K as its MN-major B: whole column blocks, or
-  // at head_dim 64 one half of the block (the second half starts 64 bytes into its rows).
+  // dO rows (the warpgroup's queries), are K-major too: a k16 step is 32 bytes along a 128-byte row,
+  // then the next column block. Q and dO are also the MN-major B of dK and dV (the warpgroup's
+  // columns): a k16 step is 16 queries (two 8-row atoms), column blocks BLOCK_M rows apart; with column
+  // groups their A, Pᵀ and dSᵀ in shared memory, is K-major. dQ reads dSᵀ as the MN-major A (queries
+  // contiguous: one column block, k16 steps of 16 keys) and the warpgroup's columns of K as its MN-major
+  // B: whole column blocks, or at head_dim 64 one half of the block (the second half starts 64 bytes
+  // into its rows).
   constexpr int kSlotBytes = Tiles::kQueryElements * static_cast<int>(sizeof(T));
   const wgmma::u64 k_rows = wgmma::descriptor(mma::shared_address(k_tile + own_first_key * 64), wgmma::kRowBytes,
                                               wgmma::kAtomBytes);
   const wgmma::u64 v_rows = wgmma::descriptor(mma::shared_address(v_tile + own_first_key * 64), wgmma::kRowBytes,
                                               wgmma::kAtomBytes);
-  const wgmma::u64 q_rows = wgmma::descriptor(mma::shared_address(q_slots), wgmma::kRowBytes, wgmma::kAtomBytes);
-  const wgmma::u64 do_rows = wgmma::descriptor(mma::shared_address(do_slots), wgmma::kRowBytes, wgmma::kAtomBytes);
-  const wgmma::u64 q_columns =
-      wgmma::descriptor(mma::shared_address(q_slots), kBlockM * wgmma::kRowBytes, wgmma::kAtomBytes);
-  const wgmma::u64 do_columns =
-      wgmma::descriptor(mma::shared_address(do_slots), kBlockM * wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 q_rows = wgmma::descriptor(mma::shared_address(q_slots + own_first_query * 64),
+                                              wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 do_rows = wgmma::descriptor(mma::shared_address(do_slots + own_first_query * 64),
+                                               wgmma::kRowBytes, wgmma::kAtomBytes);
+  const int own_column_block = own_first_column / 64 * kBlockM * 64;  // elements
+  const wgmma::u64 q_columns = wgmma::descriptor(mma::shared_address(q_slots + own_column_block),
+                                                 kBlockM * wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 do_columns = wgmma::descriptor(mma::shared_address(do_slots + own_column_block),
+                                                  kBlockM * wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 p_rows = wgmma::descriptor(mma::shared_address(p_tile), wgmma::kRowBytes, wgmma::kAtomBytes);
+  const wgmma::u64 ds_rows = wgmma::descriptor(mma::shared_address(ds_tile), wgmma::kRowBytes, wgmma::kAtomBytes);
   const wgmma::u64 ds_columns =
       wgmma::descriptor(mma::shared_address(ds_tile), kBlockN * wgmma::kRowBytes, wgmma::kAtomBytes);
   const wgmma::u64 k_columns =
@@ -285,34 +318,37 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     // Dropout's keep bits of this lane's entries (bit 4n + e for entry e of query tile n), before the
     // products are issued: made while they run, the Philox rounds measured slower on the H200.
     static_assert(kQTiles <= 8, "four keep bits per 8-query tile fit one 32-bit word");
+    const int q0 = m0 + own_first_query;  // the warpgroup's first query
     const unsigned int kept_bits = static_cast<unsigned int>(
-        dropout.active() ? dropout.template transposed_m16n8_bits<kQTiles>(key, m0, t) : ~0ull);
+        dropout.active() ? dropout.template transposed_m16n8_bits<kQTiles>(key, q0, t) : ~0ull);
 
-    // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, 64 keys x 64 queries per warpgroup, two groups ----
+    // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, 64 keys x the warpgroup's queries, two groups ----
     float s[kQTiles][4];
     float dp[kQTiles][4];
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
-      wgmma::mma_ss<T, kBlockM>(s, wgmma::advance(k_rows, wgmma::k_major_step<kBlockN>(ks)),
-                                wgmma::advance(q_rows, slot * kSlotBytes + wgmma::k_major_step<kBlockM>(ks)), ks > 0);
+      wgmma::mma_ss<T, kOwnQueries>(s, wgmma::advance(k_rows, wgmma::k_major_step<kBlockN>(ks)),
+                                    wgmma::advance(q_rows, slot * kSlotBytes + wgmma::k_major_step<kBlockM>(ks)),
+                                    ks > 0);
     wgmma::commit();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
-      wgmma::mma_ss<T, kBlockM>(dp, wgmma::advance(v_rows, wgmma::k_major_step<kBlockN>(ks)),
-                                wgmma::advance(do_rows, slot * kSlotBytes + wgmma::k_major_step<kBlockM>(ks)), ks > 0);
+      wgmma::mma_ss<T, kOwnQueries>(dp, wgmma::advance(v_rows, wgmma::k_major_step<kBlockN>(ks)),
+                                    wgmma::advance(do_rows, slot * kSlotBytes + wgmma::k_major_step<kBlockM>(ks)),
+                                    ks > 0);
     wgmma::commit();
     // ---- Pᵀ, while dPᵀ is in flight. The warpgroup's tile needs the mask when it reaches past either
     // sequence or past a side of the window: its first row's last key or its last row's first key lies
     // outside. ----
     wgmma::wait<1>();
     wgmma::pin(s);
-    const bool masked = m0 + kBlockM > len_q || own_n0 + 64 > len_k ||
-                        !key_in_window(m0, own_n0 + 63, diagonal, window) ||
-                        !key_in_window(m0 + kBlockM - 1, own_n0, diagonal, window);
+    const bool masked = q0 + kOwnQueries > len_q || own_n0 + 64 > len_k ||
+                        !key_in_window(q0, own_n0 + 63, diagonal, window) ||
+                        !key_in_window(q0 + kOwnQueries - 1, own_n0, diagonal, window);
     unsigned int p_packed[kQTiles][2];  // Pᵀ in T: the A operand of dV += Pᵀ dO
-    scores.visit(flash::TransposedProbabilities<T, kQTiles>{s, p_packed, lse_slot, masked, key, m0, t, len_q, len_k,
-                                                           diagonal, window});
+    scores.visit(flash::TransposedProbabilities<T, kQTiles>{s, p_packed, lse_slot + own_first_query, masked, key, q0,
+                                                           t, len_q, len_k, diagonal, window});
     // Dropout, one branch per tile (selects per entry, which ptxas if-converts, ran with dropout off
     // too, and cost the modified kernel 3-4% on the H200): dV takes the kept probabilities, their
     // 1 / (1 - dropout_p) applied to dV once in the epilogue; a dropped entry's s is negated, which
@@ -344,9 +380,27 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     unsigned int ds_packed[kQTiles][2];  // dSᵀ in T: the A operand of dK += dSᵀ Q
 #pragma unroll
     for (int n = 0; n < kQTiles; ++n) {
-      const float2 delta = *reinterpret_cast<const float2*>(delta_slot + 8 * n + 2 * t);
+      const float2 delta = *reinterpret_cast<const float2*>(delta_slot + own_first_query + 8 * n + 2 * t);
       ds_packed[n][0] = mma::pack2<T>(s[n][0] * (dp[n][0] - delta.x), s[n][1] * (dp[n][1] - delta.y));
       ds_packed[n][1] = mma::pack2<T>(s[n][2] * (dp[n][2] - delta.x), s[n][3] * (dp[n][3] - delta.y));
+    }
+
+    // dSᵀ (and with column groups Pᵀ) to shared memory, [key][query]: each lane's pairs are two queries
+    // of one key.
+    auto store_transposed = [&](T* tile, const unsigned int (&packed)[kQTiles][2]) {
+#pragma unroll
+      for (int n = 0; n < kQTiles; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          *reinterpret_cast<unsigned int*>(tile + wgmma::swizzled_offset<kBlockN>(own_first_key + 16 * warp + g + 8 * r,
+                                                                                  own_first_query + 8 * n + 2 * t)) =
+              packed[n][r];
+    };
+    if constexpr (kSharedKeys) {
+      store_transposed(p_tile, p_packed);
+      store_transposed(ds_tile, ds_packed);
+      wgmma::fence_shared_for_async_proxy();
+      __syncthreads();  // every warpgroup's queries of Pᵀ and dSᵀ are in shared memory
     }
 
     // ---- dV += Pᵀ dO and dK += dSᵀ Q over the tile's 64 queries, one group ----
@@ -355,30 +409,35 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const unsigned int a[4] = {p_packed[2 * kk][0], p_packed[2 * kk][1], p_packed[2 * kk + 1][0],
-                                 p_packed[2 * kk + 1][1]};
-      wgmma::mma_rs<T, HEAD_DIM>(dv, a, wgmma::advance(do_columns, slot * kSlotBytes + 2 * wgmma::kAtomBytes * kk), 1);
+      const wgmma::u64 b = wgmma::advance(do_columns, slot * kSlotBytes + 2 * wgmma::kAtomBytes * kk);
+      if constexpr (kSharedKeys) {
+        wgmma::mma_ss_k_mn<T, kOwnColumns>(dv, wgmma::advance(p_rows, wgmma::k_major_step<kBlockN>(kk)), b, 1);
+      } else {
+        const unsigned int a[4] = {p_packed[2 * kk][0], p_packed[2 * kk][1], p_packed[2 * kk + 1][0],
+                                   p_packed[2 * kk + 1][1]};
+        wgmma::mma_rs<T, kOwnColumns>(dv, a, b, 1);
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const unsigned int a[4] = {ds_packed[2 * kk][0], ds_packed[2 * kk][1], ds_packed[2 * kk + 1][0],
-                                 ds_packed[2 * kk + 1][1]};
-      wgmma::mma_rs<T, HEAD_DIM>(dk, a, wgmma::advance(q_columns, slot * kSlotBytes + 2 * wgmma::kAtomBytes * kk), 1);
+      const wgmma::u64 b = wgmma::advance(q_columns, slot * kSlotBytes + 2 * wgmma::kAtomBytes * kk);
+      if constexpr (kSharedKeys) {
+        wgmma::mma_ss_k_mn<T, kOwnColumns>(dk, wgmma::advance(ds_rows, wgmma::k_major_step<kBlockN>(kk)), b, 1);
+      } else {
+        const unsigned int a[4] = {ds_packed[2 * kk][0], ds_packed[2 * kk][1], ds_packed[2 * kk + 1][0],
+                                   ds_packed[2 * kk + 1][1]};
+        wgmma::mma_rs<T, kOwnColumns>(dk, a, b, 1);
+      }
     }
     wgmma::commit();
 
     // ---- dQ of the tile's rows += dS K over the block's keys, added into dq_accum ----
     if constexpr (WRITE_DQ) {
-      // dSᵀ to shared memory, [key][query]: each lane's pairs are two queries of one key.
-#pragma unroll
-      for (int n = 0; n < kQTiles; ++n)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          *reinterpret_cast<unsigned int*>(ds_tile + wgmma::swizzled_offset<kBlockN>(
-                                                         own_first_key + 16 * warp + g + 8 * r, 8 * n + 2 * t)) =
-              ds_packed[n][r];
-      wgmma::fence_shared_for_async_proxy();
-      __syncthreads();  // every warpgroup's dSᵀ is in shared memory
+      if constexpr (!kSharedKeys) {
+        store_transposed(ds_tile, ds_packed);
+        wgmma::fence_shared_for_async_proxy();
+        __syncthreads();  // every warpgroup's dSᵀ is in shared memory
+      }
       float dq[kDqColumns / 8][4];
       wgmma::fence();
 #pragma unroll
@@ -391,33 +450,56 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       float* const dq_rows = static_cast<float*>(p.dq_accum) + batch_index * p.dq_accum_batch_stride +
                              static_cast<long long>(seq_q.start + m0) * p.dq_accum_token_stride +
                              head * p.dq_accum_head_stride + kDqColumns * warpgroup;
-      // The share leaves through shared memory: each warp stages its 16 rows, and 16 of its lanes hand
-      // one row each to the copy engine, which adds it into dq_accum. Reductions straight from the
-      // registers (red.global) held them until the load/store unit took them, and the next writes to
-      // those registers waited (12% of the kernel's stall samples, ncu; BENCHMARKS.md, run 6). One
-      // lane issuing all 16 rows measured slower than 16 lanes. dq_accum is the workspace's contiguous
-      // section, so its rows are 16-byte aligned.
-      const int own_row = 16 * warp + lane;  // the row lanes 0-15 hand over
-      float* const warp_rows = dq_staging + (64 * warpgroup + 16 * warp) * Tiles::kDqPitch;
-      if (lane < 16) wgmma::bulk_wait_read<0>();  // the copy engine has read this row of the last tile
-      __syncwarp();
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
+      if constexpr (kSharedKeys) {
+        // Straight from the registers, four words per reduction: lanes 2j and 2j + 1 trade pairs so
+        // that the even lane holds four adjacent columns of row g and the odd one four of row g + 8.
+        // Rows past the sequence are skipped.
+        const int odd = t & 1;
+        const int row = 16 * warp + g + 8 * odd;
+        const int column = 2 * (t & ~1);
 #pragma unroll
         for (int n = 0; n < kDqColumns / 8; ++n) {
-          float2 pair;
-          pair.x = dq[n][2 * r];
-          pair.y = dq[n][2 * r + 1];
-          *reinterpret_cast<float2*>(warp_rows + (g + 8 * r) * Tiles::kDqPitch + 8 * n + 2 * t) = pair;
+          // The even lane sends its row g + 8 pair and keeps row g's; the odd lane the other way round.
+          const float send_x = odd ? dq[n][0] : dq[n][2];
+          const float send_y = odd ? dq[n][1] : dq[n][3];
+          const float got_x = shfl_xor(send_x, 1, 32, 0xffffffffu);
+          const float got_y = shfl_xor(send_y, 1, 32, 0xffffffffu);
+          const float keep_x = odd ? dq[n][2] : dq[n][0];
+          const float keep_y = odd ? dq[n][3] : dq[n][1];
+          if (m0 + row < len_q)
+            wgmma::reduce_add_quad(dq_rows + row * p.dq_accum_token_stride + 8 * n + column,
+                                   odd ? got_x : keep_x, odd ? got_y : keep_y, odd ? keep_x : got_x,
+                                   odd ? keep_y : got_y);
         }
-      wgmma::fence_shared_for_async_proxy();
-      __syncwarp();
-      if (lane < 16) {
-        if (m0 + own_row < len_q)  // rows past the sequence belong to the next one (THD) or to padding
-          wgmma::bulk_reduce_add(dq_rows + own_row * p.dq_accum_token_stride,
-                                 mma::shared_address(warp_rows + lane * Tiles::kDqPitch),
-                                 dq_head_columns * static_cast<int>(sizeof(float)));
-        wgmma::bulk_commit();
+      } else {
+        // The share leaves through shared memory: each warp stages its 16 rows, and 16 of its lanes hand
+        // one row each to the copy engine, which adds it into dq_accum. Reductions straight from the
+        // registers (red.global) held them until the load/store unit took them, and the next writes to
+        // those registers waited (12% of the kernel's stall samples, ncu; BENCHMARKS.md, run 6). One
+        // lane issuing all 16 rows measured slower than 16 lanes. dq_accum is the workspace's contiguous
+        // section, so its rows are 16-byte aligned.
+        const int own_row = 16 * warp + lane;  // the row lanes 0-15 hand over
+        float* const warp_rows = dq_staging + (64 * warpgroup + 16 * warp) * Tiles::kDqPitch;
+        if (lane < 16) wgmma::bulk_wait_read<0>();  // the copy engine has read this row of the last tile
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int n = 0; n < kDqColumns / 8; ++n) {
+            float2 pair;
+            pair.x = dq[n][2 * r];
+            pair.y = dq[n][2 * r + 1];
+            *reinterpret_cast<float2*>(warp_rows + (g + 8 * r) * Tiles::kDqPitch + 8 * n + 2 * t) = pair;
+          }
+        wgmma::fence_shared_for_async_proxy();
+        __syncwarp();
+        if (lane < 16) {
+          if (m0 + own_row < len_q)  // rows past the sequence belong to the next one (THD) or to padding
+            wgmma::bulk_reduce_add(dq_rows + own_row * p.dq_accum_token_stride,
+                                   mma::shared_address(warp_rows + lane * Tiles::kDqPitch),
+                                   dq_head_columns * static_cast<int>(sizeof(float)));
+          wgmma::bulk_commit();
+        }
       }
     } else {
       wgmma::wait<0>();
@@ -430,7 +512,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   // Every thread's copies have landed (the last commit was empty), and the barrier: every warpgroup
   // is done reading K and V, which now stage dK and dV for wide stores. dQ's last additions are
   // complete before the block's shared memory is released.
-  if (WRITE_DQ && lane < 16) wgmma::bulk_wait_all();
+  if (WRITE_DQ && !kSharedKeys && lane < 16) wgmma::bulk_wait_all();
   mma::wait_async_copies();
   __syncthreads();
 
@@ -440,7 +522,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int offset = wgmma::swizzled_offset<kBlockN>(own_first_key + 16 * warp + g + 8 * r, 8 * d + 2 * t);
+      const int offset =
+          wgmma::swizzled_offset<kBlockN>(own_first_key + 16 * warp + g + 8 * r, own_first_column + 8 * d + 2 * t);
       *reinterpret_cast<unsigned int*>(k_tile + offset) =
           mma::pack2<T>(dk[d][2 * r] * p.softmax_scale, dk[d][2 * r + 1] * p.softmax_scale);
       *reinterpret_cast<unsigned int*>(v_tile + offset) =

@@ -185,7 +185,7 @@ def test_score_modifiers_match_float64(head_dim, deterministic, softcap, alibi, 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (6, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: on sm_90a two warpgroups share each key tile
 def test_gqa_and_mqa_sum_kv_gradients_over_the_group(heads_q, heads_kv, causal, head_dim, rng):
     for deterministic in (False, True):
         _varlen_case(LENGTHS_Q, LENGTHS_K, heads_q, heads_kv, head_dim, "bf16", causal, rng,
@@ -210,7 +210,7 @@ def test_lengths_around_the_tiles(lengths_q, lengths_k, causal, rng):
                          case=f"lengths {lengths_q}/{lengths_k} d{head_dim} causal={causal} det={deterministic}")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_long_sequence_walks_many_tiles(head_dim, causal, rng):
     for deterministic in (False, True):
