@@ -324,12 +324,13 @@ def test_one_hot_rows_match_flash_attention_2s_arithmetic(rng):
         assert max(errors.values()) < TOLERANCE["bf16"], (case, errors)
 
 
-def test_deterministic_is_bit_identical_run_to_run(rng):
+@pytest.mark.parametrize("head_dim", [128, 256])  # on sm_90a: the wgmma dK/dV kernel split by keys, by columns
+def test_deterministic_is_bit_identical_run_to_run(head_dim, rng):
     """Three backward runs on one forward's output: identical bits, and close to float64."""
     lengths_q, lengths_k = [700, 65, 0, 333], [512, 129, 40, 333]
     cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
-    q = torch.randn(cu_q[-1], 8, 128, generator=rng, device="cuda").bfloat16()
-    k = torch.randn(cu_k[-1], 2, 128, generator=rng, device="cuda").bfloat16()
+    q = torch.randn(cu_q[-1], 8, head_dim, generator=rng, device="cuda").bfloat16()
+    k = torch.randn(cu_k[-1], 2, head_dim, generator=rng, device="cuda").bfloat16()
     v, dout = randn_like(k, rng), randn_like(q, rng)
     args = dict(cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                 cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
@@ -343,5 +344,5 @@ def test_deterministic_is_bit_identical_run_to_run(rng):
         runs.append((dq, dk, dv))
     for dq, dk, dv in runs[1:]:
         assert torch.equal(dq, runs[0][0]) and torch.equal(dk, runs[0][1]) and torch.equal(dv, runs[0][2])
-    _check_gradients(*runs[0], q, k, v, dout, cu_q, cu_k, causal=True, scale=1 / math.sqrt(128), dtype="bf16",
-                     case="deterministic repeat")
+    _check_gradients(*runs[0], q, k, v, dout, cu_q, cu_k, causal=True, scale=1 / math.sqrt(head_dim), dtype="bf16",
+                     case=f"deterministic repeat d{head_dim}")
