@@ -241,8 +241,9 @@ FLASH_BACKWARD_MMA_TILES_HOPPER: dict[int, tuple[FlashDkdvMmaTiles, FlashDqMmaTi
     256: (FlashDkdvMmaTiles(block_m=64, block_n=64, warps=8), FlashDqMmaTiles(block_m=128, block_n=32, warps=8)),
 }
 
-# Head_dims at which Hopper's backward takes dQ from the dQ kernel in every call, deterministic or not:
-# at 256 a dK/dV warp's atomic share of dQ (16 keys by 256 columns per query tile) costs more than the
+# Head_dims at which Hopper's mma.sync backward (sm_90 without the "a" features; sm_90a runs the wgmma
+# dK/dV kernel there, which adds dQ itself) takes dQ from the dQ kernel in every call, deterministic or
+# not: at 256 a dK/dV warp's atomic share of dQ (16 keys by 256 columns per query tile) costs more than the
 # dQ kernel's second pass over the keys (on the H200, S 4096: 19.2 against 21.4 ms non-causal, 10.1
 # against 11.2 causal; tools/sweep_flash_backward.py). The schedule is then bit-identical run to run
 # whatever `deterministic` says.
