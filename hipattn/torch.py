@@ -37,6 +37,7 @@ from .api import reject_paged_kv
 from .catalog.common import FLASH_HEAD_DIMS
 from .catalog.decode import DECODE_HEAD_DIMS
 from .dropout import check_dropout_p
+from .errors import DeviceContentError
 from .packed import KV_BATCH, KV_VARLEN, QKV_BATCH, QKV_VARLEN, Packing
 from .problem import check_bool, check_max_seqlen, check_softcap, check_window, resolve_softmax_scale
 from .ring import ring_flash_attn_varlen_func
@@ -217,12 +218,18 @@ class _EagerAttention(torch.autograd.Function):
 _TENSOR = torch.Tensor
 
 
+def _eager(*tensors: Tensor) -> bool:
+    """Whether a call on these tensors runs eagerly: plain tensors, with no tracing, dispatch mode or
+    torch-function mode around it (the custom ops serve every other case)."""
+    return (all(type(t) is _TENSOR for t in tensors) and not torch.compiler.is_compiling()
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._is_torch_function_mode_enabled())
+
+
 def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
             softcap, alibi_slopes, dropout_p, dropout_seed, learnable_sink, deterministic):
     """hipattn's forward with autograd: for plain tensors in eager mode, the autograd Function (or,
     when nothing needs a gradient, the forward alone); the custom op for everything traced."""
-    if (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not torch.compiler.is_compiling()
-            and not torch._C._len_torch_dispatch_stack() and not torch._C._is_torch_function_mode_enabled()):
+    if _eager(q, k, v):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (learnable_sink is not None and learnable_sink.requires_grad)):
             return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -390,6 +397,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if not isinstance(cache_seqlens, int):
         given["cache_seqlens"] = cache_seqlens
     _check_tensors("flash_attn_with_kvcache", **{name: value for name, value in given.items() if value is not None})
+    _check_paged_capacity(cache_seqlens, k, k_cache, block_table)
     padded, head_dim = _padded(DECODE_HEAD_DIMS, q, k_cache, v_cache, k, v)
     if head_dim is not None:
         # The call on zero-padded copies, at the real head_dim's scale; the appended rows go back into
@@ -402,8 +410,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             k_cache.copy_(padded[1][..., :head_dim])
             v_cache.copy_(padded[2][..., :head_dim])
         return (result[0][..., :head_dim], result[1]) if isinstance(result, tuple) else result[..., :head_dim]
-    if (type(q) is _TENSOR and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._is_torch_function_mode_enabled()):
+    if _eager(q):
         return kvcache.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
@@ -416,6 +423,29 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                            check_softcap(softcap), check_bool(rotary_interleaved, "rotary_interleaved"), alibi_slopes,
                            num_splits, learnable_sink)
     return (out, lse) if check_bool(return_softmax_lse, "return_softmax_lse") else out
+
+
+def _check_paged_capacity(cache_seqlens, k: Optional[Tensor], k_cache: Tensor, block_table: Optional[Tensor]) -> None:
+    """flash-attn's guard for paged KV: raise DeviceContentError (a RuntimeError, as flash-attn raises,
+    and a ValueError) before anything is enqueued when the longest sequence of a device-side
+    ``cache_seqlens``, with the new tokens, needs more pages than a block_table row names.
+
+    Like flash-attn, this reads max(cache_seqlens) to the host, which waits for the stream's earlier
+    work: only on eager calls with a block table. While a CUDA graph is captured or torch.compile
+    traces, and on the array-level hipattn.flash_attn_with_kvcache, nothing is read back and the
+    kernels clamp every page index on the device instead (HIPATTN_CHECK=1 checks every entry)."""
+    if (block_table is None or not isinstance(cache_seqlens, Tensor) or cache_seqlens.dim() != 1
+            or cache_seqlens.numel() == 0 or block_table.dim() != 2 or k_cache.dim() != 4 or not _eager(cache_seqlens)
+            or (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return
+    new_tokens = k.shape[1] if isinstance(k, Tensor) and k.dim() == 4 else 0
+    pages, page_size = block_table.shape[1], k_cache.shape[1]
+    longest = int(cache_seqlens.max())
+    if longest + new_tokens > pages * page_size:
+        raise DeviceContentError(
+            f"cache_seqlens reaches {longest} tokens and k appends {new_tokens}, more than the {pages * page_size} "
+            f"tokens that a block_table row of {pages} pages of {page_size} holds; give block_table more columns "
+            "or shorten cache_seqlens")
 
 
 def _padded(shipped: tuple[int, ...], q, *others) -> tuple[tuple, int | None]:

@@ -491,3 +491,48 @@ def test_a_kvcache_call_of_a_head_dim_the_kernels_lack_runs_padded_and_appends_t
     assert torch.equal(out, q * 2)
     assert torch.equal(k_cache[:, 3:4], k) and torch.equal(v_cache[:, 3:4], v)
     assert not k_cache[:, :3].any() and not k_cache[:, 4:].any()
+
+
+def _paged_call(monkeypatch, cache_seqlens, new_tokens):
+    """A paged KV-cache call (pages of 16, two pages a sequence) on the CPU, with kernels that record
+    that they ran; returns the list they append to."""
+    ran = []
+    monkeypatch.setattr(kvcache, "flash_attn_with_kvcache", lambda q, *arguments, **keywords: ran.append(1) or q)
+    q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)
+    k_cache, v_cache = torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16), torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16)
+    new = [torch.randn(2, new_tokens, 2, 64, dtype=torch.bfloat16) for _ in range(2)] if new_tokens else [None, None]
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    hat.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=torch.tensor(cache_seqlens, dtype=torch.int32),
+                                block_table=table)
+    return ran
+
+
+@pytest.mark.parametrize("cache_seqlens, new_tokens", [([3, 33], 0), ([32, 5], 1)])
+def test_a_paged_call_whose_longest_sequence_outgrows_its_block_table_row_raises_before_running(
+        monkeypatch, cache_seqlens, new_tokens):
+    """flash-attn's guard: two pages of 16 hold 32 tokens, so 33 cached, or 32 and one appended, is a
+    RuntimeError naming block_table (hipattn's DeviceContentError, also a ValueError), and no kernel runs."""
+    from hipattn.errors import DeviceContentError
+
+    with pytest.raises(RuntimeError, match="block_table") as raised:
+        _paged_call(monkeypatch, cache_seqlens, new_tokens)
+    assert isinstance(raised.value, DeviceContentError) and isinstance(raised.value, ValueError)
+    assert "33" in str(raised.value) or "appends 1" in str(raised.value)
+
+
+def test_a_paged_call_that_fills_its_block_table_rows_exactly_runs(monkeypatch):
+    assert _paged_call(monkeypatch, [31, 12], 1) == [1]
+
+
+def test_a_traced_paged_call_reads_nothing_back():
+    """Under tracing the guard cannot read cache_seqlens (its values are not known): the call traces as
+    the hipattn::kvcache op, and the kernels clamp on the device as in a captured graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k_cache, v_cache, lengths, table):
+        return hat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+
+    arguments = (torch.randn(2, 1, 4, 64, dtype=torch.bfloat16), torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16),
+                 torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16), torch.tensor([40, 50], dtype=torch.int32),
+                 torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+    assert "hipattn.kvcache" in make_fx(step, tracing_mode="fake")(*arguments).code

@@ -264,6 +264,38 @@ def test_the_torch_function_matches_and_refuses_other_arrays(rng):
         hat.flash_attn_with_kvcache(np.zeros((1, 1, 8, 128)), call.k_cache, call.v_cache, cache_seqlens=3)
 
 
+def test_the_torch_function_refuses_a_paged_call_past_its_block_table_and_captures_without_reading_back(rng):
+    """flash-attn's paged guard, eagerly: a cache_seqlens whose longest sequence with the new token
+    needs more pages than a block-table row names is a RuntimeError naming block_table, and the caches
+    are left as they were. Captured in a CUDA graph, the same function reads nothing back (a read
+    would break the capture) and replays with new lengths as serving engines run it."""
+    call = Call(rng, "bf16", batch=2, seqlen_q=1, heads_q=8, heads_kv=2, head_dim=128, capacity=64, seqlen_new=1,
+                page_size=16)
+    k_before, v_before = call.k_cache.clone(), call.v_cache.clone()
+    call.cache_seqlens.copy_(torch.tensor([5, call.capacity], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="block_table"):
+        call.run(hat.flash_attn_with_kvcache)
+    torch.cuda.synchronize()
+    assert torch.equal(call.k_cache, k_before) and torch.equal(call.v_cache, v_before), "nothing was enqueued"
+    call.cache_seqlens.copy_(torch.tensor([5, call.capacity - 1], dtype=torch.int32))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call.run(hat.flash_attn_with_kvcache)  # compile and load outside the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out, lse = call.run(hat.flash_attn_with_kvcache)
+    for lengths in ([0, 17], [call.capacity - 1, 40]):
+        call.cache_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        torch.cuda.synchronize()
+        want = expected(call.case(), 128 ** -0.5, _round16("bf16"))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(call, out, lse, want, f"captured torch call, lengths {lengths}")
+
+
 def test_a_captured_decode_step_replays_with_new_lengths_and_block_tables(rng):
     """Capture one paged decode step (append with rotary, split-KV attention, combine) in a CUDA graph,
     then replay it with new cache_seqlens, a reshuffled block table and new inputs written into the
