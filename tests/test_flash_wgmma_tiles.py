@@ -22,6 +22,7 @@ FORWARD_ROWS = flash_forward.FLASH_FORWARD_WGMMA_TILES
 SPECIALISED_ROWS = flash_forward.FLASH_FORWARD_WARP_SPECIALISED_TILES
 SPECIALISED_MODIFIED_ROWS = flash_forward.FLASH_FORWARD_WARP_SPECIALISED_MODIFIED_TILES
 DKDV_ROWS = flash_backward.FLASH_BACKWARD_DKDV_WGMMA_TILES
+DKDV_MODIFIED_ROWS = flash_backward.FLASH_BACKWARD_DKDV_WGMMA_MODIFIED_TILES
 
 
 # ---- the forward ----------------------------------------------------------------------------------
@@ -131,17 +132,20 @@ def test_plain_sm_90_is_refused_with_the_reason():
 # ---- the dK/dV kernel -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("head_dim", sorted(DKDV_ROWS))
-def test_every_dkdv_row_fits_hopper_and_splits_dq_along_swizzle_blocks(head_dim):
-    tiles = DKDV_ROWS[head_dim]
+@pytest.mark.parametrize("head_dim, tiles", [*sorted(DKDV_ROWS.items()), *sorted(DKDV_MODIFIED_ROWS.items())], ids=str)
+def test_every_dkdv_row_fits_hopper_and_splits_dq_along_swizzle_blocks(head_dim, tiles):
     assert tiles.threads == 128 * tiles.warpgroups
     assert tiles.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
     if tiles.column_groups == 1:
         assert head_dim in (64, 96, 128), "dK and dV are one m64nN wgmma each, N = head_dim (the header's 64, 96, 128)"
-        dq_columns = wgmma_row_elements(head_dim) // tiles.warpgroups
-        assert dq_columns % 64 == 0 or dq_columns == 32, \
-            "each warpgroup's dQ columns are whole 64-column blocks or one half of a block"
         assert tiles.block_n == 64 * tiles.warpgroups
+        if tiles.block_m == 64:
+            dq_columns = wgmma_row_elements(head_dim) // tiles.warpgroups
+            assert dq_columns % 64 == 0 or dq_columns == 32, \
+                "each warpgroup's dQ columns are whole 64-column blocks or one half of a block"
+        else:
+            assert tiles.block_m == 64 * tiles.warpgroups and head_dim == 64, \
+                "each warpgroup takes 64 rows of dQ (one m64n64 wgmma, every column) and Sᵀ of every query"
     else:
         assert head_dim == 256 and tiles.column_groups == tiles.warpgroups == 2, \
             "two warpgroups share 64 keys, each with one m64n128 wgmma of dK and of dV"
@@ -164,6 +168,22 @@ def test_dkdv_shared_bytes_formula():
         (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 72 * 4)
 
 
+def test_dkdv_shared_bytes_with_128_query_rows():
+    # head_dim 64, two warpgroups, 128-query tiles: K and V (128 rows each), two Q and two dO slots (128
+    # rows each), dSᵀ (128 x 128), 2 bytes; LSE and Delta, two slots of 128 fp32 each; each warpgroup's
+    # 64 staged dQ rows of every column, 64 + 8 fp32.
+    assert flash_backward.FlashDkdvWgmmaTiles(2, block_m=128).shared_bytes(64) == (
+        (2 * 128 + 4 * 128) * 64 * 2 + 128 * 128 * 2 + 2 * 2 * 128 * 4 + 2 * 64 * 72 * 4)
+
+
+def test_the_modified_dkdv_kernel_keeps_64_query_rows_where_the_plain_one_takes_128():
+    assert DKDV_ROWS[64].block_m == 128 and DKDV_MODIFIED_ROWS[64].block_m == 64
+    assert {d: row for d, row in DKDV_MODIFIED_ROWS.items() if d != 64} == {d: row for d, row in DKDV_ROWS.items() if d != 64}
+    target = Target.parse("sm_90a")
+    assert flash_backward.tiles_for(64, target, score_mods=True)[0] == DKDV_MODIFIED_ROWS[64]
+    assert flash_backward.tiles_for(64, target)[0] == DKDV_ROWS[64]
+
+
 def test_dkdv_shared_bytes_store_head_dim_96_in_whole_swizzle_blocks():
     # Rows of 128 columns; each warpgroup stages 64 of dQ's (the second's last 32 past the head).
     assert flash_backward.FlashDkdvWgmmaTiles(2).shared_bytes(96) == flash_backward.FlashDkdvWgmmaTiles(2).shared_bytes(128)
@@ -172,8 +192,10 @@ def test_dkdv_shared_bytes_store_head_dim_96_in_whole_swizzle_blocks():
 def test_only_sm_90a_ships_the_dkdv_kernel():
     family = flash_backward.FLASH_BACKWARD_DKDV_WGMMA
     specs = family.shipped(Target.parse("sm_90a"))
-    assert {(spec.arg("dtype"), spec.arg("head_dim"), spec.arg("write_dq")) for spec in specs} == {
-        (dtype, head_dim, write_dq) for dtype in DTYPES for head_dim in DKDV_ROWS for write_dq in (False, True)}
+    assert {(spec.arg("dtype"), spec.arg("head_dim"), spec.arg("write_dq"), spec.arg(SCORE_MODS_PARAM),
+             spec.arg("block_m")) for spec in specs} == {
+        (dtype, head_dim, write_dq, mods, table[head_dim].block_m) for dtype in DTYPES for write_dq in (False, True)
+        for mods, table in ((False, DKDV_ROWS), (True, DKDV_MODIFIED_ROWS)) for head_dim in table}
     for arch in ("sm_80", "sm_89", "sm_90", "sm_100a", "gfx90a"):
         assert list(family.shipped(Target.parse(arch))) == []
 
@@ -192,6 +214,11 @@ def test_sm_90a_runs_the_dkdv_kernel_where_the_table_has_the_head_dim(head_dim):
 # ---- both -----------------------------------------------------------------------------------------
 
 
+def _dkdv_layout(head_dim, tiles):
+    return (f"hipattn::flash::WgmmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.warpgroups}, "
+            f"{tiles.column_groups}, {tiles.block_m}>")
+
+
 def _specialised_layout(head_dim, tiles):
     return (f"hipattn::flash::WarpSpecialisedForwardTiles<hipattn::bf16_t, {head_dim}, {tiles.block_n}, "
             f"{tiles.consumers}, {tiles.stages}>")
@@ -204,10 +231,9 @@ def _specialised_layout(head_dim, tiles):
                              f"{tiles.warpgroups}, {tiles.stages}>"),
     (flash_forward.FLASH_FORWARD_WARP_SPECIALISED, SPECIALISED_ROWS, _specialised_layout),
     (flash_forward.FLASH_FORWARD_WARP_SPECIALISED, SPECIALISED_MODIFIED_ROWS, _specialised_layout),
-    (flash_backward.FLASH_BACKWARD_DKDV_WGMMA, DKDV_ROWS,
-     lambda head_dim, tiles: f"hipattn::flash::WgmmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.warpgroups}, "
-                             f"{tiles.column_groups}>"),
-], ids=["forward", "specialised", "specialised-modified", "dkdv"])
+    (flash_backward.FLASH_BACKWARD_DKDV_WGMMA, DKDV_ROWS, _dkdv_layout),
+    (flash_backward.FLASH_BACKWARD_DKDV_WGMMA, DKDV_MODIFIED_ROWS, _dkdv_layout),
+], ids=["forward", "specialised", "specialised-modified", "dkdv", "dkdv-modified"])
 def test_kernel_layout_matches_the_launcher_bytes(family, table, layout_of):
     """One NVRTC compile of each kernel's unit with a static_assert per table row."""
     compile_with_layout_checks(nvrtc_backend(), family, Target.parse("sm_90a"), table, layout_of)

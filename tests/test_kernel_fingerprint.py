@@ -1,7 +1,9 @@
-"""tools.kernel_fingerprint on the CPU: what it takes out of PTX before hashing, and that two compiles
-of one kernel hash the same while a changed kernel does not (NVRTC, no GPU)."""
+"""tools.kernel_fingerprint on the CPU: what it takes out of PTX and out of kernel names before hashing,
+and that two compiles of one kernel hash the same while a changed kernel does not (NVRTC, no GPU)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from support.compilers import nvrtc_backend
@@ -53,3 +55,14 @@ def test_two_compiles_agree_and_a_changed_kernel_does_not(monkeypatch):
     changed_prints = fingerprint.fingerprints("sm_90", ["bwd_dot_do_o"])
     assert changed_prints.keys() == first.keys()
     assert all(changed_prints[spec] != first[spec] for spec in first)
+
+
+def test_an_argument_added_at_its_old_value_names_the_kernel_as_before():
+    def name(family, *args):
+        return fingerprint.comparable_name(json.dumps({"args": [["head_dim", 64], *args], "family": family}))
+
+    dkdv = "flash_backward_dkdv_wgmma"
+    assert name(dkdv, ["block_m", 64], ["score_mods", False]) == name(dkdv)
+    assert name(dkdv, ["block_m", 128]) != name(dkdv)
+    # block_m is neutral only where it was added: the mma.sync kernels always had it.
+    assert name("flash_backward_dkdv_mma", ["block_m", 64]) != name("flash_backward_dkdv_mma")

@@ -16,3 +16,9 @@ def test_column_groups_are_spelled_only_where_there_are_several():
     assert parse_variant("256:w2c2/128x32x8")[1] == FlashDkdvWgmmaTiles(warpgroups=2, column_groups=2)
     assert parse_variant("128:w2/128x64x8")[1] == FlashDkdvWgmmaTiles(warpgroups=2)
     assert spell(FlashDkdvWgmmaTiles(warpgroups=2)) == "w2"
+
+
+def test_query_rows_are_spelled_only_where_they_are_not_64():
+    assert parse_variant("64:w2m128/128x128x8")[1] == FlashDkdvWgmmaTiles(warpgroups=2, block_m=128)
+    assert spell(FlashDkdvWgmmaTiles(warpgroups=2, block_m=128)) == "w2m128"
+    assert parse_variant("64:w2m64/128x128x8")[1] == FlashDkdvWgmmaTiles(warpgroups=2)

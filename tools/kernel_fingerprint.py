@@ -43,8 +43,9 @@ _PARAM_BYTES = re.compile(rb"(\.param \.align [0-9]+ \.b8 \w+_param_[0-9]+)\[[0-
 _ENTRY = re.compile(rb"\.entry (\w+)\(")
 
 # Template arguments whose value compiles the kernel as it was before the argument existed: a spec is
-# compared under its canonical text without them.
+# compared under its canonical text without them. Every family's, then one family's own.
 NEUTRAL_ARGUMENTS = {"score_mods": False}
+FAMILY_NEUTRAL_ARGUMENTS = {"flash_backward_dkdv_wgmma": {"block_m": 64}}
 
 
 def normalized_ptx(ptx: bytes) -> bytes:
@@ -67,9 +68,11 @@ def normalized_ptx(ptx: bytes) -> bytes:
 
 
 def comparable_name(canonical: str) -> str:
-    """A spec's canonical text without its NEUTRAL_ARGUMENTS at their neutral values."""
+    """A spec's canonical text without its neutral arguments (NEUTRAL_ARGUMENTS, FAMILY_NEUTRAL_ARGUMENTS)
+    at their neutral values."""
     data = json.loads(canonical)
-    data["args"] = [[name, value] for name, value in data["args"] if NEUTRAL_ARGUMENTS.get(name, object()) != value]
+    neutral = {**NEUTRAL_ARGUMENTS, **FAMILY_NEUTRAL_ARGUMENTS.get(data["family"], {})}
+    data["args"] = [[name, value] for name, value in data["args"] if neutral.get(name, object()) != value]
     return json.dumps(data, sort_keys=True)
 
 

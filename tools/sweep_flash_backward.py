@@ -6,8 +6,9 @@ schedules, its gradients checked against torch SDPA's flash backend on the same 
 
 A variant is ``HEAD_DIM:BMxBNxWARPS/BMxBNxWARPS``, the dK/dV kernel's tiles then the dQ kernel's
 (catalog.flash_backward.FlashDkdvMmaTiles and FlashDqMmaTiles); a dK/dV part ``wWARPGROUPS``
-(``128:w2/128x64x8``), or ``wWARPGROUPScCOLUMN_GROUPS`` (``256:w2c2/128x32x8``), runs the wgmma dK/dV
-kernel (sm_90a; FlashDkdvWgmmaTiles). By default each head_dim's every-part table row is
+(``128:w2/128x64x8``), or ``wWARPGROUPScCOLUMN_GROUPS`` (``256:w2c2/128x32x8``), with ``mQUERY_ROWS``
+after it where the query tile is not 64 rows (``64:w2m128/128x128x8``), runs the wgmma dK/dV kernel
+(sm_90a; FlashDkdvWgmmaTiles). By default each head_dim's every-part table row is
 timed against Hopper's mma.sync rows and, where sm_90a has one, its wgmma row. Workload: bf16, batch
 mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
 Every variant's kernels are compiled first, in parallel processes, into the disk cache.
@@ -48,12 +49,13 @@ def default_variants() -> list[str]:
 
 def spell(tiles) -> str:
     """A row as a variant spells it: BMxBNxWARPS (mma.sync), or wWARPGROUPS with cCOLUMN_GROUPS where
-    there are several (the wgmma dK/dV kernel)."""
-    from hipattn.catalog.flash_backward import FLASH_BACKWARD_DKDV_WGMMA
+    there are several and mQUERY_ROWS where they are not 64 (the wgmma dK/dV kernel)."""
+    from hipattn.catalog.flash_backward import FLASH_BACKWARD_DKDV_WGMMA, FlashDkdvWgmmaTiles
 
     if tiles.family is FLASH_BACKWARD_DKDV_WGMMA:
         column_groups = f"c{tiles.column_groups}" if tiles.column_groups > 1 else ""
-        return f"w{tiles.warpgroups}{column_groups}"
+        rows = f"m{tiles.block_m}" if tiles.block_m != FlashDkdvWgmmaTiles.block_m else ""
+        return f"w{tiles.warpgroups}{column_groups}{rows}"
     return f"{tiles.block_m}x{tiles.block_n}x{tiles.warps}"
 
 
@@ -63,8 +65,9 @@ def parse_variant(text: str):
     head_dim, tiles = text.split(":")
     dkdv_text, dq_text = tiles.split("/")
     if dkdv_text.startswith("w"):
-        warpgroups, _, column_groups = dkdv_text[1:].partition("c")
-        dkdv = FlashDkdvWgmmaTiles(int(warpgroups), int(column_groups or 1))
+        groups, _, block_m = dkdv_text[1:].partition("m")
+        warpgroups, _, column_groups = groups.partition("c")
+        dkdv = FlashDkdvWgmmaTiles(int(warpgroups), int(column_groups or 1), int(block_m or FlashDkdvWgmmaTiles.block_m))
     else:
         dkdv = FlashDkdvMmaTiles(*map(int, dkdv_text.split("x")))
     return int(head_dim), dkdv, FlashDqMmaTiles(*map(int, dq_text.split("x")))

@@ -76,8 +76,9 @@ FLASH_BACKWARD_DKDV_MMA = _family(
     "flash_backward_dkdv_mma", "flash/backward_mma.hip", ("block_m", "block_n", "warps", "write_dq"),
     lambda target: _dkdv_specs(_mma_rows(target, 0)))
 FLASH_BACKWARD_DKDV_WGMMA = _family(
-    "flash_backward_dkdv_wgmma", "flash/backward_wgmma.hip", ("warpgroups", "column_groups", "write_dq"),
-    lambda target: _dkdv_specs(FLASH_BACKWARD_DKDV_WGMMA_TILES.items() if runs_nvidia_wgmma(target) else ()))
+    "flash_backward_dkdv_wgmma", "flash/backward_wgmma.hip", ("warpgroups", "column_groups", "block_m", "write_dq"),
+    lambda target: [row.spec(t, d, write_dq=w, score_mods=m) for t in DTYPES for m in SCORE_MODS_VALUES
+                    for d, row in dkdv_wgmma_tiles(m).items() for w in (False, True)] if runs_nvidia_wgmma(target) else [])
 FLASH_BACKWARD_DQ_MMA = _family(
     "flash_backward_dq_mma", "flash/backward_mma.hip", ("block_m", "block_n", "warps"),
     lambda target: _dq_specs(_mma_rows(target, 1)))
@@ -145,8 +146,7 @@ class FlashDkdvWgmmaTiles(WarpgroupTiles):
 
     warpgroups: int
     column_groups: int = 1
-
-    block_m = WGMMA_WARPGROUP_ROWS  # query rows per tile, fixed (dQ's M): not a field
+    block_m: int = WGMMA_WARPGROUP_ROWS  # query rows per tile: 64, or 64 per warpgroup (dQ split by rows)
 
     family = FLASH_BACKWARD_DKDV_WGMMA
 
@@ -164,8 +164,9 @@ class FlashDkdvWgmmaTiles(WarpgroupTiles):
         shared_keys = self.column_groups > 1
         score_tiles = 2 if shared_keys else 1
         elements = (2 * self.block_n + 4 * self.block_m) * row_elements + score_tiles * self.block_n * self.block_m
-        dq_pitch = row_elements // self.warpgroups + WGMMA_DQ_ROW_PAD
-        staged_dq_rows = 0 if shared_keys else self.warpgroups * self.block_m
+        dq_by_rows = self.block_m > WGMMA_WARPGROUP_ROWS
+        dq_pitch = (row_elements if dq_by_rows else row_elements // self.warpgroups) + WGMMA_DQ_ROW_PAD
+        staged_dq_rows = 0 if shared_keys else self.warpgroups * WGMMA_WARPGROUP_ROWS
         return elements * element_bytes + 2 * 2 * self.block_m * 4 + staged_dq_rows * dq_pitch * 4
 
 
@@ -250,19 +251,35 @@ FLASH_BACKWARD_MMA_TILES_HOPPER: dict[int, tuple[FlashDkdvMmaTiles, FlashDqMmaTi
 HOPPER_DQ_KERNEL_HEAD_DIMS = frozenset({256})
 
 # Two warpgroups, 128 keys: each holds dK and dV of its 64 keys (head_dim / 2 fp32 registers each per
-# thread) beside Sᵀ and dPᵀ (32 each), and takes half of dQ's stored columns: a whole swizzle block of K
-# at head_dim 128, half of one at 64 (an m64n32 wgmma from the block's 64th byte), and at 96 (rows
-# stored as 128 columns) the first block, and the second of which 32 columns are the head's. One
-# warpgroup at 64 would add dQ once per 64 keys instead of 128. At 256 dK and dV of 64 keys alone would
-# take every register: two warpgroups share 64 keys, each with 128 columns of dK and dV (128 registers)
-# and 32 queries of Sᵀ and dPᵀ (16 each); K, V, two slots of Q and dO and Pᵀ and dSᵀ take 209 KiB, and
-# dQ leaves from the registers.
+# thread) beside Sᵀ and dPᵀ. Up to head_dim 128 the warpgroups walk the keys' query tiles together; at
+# head_dim 64 tiles of 128 queries (Sᵀ and dPᵀ 64 registers each), and each warpgroup takes 64 of their
+# rows of dQ, every column: on an H100 (B 4, S 4096, H 16, tools/sweep_flash_backward.py) 2.81-2.84 ms
+# against 3.30-3.34 with 64-row tiles non-causal, 1.60-1.62 against 1.87 causal, fewer barriers and
+# dQ additions per key block. At 96 and 128, dK and dV leave no room for 128-query Sᵀ and dPᵀ: tiles of
+# 64 queries, and each warpgroup takes half of dQ's stored columns: a whole swizzle block of K at 128,
+# and at 96 (rows stored as 128 columns) the first block, and the second of which 32 columns are the
+# head's. One warpgroup would add dQ once per 64 keys instead of 128. At 256 dK and dV of 64 keys alone
+# would take every register: two warpgroups share 64 keys, each with 128 columns of dK and dV (128
+# registers) and 32 queries of Sᵀ and dPᵀ (16 each); K, V, two slots of Q and dO and Pᵀ and dSᵀ take
+# 209 KiB, and dQ leaves from the registers.
 FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashDkdvWgmmaTiles] = {
-    64: FlashDkdvWgmmaTiles(warpgroups=2),
+    64: FlashDkdvWgmmaTiles(warpgroups=2, block_m=128),
     96: FlashDkdvWgmmaTiles(warpgroups=2),
     128: FlashDkdvWgmmaTiles(warpgroups=2),
     256: FlashDkdvWgmmaTiles(warpgroups=2, column_groups=2),
 }
+# The modified instantiations (score modifiers, dropout, sinks) keep more per entry: with 128-query
+# tiles at head_dim 64 they hit the 255-register bound and spill, so they walk 64-query tiles there.
+FLASH_BACKWARD_DKDV_WGMMA_MODIFIED_TILES: dict[int, FlashDkdvWgmmaTiles] = {
+    **FLASH_BACKWARD_DKDV_WGMMA_TILES,
+    64: FlashDkdvWgmmaTiles(warpgroups=2),
+}
+
+
+def dkdv_wgmma_tiles(score_mods: bool) -> dict[int, FlashDkdvWgmmaTiles]:
+    """The wgmma dK/dV kernel's table for its plain or its modified instantiations."""
+    return FLASH_BACKWARD_DKDV_WGMMA_MODIFIED_TILES if score_mods else FLASH_BACKWARD_DKDV_WGMMA_TILES
+
 
 # Every head_dim, both dtypes. dK/dV: four waves of 16 keys each; a wave keeps its K and V fragments,
 # Kᵀ's for dQ, and dKᵀ and dVᵀ in registers, and LDS holds Qᵀ and dOᵀ of one query tile and each
@@ -286,13 +303,14 @@ def dq_kernel_always(head_dim: int, target: Target | None) -> bool:
             and not (runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES))
 
 
-def tiles_for(head_dim: int, target: Target | None) -> tuple[FlashDkdvTiles, FlashDqTiles]:
+def tiles_for(head_dim: int, target: Target | None, score_mods: bool = False) -> tuple[FlashDkdvTiles, FlashDqTiles]:
     """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: MFMA's on AMD; the wgmma dK/dV kernel on
-    sm_90a where its table has the head_dim, else the mma.sync rows. (On NVIDIA the deterministic
-    schedule's dQ kernel is mma.sync everywhere.)"""
+    sm_90a where its table has the head_dim (the row of its plain or modified instantiation, by
+    ``score_mods``), else the mma.sync rows. (On NVIDIA the deterministic schedule's dQ kernel is
+    mma.sync everywhere.)"""
     if runs_amd_mfma(target):
         return FLASH_BACKWARD_DKDV_MFMA_TILES, FLASH_BACKWARD_DQ_MFMA_TILES
     dkdv, dq = mma_tiles_for(head_dim, target)
     if runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES:
-        dkdv = FLASH_BACKWARD_DKDV_WGMMA_TILES[head_dim]
+        dkdv = dkdv_wgmma_tiles(score_mods)[head_dim]
     return dkdv, dq

@@ -118,7 +118,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     if work_list:
         _check_records(varlen_records, problem)
         way = prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
-    dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target)
+    dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target, score_mods=problem.score_mods)
     dkdv_blocks = dkdv_grid_blocks(problem, work_list, dkdv_tiles.block_n)
     dq_blocks = dq_grid_blocks(problem, dq_tiles.block_m)
     check_grid(target, dkdv_blocks, dkdv_tiles.threads,

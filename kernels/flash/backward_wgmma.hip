@@ -10,9 +10,9 @@
 // Pᵀ and dSᵀ meet in shared memory, where every warpgroup reads all of them as the A operands of dV and
 // dK, and each warpgroup's share of dQ goes to dq_accum from its registers (no shared memory is left
 // to stage it).
-// K and V stay in shared memory and dK, dV in fp32 registers while the block walks every 64-row query
-// tile (of every query head of the KV head's group) whose rows see some of its keys; Q, dO, LSE and
-// Delta are double-buffered with cp.async, so the next tile's copies overlap this tile's math. Per
+// K and V stay in shared memory and dK, dV in fp32 registers while the block walks every query tile of
+// BLOCK_M rows (of every query head of the KV head's group) whose rows see some of its keys; Q, dO, LSE
+// and Delta are double-buffered with cp.async, so the next tile's copies overlap this tile's math. Per
 // query tile, each warpgroup, in the transposed frame (keys as rows):
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ   both operands from shared memory (K-major), issued together; Pᵀ is
 //                               exponentiated while dPᵀ is still in flight
@@ -21,8 +21,9 @@
 //                               from shared memory read transposed
 //   dQ_partial = dS K           WRITE_DQ: dSᵀ goes to shared memory, where the tensor cores read it
 //                               transposed as dS; every warpgroup takes HEAD_DIM / WARPGROUPS columns of
-//                               dQ over all the block's keys, stages them in shared memory, and the
-//                               copy engine adds them into the fp32 dq_accum (bulk reductions, one
+//                               dQ (64-row tiles) or 64 rows of every column (tiles of 64 rows per
+//                               warpgroup) over all the block's keys, stages them in shared memory, and
+//                               the copy engine adds them into the fp32 dq_accum (bulk reductions, one
 //                               per row; convert_dq scales them later)
 // so no product waits for a register shuffle, and no tile passes through ldmatrix. Shared tiles are in
 // wgmma's 128-byte swizzled layout (common/wgmma_nvidia.h).
@@ -46,28 +47,32 @@ namespace flash {
 // stored as 128, its last 32 columns never written):
 //   K, V        BLOCK_N rows each
 //   Q, dO       two slots of BLOCK_M rows each (double buffer)
-//   dSᵀ         BLOCK_N rows of BLOCK_M queries (one 128-byte swizzle row each)
+//   dSᵀ         BLOCK_N rows of BLOCK_M queries (a 128-byte swizzle row per 64 queries)
 //   Pᵀ          the same, with column groups only
 //   LSE, Delta  fp32, two slots of BLOCK_M each: [slot][LSE | Delta]
-//   dQ          without column groups: fp32, per warpgroup BLOCK_M rows of its kDqColumns
-//               (kRowElements / WARPGROUPS: at head_dim 96 the second warpgroup's last 32 lie past the
-//               head and never leave), each row padded by 8 words: a warp's two-word stores of rows g
+//   dQ          without column groups: fp32, per warpgroup 64 rows of its kDqColumns (every column
+//               with 64 query rows per warpgroup; else kRowElements / WARPGROUPS: at head_dim 96 the
+//               second warpgroup's last 32 lie past the head and never leave), each row padded by 8 words: a warp's two-word stores of rows g
 //               and g + 8 then meet no bank twice, and a row stays a contiguous 16-byte-aligned run for
 //               the copy engine (staged in deterministic mode too: a block fits an SM either way)
 // The host's row (hipattn/catalog/flash_backward.py, FlashDkdvWgmmaTiles.shared_bytes) computes kBytes
 // from the same arguments.
-template <typename T, int HEAD_DIM, int WARPGROUPS, int COLUMN_GROUPS>
+template <typename T, int HEAD_DIM, int WARPGROUPS, int COLUMN_GROUPS, int BLOCK_M>
 struct WgmmaKeyBlockTiles {
   static constexpr bool kSharedKeys = COLUMN_GROUPS > 1;  // the warpgroups split columns, not keys
   static constexpr int kKeyGroups = WARPGROUPS / COLUMN_GROUPS;
   static constexpr int kBlockN = 64 * kKeyGroups;
-  static constexpr int kBlockM = 64;  // dQ's rows: one wgmma's M
+  static constexpr int kBlockM = BLOCK_M;
+  // dQ's share per warpgroup, one wgmma's M of 64 rows: with 64-row query tiles every warpgroup takes
+  // kDqColumns of its columns; with 64 rows per warpgroup (Sᵀ and dPᵀ of twice the queries, where dK
+  // and dV leave the registers for them: head_dim 64) each takes its own 64 rows, every column.
+  static constexpr bool kDqByRows = BLOCK_M == 64 * WARPGROUPS && BLOCK_M > 64;
   static constexpr int kThreads = 128 * WARPGROUPS;
   static constexpr int kRowElements = (HEAD_DIM + 63) / 64 * 64;
   // A warpgroup's columns of dK and dV, and its queries of Sᵀ and dPᵀ.
   static constexpr int kOwnColumns = kSharedKeys ? kRowElements / COLUMN_GROUPS : HEAD_DIM;
   static constexpr int kOwnQueries = kBlockM / COLUMN_GROUPS;
-  static constexpr int kDqColumns = kRowElements / WARPGROUPS;  // dQ columns per warpgroup
+  static constexpr int kDqColumns = kDqByRows ? kRowElements : kRowElements / WARPGROUPS;  // per warpgroup
   static constexpr int kKeyElements = kBlockN * kRowElements;
   static constexpr int kQueryElements = kBlockM * kRowElements;
   static constexpr int kKOffset = 0;
@@ -80,7 +85,7 @@ struct WgmmaKeyBlockTiles {
   static constexpr int kStatsOffsetBytes = kElements * static_cast<int>(sizeof(T));
   static constexpr int kDqPitch = kDqColumns + 8;  // floats per staged dQ row
   static constexpr int kDqOffsetBytes = kStatsOffsetBytes + 2 * 2 * kBlockM * static_cast<int>(sizeof(float));
-  static constexpr int kDqStagedRows = kSharedKeys ? 0 : WARPGROUPS * kBlockM;
+  static constexpr int kDqStagedRows = kSharedKeys ? 0 : WARPGROUPS * 64;
   static constexpr int kBytes = kDqOffsetBytes + kDqStagedRows * kDqPitch * static_cast<int>(sizeof(float));
 
   static_assert(sizeof(T) == 2, "the tensor-core path takes 16-bit inputs");
@@ -93,12 +98,23 @@ struct WgmmaKeyBlockTiles {
   static_assert(kDqColumns % 64 == 0 || kDqColumns == 32,
                 "a warpgroup's dQ columns are whole 64-column swizzle blocks of K or one half of a block: one "
                 "wgmma's N");
+  static_assert(BLOCK_M == 64 || (kDqByRows && !kSharedKeys), "64-row query tiles, or 64 rows per warpgroup");
   static_assert(kBytes <= 227 * 1024, "the tiles must fit sm_90's 227 KiB of shared memory");
   static_assert(kDqOffsetBytes % 16 == 0 && kDqPitch * sizeof(float) % 16 == 0,
                 "staged dQ rows are 16-byte aligned, as the copy engine's bulk reductions need");
 };
 
-// Pᵀ of a warpgroup's 64 keys x 64 queries, from Sᵀ in the accumulators (this lane's keys `key` and
+// Dropout's keep bits of a lane's entries, four per 8-query tile: a 32-bit word up to eight tiles.
+template <bool ABOVE_EIGHT_TILES>
+struct KeepBitsWord {
+  using type = unsigned int;
+};
+template <>
+struct KeepBitsWord<true> {
+  using type = unsigned long long;
+};
+
+// Pᵀ of a warpgroup's 64 keys x its queries, from Sᵀ in the accumulators (this lane's keys `key` and
 // key + 8; its queries m0 + 8n + 2t and the next, for query tile n): P = exp2(score - LSE), 0 where the
 // pair is not visible (by selection: a stale NaN is discarded, never multiplied). Pᵀ goes to `p_packed`
 // in T, the A operand of dV += Pᵀ dO; `s` keeps P times d(score)/d(s), what dSᵀ needs of the entry (no
@@ -143,9 +159,9 @@ struct TransposedProbabilities {
 
 }  // namespace flash
 
-template <typename T, int HEAD_DIM, int WARPGROUPS, int COLUMN_GROUPS, bool WRITE_DQ, bool SCORE_MODS>
+template <typename T, int HEAD_DIM, int WARPGROUPS, int COLUMN_GROUPS, int BLOCK_M, bool WRITE_DQ, bool SCORE_MODS>
 __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(const FlashBackwardParams p) {
-  using Tiles = flash::WgmmaKeyBlockTiles<T, HEAD_DIM, WARPGROUPS, COLUMN_GROUPS>;
+  using Tiles = flash::WgmmaKeyBlockTiles<T, HEAD_DIM, WARPGROUPS, COLUMN_GROUPS, BLOCK_M>;
   constexpr bool kSharedKeys = Tiles::kSharedKeys;
   constexpr int kBlockN = Tiles::kBlockN;
   constexpr int kBlockM = Tiles::kBlockM;
@@ -257,8 +273,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   const int own_first_column = kSharedKeys ? kOwnColumns * column_group : 0;  // ... its columns of dK, dV
   // The warpgroup's dQ columns that lie in the head: all of them but at head_dim 96, where the second
   // warpgroup's m64n64 share also reads K's unwritten columns 96-127, into columns it leaves out.
-  const int dq_head_columns =
-      HEAD_DIM == Tiles::kRowElements ? kDqColumns : min(kDqColumns, HEAD_DIM - kDqColumns * warpgroup);
+  const int dq_first_column = Tiles::kDqByRows ? 0 : kDqColumns * warpgroup;
+  const int dq_first_row = Tiles::kDqByRows ? 64 * warpgroup : 0;  // of the query tile
+  const int dq_head_columns = HEAD_DIM == Tiles::kRowElements ? kDqColumns : min(kDqColumns, HEAD_DIM - dq_first_column);
   const int own_n0 = n0 + own_first_key;
   const Scores<SCORE_MODS> block_scores = scores_of<SCORE_MODS>(p, batch_index, first_head);
   const Dropout<SCORE_MODS> block_dropout = dropout_of<SCORE_MODS>(p, batch_index, first_head);
@@ -295,9 +312,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   const wgmma::u64 p_rows = wgmma::descriptor(mma::shared_address(p_tile), wgmma::kRowBytes, wgmma::kAtomBytes);
   const wgmma::u64 ds_rows = wgmma::descriptor(mma::shared_address(ds_tile), wgmma::kRowBytes, wgmma::kAtomBytes);
   const wgmma::u64 ds_columns =
-      wgmma::descriptor(mma::shared_address(ds_tile), kBlockN * wgmma::kRowBytes, wgmma::kAtomBytes);
+      wgmma::descriptor(mma::shared_address(ds_tile + wgmma::swizzled_offset<kBlockN>(0, dq_first_row)),
+                        kBlockN * wgmma::kRowBytes, wgmma::kAtomBytes);
   const wgmma::u64 k_columns =
-      wgmma::descriptor(mma::shared_address(k_tile + wgmma::swizzled_offset<kBlockN>(0, kDqColumns * warpgroup)),
+      wgmma::descriptor(mma::shared_address(k_tile + wgmma::swizzled_offset<kBlockN>(0, dq_first_column)),
                         kBlockN * wgmma::kRowBytes, wgmma::kAtomBytes);
 
   for (int i = 0; i < tiles; ++i) {
@@ -317,9 +335,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
     const int key = own_n0 + 16 * warp + g;  // this lane's keys: key, key + 8
     // Dropout's keep bits of this lane's entries (bit 4n + e for entry e of query tile n), before the
     // products are issued: made while they run, the Philox rounds measured slower on the H200.
-    static_assert(kQTiles <= 8, "four keep bits per 8-query tile fit one 32-bit word");
+    static_assert(kQTiles <= 16, "four keep bits per 8-query tile fit one 64-bit word");
+    using KeepBits = typename flash::KeepBitsWord<(kQTiles > 8)>::type;
     const int q0 = m0 + own_first_query;  // the warpgroup's first query
-    const unsigned int kept_bits = static_cast<unsigned int>(
+    const KeepBits kept_bits = static_cast<KeepBits>(
         dropout.active() ? dropout.template transposed_m16n8_bits<kQTiles>(key, q0, t) : ~0ull);
 
     // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, 64 keys x the warpgroup's queries, two groups ----
@@ -362,7 +381,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
         p_packed[n][0] &= mask[2 * n];
         p_packed[n][1] &= mask[2 * n + 1];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = ((kept_bits >> (4 * n + e)) & 1u) != 0 ? s[n][e] : -s[n][e];
+        for (int e = 0; e < 4; ++e) s[n][e] = ((kept_bits >> (4 * n + e)) & 1u) != 0u ? s[n][e] : -s[n][e];
       }
     }
     wgmma::wait<0>();
@@ -448,8 +467,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
       wgmma::wait<0>();
       wgmma::pin(dq);
       float* const dq_rows = static_cast<float*>(p.dq_accum) + batch_index * p.dq_accum_batch_stride +
-                             static_cast<long long>(seq_q.start + m0) * p.dq_accum_token_stride +
-                             head * p.dq_accum_head_stride + kDqColumns * warpgroup;
+                             static_cast<long long>(seq_q.start + m0 + dq_first_row) * p.dq_accum_token_stride +
+                             head * p.dq_accum_head_stride + dq_first_column;
       if constexpr (kSharedKeys) {
         // Straight from the registers, four words per reduction: lanes 2j and 2j + 1 trade pairs so
         // that the even lane holds four adjacent columns of row g and the odd one four of row g + 8.
@@ -494,7 +513,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
         wgmma::fence_shared_for_async_proxy();
         __syncwarp();
         if (lane < 16) {
-          if (m0 + own_row < len_q)  // rows past the sequence belong to the next one (THD) or to padding
+          if (m0 + dq_first_row + own_row < len_q)  // rows past the sequence belong to the next one (THD) or to padding
             wgmma::bulk_reduce_add(dq_rows + own_row * p.dq_accum_token_stride,
                                    mma::shared_address(warp_rows + lane * Tiles::kDqPitch),
                                    dq_head_columns * static_cast<int>(sizeof(float)));
