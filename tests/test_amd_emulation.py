@@ -100,6 +100,18 @@ def test_the_mfma_flash_kernels_match_float64_in_batch_mode_with_seqused(device)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("heads_q,heads_kv", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+def test_the_mfma_flash_backward_reaches_every_key_tile_of_a_causal_batch(device, heads_q, heads_kv, deterministic):
+    """BSHD across several 64-key tiles per sequence, causal: the dK/dV grid starts every key tile 0
+    first with grouped-query heads and walks each sequence's tiles in turn with one head per block
+    (flash/backward_common.h key_block_of); either way every (key tile, sequence, KV head) gets its
+    gradients once."""
+    check_bshd_forward_and_backward(device, np.random.default_rng(), [150, 97, 64], [170, 130, 64], 150, 170, heads_q,
+                                    heads_kv, 64, "bf16", True, deterministic=deterministic,
+                                    dq_padding_written=not deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("softcap,alibi,causal", SCORE_MODIFIER_CASES, ids=lambda m: str(m))
 @pytest.mark.parametrize("dtype,head_dim,heads_q,heads_kv", [("bf16", 64, 2, 1), ("fp16", 128, 3, 1)])
 def test_the_mfma_flash_kernels_match_float64_with_score_modifiers(device, score_modified, dtype, head_dim, heads_q,

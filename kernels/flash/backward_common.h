@@ -15,20 +15,32 @@ struct KeyBlock {
 
 // The one place that maps a dK/dV block to its work.
 // Without a work list (BSHD, or THD sized from max_seqlen_k), grid.x enumerates (key tile, sequence,
-// KV head), the key tile fastest. With one (THD: p.varlen_records, hipattn/varlen_metadata.py),
-// grid.x enumerates (work-list key block, KV head), the head fastest, so every real block comes
-// before the idle tail of the host-sized grid; the block finds its sequence by a binary search for
-// the last record whose first_key_block is not past its key block (sequences without blocks share
-// their successor's first_key_block and are never found). Either way a sequence's tile 0 comes
-// first: under causal masking it sees the most query rows.
+// KV head), the key tile fastest, except for grouped-query heads under a causal mask (the window's
+// right side bounded, its left not), where the (sequence, KV head) is fastest. There a key tile's
+// work falls with its index (tile 0 is seen by every query tile, the last by one), each block walks
+// every query head of its group, and blocks start in grid order: key tile fastest, the long tiles
+// of the last sequences and heads start late and run on alone; key tile first, every tile 0 starts
+// in the first wave and the short tiles fill the last (on an H100, 13-16% less forward+backward
+// time at head_dims 64 and 128, 4 KV heads, S 1024-8192; BENCHMARKS.md). With one head per block the
+// grid has more, shorter blocks, and key tile first spreads the first wave over more sequences' Q and
+// dO than L2 holds (5% slower at head_dim 128, S 1024-2048), so MHA keeps key tile fastest.
+// With a work list (THD: p.varlen_records, hipattn/varlen_metadata.py), grid.x enumerates (work-list
+// key block, KV head), the head fastest, so every real block comes before the idle tail of the
+// host-sized grid; the block finds its sequence by a binary search for the last record whose
+// first_key_block is not past its key block (sequences without blocks share their successor's
+// first_key_block and are never found). Every order puts a sequence's tile 0 before its later
+// tiles: under causal masking it sees the most query rows.
 template <int BLOCK_N>
 HIPATTN_DEVICE KeyBlock key_block_of(unsigned int block, const FlashBackwardParams& p) {
   const unsigned int heads_kv = static_cast<unsigned int>(p.heads_kv);
   if (p.varlen_records == nullptr) {
     const unsigned int n_blocks = static_cast<unsigned int>((p.max_seqlen_k + BLOCK_N - 1) / BLOCK_N);
-    const unsigned int problem = block / n_blocks;
-    return {static_cast<int>(block % n_blocks), static_cast<int>(problem / heads_kv),
-            static_cast<int>(problem % heads_kv)};
+    const bool causal = p.window_right < p.max_seqlen_q && p.window_left >= p.max_seqlen_k;
+    const bool key_tile_first = causal && p.heads_q > p.heads_kv;
+    const unsigned int problems = static_cast<unsigned int>(p.batch) * heads_kv;
+    const unsigned int problem = key_tile_first ? block % problems : block / n_blocks;
+    const unsigned int n_block = key_tile_first ? block / problems : block % n_blocks;
+    return {static_cast<int>(n_block), static_cast<int>(problem / heads_kv), static_cast<int>(problem % heads_kv)};
   }
   if (p.batch < 1) return {0, -1, 0};
   const VarlenSequenceRecord* const records = static_cast<const VarlenSequenceRecord*>(p.varlen_records);
