@@ -76,9 +76,11 @@ FLASH_BACKWARD_DKDV_MMA = _family(
     "flash_backward_dkdv_mma", "flash/backward_mma.hip", ("block_m", "block_n", "warps", "write_dq"),
     lambda target: _dkdv_specs(_mma_rows(target, 0)))
 FLASH_BACKWARD_DKDV_WGMMA = _family(
-    "flash_backward_dkdv_wgmma", "flash/backward_wgmma.hip", ("warpgroups", "column_groups", "block_m", "write_dq"),
+    "flash_backward_dkdv_wgmma", "flash/backward_wgmma.hip",
+    ("warpgroups", "column_groups", "block_m", "write_dq"),
     lambda target: [row.spec(t, d, write_dq=w, score_mods=m) for t in DTYPES for m in SCORE_MODS_VALUES
-                    for d, row in dkdv_wgmma_tiles(m).items() for w in (False, True)] if runs_nvidia_wgmma(target) else [])
+                    for d, row in dkdv_wgmma_tiles(m).items() for w in (False, True)]
+    if runs_nvidia_wgmma(target) else [])
 FLASH_BACKWARD_DQ_MMA = _family(
     "flash_backward_dq_mma", "flash/backward_mma.hip", ("block_m", "block_n", "warps"),
     lambda target: _dq_specs(_mma_rows(target, 1)))
@@ -251,17 +253,16 @@ FLASH_BACKWARD_MMA_TILES_HOPPER: dict[int, tuple[FlashDkdvMmaTiles, FlashDqMmaTi
 HOPPER_DQ_KERNEL_HEAD_DIMS = frozenset({256})
 
 # Two warpgroups, 128 keys: each holds dK and dV of its 64 keys (head_dim / 2 fp32 registers each per
-# thread) beside Sᵀ and dPᵀ. Up to head_dim 128 the warpgroups walk the keys' query tiles together; at
-# head_dim 64 tiles of 128 queries (Sᵀ and dPᵀ 64 registers each), and each warpgroup takes 64 of their
-# rows of dQ, every column: on an H100 (B 4, S 4096, H 16, tools/sweep_flash_backward.py) 2.81-2.84 ms
-# against 3.30-3.34 with 64-row tiles non-causal, 1.60-1.62 against 1.87 causal, fewer barriers and
-# dQ additions per key block. At 96 and 128, dK and dV leave no room for 128-query Sᵀ and dPᵀ: tiles of
-# 64 queries, and each warpgroup takes half of dQ's stored columns: a whole swizzle block of K at 128,
-# and at 96 (rows stored as 128 columns) the first block, and the second of which 32 columns are the
-# head's. One warpgroup would add dQ once per 64 keys instead of 128. At 256 dK and dV of 64 keys alone
-# would take every register: two warpgroups share 64 keys, each with 128 columns of dK and dV (128
-# registers) and 32 queries of Sᵀ and dPᵀ (16 each); K, V, two slots of Q and dO and Pᵀ and dSᵀ take
-# 209 KiB, and dQ leaves from the registers.
+# thread) beside Sᵀ and dPᵀ of a query tile. At head_dim 64 that leaves room for tiles of 128 queries
+# (Sᵀ and dPᵀ 64 registers each), and each warpgroup takes 64 of their rows of dQ, every column: half
+# the barriers and dQ additions per key, and on an H100 (B 4, S 4096, H 16, tools/sweep_flash_backward.py)
+# 2.81-2.84 ms against 3.30-3.34 with 64-query tiles non-causal, 1.60-1.62 against 1.87 causal. At 96
+# and 128 the query tile is 64 rows, and each warpgroup takes half of dQ's stored columns: a whole
+# swizzle block of K at 128, and at 96 (rows stored as 128 columns) the first block, and the second of
+# which 32 columns are the head's. One warpgroup would add dQ once per 64 keys instead of 128. At 256
+# dK and dV of 64 keys alone would take every register: two warpgroups share 64 keys, each with 128
+# columns of dK and dV (128 registers) and 32 queries of Sᵀ and dPᵀ (16 each); K, V, two slots of Q
+# and dO and Pᵀ and dSᵀ take 209 KiB, and dQ leaves from the registers.
 FLASH_BACKWARD_DKDV_WGMMA_TILES: dict[int, FlashDkdvWgmmaTiles] = {
     64: FlashDkdvWgmmaTiles(warpgroups=2, block_m=128),
     96: FlashDkdvWgmmaTiles(warpgroups=2),

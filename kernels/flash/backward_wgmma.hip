@@ -52,9 +52,10 @@ namespace flash {
 //   LSE, Delta  fp32, two slots of BLOCK_M each: [slot][LSE | Delta]
 //   dQ          without column groups: fp32, per warpgroup 64 rows of its kDqColumns (every column
 //               with 64 query rows per warpgroup; else kRowElements / WARPGROUPS: at head_dim 96 the
-//               second warpgroup's last 32 lie past the head and never leave), each row padded by 8 words: a warp's two-word stores of rows g
-//               and g + 8 then meet no bank twice, and a row stays a contiguous 16-byte-aligned run for
-//               the copy engine (staged in deterministic mode too: a block fits an SM either way)
+//               second warpgroup's last 32 lie past the head and never leave), each row padded by 8
+//               words: a warp's two-word stores of rows g and g + 8 then meet no bank twice, and a row
+//               stays a contiguous 16-byte-aligned run for the copy engine (staged in deterministic
+//               mode too: a block fits an SM either way)
 // The host's row (hipattn/catalog/flash_backward.py, FlashDkdvWgmmaTiles.shared_bytes) computes kBytes
 // from the same arguments.
 template <typename T, int HEAD_DIM, int WARPGROUPS, int COLUMN_GROUPS, int BLOCK_M>
@@ -275,7 +276,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   // warpgroup's m64n64 share also reads K's unwritten columns 96-127, into columns it leaves out.
   const int dq_first_column = Tiles::kDqByRows ? 0 : kDqColumns * warpgroup;
   const int dq_first_row = Tiles::kDqByRows ? 64 * warpgroup : 0;  // of the query tile
-  const int dq_head_columns = HEAD_DIM == Tiles::kRowElements ? kDqColumns : min(kDqColumns, HEAD_DIM - dq_first_column);
+  const int dq_head_columns =
+      HEAD_DIM == Tiles::kRowElements ? kDqColumns : min(kDqColumns, HEAD_DIM - dq_first_column);
   const int own_n0 = n0 + own_first_key;
   const Scores<SCORE_MODS> block_scores = scores_of<SCORE_MODS>(p, batch_index, first_head);
   const Dropout<SCORE_MODS> block_dropout = dropout_of<SCORE_MODS>(p, batch_index, first_head);
@@ -513,7 +515,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
         wgmma::fence_shared_for_async_proxy();
         __syncwarp();
         if (lane < 16) {
-          if (m0 + dq_first_row + own_row < len_q)  // rows past the sequence belong to the next one (THD) or to padding
+          // Rows past the sequence belong to the next one (THD) or to padding.
+          if (m0 + dq_first_row + own_row < len_q)
             wgmma::bulk_reduce_add(dq_rows + own_row * p.dq_accum_token_stride,
                                    mma::shared_address(warp_rows + lane * Tiles::kDqPitch),
                                    dq_head_columns * static_cast<int>(sizeof(float)));
