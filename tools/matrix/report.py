@@ -248,6 +248,36 @@ def modifier_cost_text(doc: dict, section: str = "scoremod") -> str | None:
             "these): hipattn with ÷ without, geometric mean " + ", ".join(parts) + ".")
 
 
+def peer_ratios(section_records: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """Per direction (fwd, bwd, fwdbwd), per peer: hipattn's time ÷ the peer's in each cell where both
+    ran. A target is often set against one peer (FA2 across the board, cuDNN at long sequences), not
+    against whichever is fastest in a cell, so each peer gets its own ratios."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for r in section_records:
+        hipattn_ms = r.get("runners", {}).get("hipattn", {}).get("median_ms")
+        if not hipattn_ms:
+            continue
+        for name, runner in r["runners"].items():
+            if name != "hipattn" and (runner.get("median_ms") or 0) > 0:
+                by_peer = ratios.setdefault(r["params"]["direction"], {})
+                by_peer.setdefault(name, []).append(hipattn_ms / runner["median_ms"])
+    return ratios
+
+
+def peer_ratio_text(section_records: list[dict]) -> str | None:
+    """'fwd: FA2 (SDPA) 0.66-1.02× (geometric mean 0.78×, 24 cells), ...; fwdbwd: ...', or None."""
+    ratios = peer_ratios(section_records)
+    if not ratios:
+        return None
+    parts = []
+    for direction, by_peer in ratios.items():
+        peers = ", ".join(f"{PEER_NAMES.get(name, name)} {min(values):.2f}-{max(values):.2f}× (geometric mean "
+                          f"{_geometric_mean(values):.2f}×, {len(values)} cell{'s' * (len(values) != 1)})"
+                          for name, values in by_peer.items())
+        parts.append(f"{direction}: {peers}")
+    return "hipattn ÷ each peer, lowest-highest: " + "; ".join(parts) + "."
+
+
 def _peer_errors(section_records: list[dict]) -> list[str]:
     """'peer: N cells (first error)' for each peer that did not run somewhere in the section."""
     errors: dict[str, list[str]] = {}
@@ -295,6 +325,9 @@ def markdown(doc: dict) -> str:
             lines += ["", "| cell | hipattn ms | best peer | peer ms | ÷ best peer | ÷ floor | check |",
                       "| --- | --- | --- | --- | --- | --- | --- |"]
             lines += [_row(r) for r in section_records]
+            ratio_text = peer_ratio_text(section_records)
+            if ratio_text:
+                lines += ["", ratio_text]
         if section in ("scoremod", "dropout"):
             cost = modifier_cost_text(doc, section)
             if cost:
