@@ -22,8 +22,8 @@ struct KeyBlock {
 // of the last sequences and heads start late and run on alone; key tile first, every tile 0 starts
 // in the first wave and the short tiles fill the last (on an H100, 13-16% less forward+backward
 // time at head_dims 64 and 128, 4 KV heads, S 1024-8192; BENCHMARKS.md). With one head per block the
-// grid has more, shorter blocks, and key tile first spreads the first wave over more sequences' Q and
-// dO than L2 holds (5% slower at head_dim 128, S 1024-2048), so MHA keeps key tile fastest.
+// grid has more, shorter blocks, and key tile first measured 5% slower at head_dim 128, S 1024-2048
+// (its first wave reads more sequences' Q and dO than L2 holds), so MHA keeps key tile fastest.
 // With a work list (THD: p.varlen_records, hipattn/varlen_metadata.py), grid.x enumerates (work-list
 // key block, KV head), the head fastest, so every real block comes before the idle tail of the
 // host-sized grid; the block finds its sequence by a binary search for the last record whose
