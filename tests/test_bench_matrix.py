@@ -509,12 +509,14 @@ def test_the_summary_counts_wins_failures_and_the_worst_cells():
 def test_each_peer_gets_its_own_ratios_per_direction_where_both_ran():
     batch = [r for r in report.records(_synthetic()) if r.get("section") == "batch"]
     ratios = report.peer_ratios(batch)
-    assert ratios == {"fwd": {"sdpa_flash": [pytest.approx(0.4 / 0.45), pytest.approx(0.5)],
-                              "sdpa_cudnn": [pytest.approx(2.0)]}}, "the failed efficient backend has no ratio"
+    assert ratios == {"fwd": {"FA2 (SDPA)": [pytest.approx(0.4 / 0.45), pytest.approx(0.5)],
+                              "cuDNN (SDPA)": [pytest.approx(2.0)]}}, "the failed efficient backend has no ratio"
     assert report.peer_ratio_text(batch) == (
         "hipattn ÷ each peer, lowest-highest: fwd: FA2 (SDPA) 0.50-0.89× (geometric mean 0.67×, 2 cells), "
         "cuDNN (SDPA) 2.00-2.00× (geometric mean 2.00×, 1 cell).")
     assert report.peer_ratio_text(batch) in report.markdown(_synthetic())
+    smallseq = [r for r in report.records(_synthetic()) if r.get("section") == "smallseq"]
+    assert report.peer_ratios(smallseq)["fwd"].keys() == {"varlen_attn", "cuDNN (SDPA) padded"}
     failed = [r for r in report.records(_synthetic()) if r["name"].startswith("decode/")]
     assert report.peer_ratio_text(failed) is None, "hipattn did not run: nothing to compare"
 

@@ -249,8 +249,8 @@ def modifier_cost_text(doc: dict, section: str = "scoremod") -> str | None:
 
 
 def peer_ratios(section_records: list[dict]) -> dict[str, dict[str, list[float]]]:
-    """Per direction (fwd, bwd, fwdbwd), per peer: hipattn's time ÷ the peer's in each cell where both
-    ran. A target is often set against one peer (FA2 across the board, cuDNN at long sequences), not
+    """Per direction (fwd, bwd, fwdbwd), per peer (its report name, "padded" where it ran on padded
+    data): hipattn's time ÷ the peer's in each cell where both ran. A target is often set against one peer (FA2 across the board, cuDNN at long sequences), not
     against whichever is fastest in a cell, so each peer gets its own ratios."""
     ratios: dict[str, dict[str, list[float]]] = {}
     for r in section_records:
@@ -260,7 +260,8 @@ def peer_ratios(section_records: list[dict]) -> dict[str, dict[str, list[float]]
         for name, runner in r["runners"].items():
             if name != "hipattn" and (runner.get("median_ms") or 0) > 0:
                 by_peer = ratios.setdefault(r["params"]["direction"], {})
-                by_peer.setdefault(name, []).append(hipattn_ms / runner["median_ms"])
+                label = PEER_NAMES.get(name, name) + (" padded" if runner.get("padded") else "")
+                by_peer.setdefault(label, []).append(hipattn_ms / runner["median_ms"])
     return ratios
 
 
@@ -271,7 +272,7 @@ def peer_ratio_text(section_records: list[dict]) -> str | None:
         return None
     parts = []
     for direction, by_peer in ratios.items():
-        peers = ", ".join(f"{PEER_NAMES.get(name, name)} {min(values):.2f}-{max(values):.2f}× (geometric mean "
+        peers = ", ".join(f"{name} {min(values):.2f}-{max(values):.2f}× (geometric mean "
                           f"{_geometric_mean(values):.2f}×, {len(values)} cell{'s' * (len(values) != 1)})"
                           for name, values in by_peer.items())
         parts.append(f"{direction}: {peers}")
