@@ -67,7 +67,8 @@ def parse_variant(text: str):
     if dkdv_text.startswith("w"):
         groups, _, block_m = dkdv_text[1:].partition("m")
         warpgroups, _, column_groups = groups.partition("c")
-        dkdv = FlashDkdvWgmmaTiles(int(warpgroups), int(column_groups or 1), int(block_m or FlashDkdvWgmmaTiles.block_m))
+        dkdv = FlashDkdvWgmmaTiles(int(warpgroups), int(column_groups or 1),
+                                   int(block_m or FlashDkdvWgmmaTiles.block_m))
     else:
         dkdv = FlashDkdvMmaTiles(*map(int, dkdv_text.split("x")))
     return int(head_dim), dkdv, FlashDqMmaTiles(*map(int, dq_text.split("x")))

@@ -45,9 +45,9 @@ FLASH_BACKWARD_PARAMS = ParamsStruct(
 )
 
 
-def _dkdv_specs(rows) -> list:
+def _dkdv_specs(rows, score_mods_values=SCORE_MODS_VALUES) -> list:
     return [row.spec(t, d, write_dq=w, score_mods=m) for t in DTYPES for d, row in rows for w in (False, True)
-            for m in SCORE_MODS_VALUES]
+            for m in score_mods_values]
 
 
 def _dq_specs(rows) -> list:
@@ -78,8 +78,7 @@ FLASH_BACKWARD_DKDV_MMA = _family(
 FLASH_BACKWARD_DKDV_WGMMA = _family(
     "flash_backward_dkdv_wgmma", "flash/backward_wgmma.hip",
     ("warpgroups", "column_groups", "block_m", "write_dq"),
-    lambda target: [row.spec(t, d, write_dq=w, score_mods=m) for t in DTYPES for m in SCORE_MODS_VALUES
-                    for d, row in dkdv_wgmma_tiles(m).items() for w in (False, True)]
+    lambda target: [spec for m in SCORE_MODS_VALUES for spec in _dkdv_specs(dkdv_wgmma_tiles(m).items(), (m,))]
     if runs_nvidia_wgmma(target) else [])
 FLASH_BACKWARD_DQ_MMA = _family(
     "flash_backward_dq_mma", "flash/backward_mma.hip", ("block_m", "block_n", "warps"),

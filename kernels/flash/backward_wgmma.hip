@@ -272,10 +272,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   const int own_first_key = 64 * (warpgroup % Tiles::kKeyGroups);  // the warpgroup's keys in the block's tile
   const int own_first_query = kOwnQueries * column_group;         // ... its queries of a query tile
   const int own_first_column = kSharedKeys ? kOwnColumns * column_group : 0;  // ... its columns of dK, dV
-  // The warpgroup's dQ columns that lie in the head: all of them but at head_dim 96, where the second
-  // warpgroup's m64n64 share also reads K's unwritten columns 96-127, into columns it leaves out.
   const int dq_first_column = Tiles::kDqByRows ? 0 : kDqColumns * warpgroup;
   const int dq_first_row = Tiles::kDqByRows ? 64 * warpgroup : 0;  // of the query tile
+  // The warpgroup's dQ columns that lie in the head: all of them but at head_dim 96, where the second
+  // warpgroup's m64n64 share also reads K's unwritten columns 96-127, into columns it leaves out.
   const int dq_head_columns =
       HEAD_DIM == Tiles::kRowElements ? kDqColumns : min(kDqColumns, HEAD_DIM - dq_first_column);
   const int own_n0 = n0 + own_first_key;

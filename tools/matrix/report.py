@@ -250,8 +250,9 @@ def modifier_cost_text(doc: dict, section: str = "scoremod") -> str | None:
 
 def peer_ratios(section_records: list[dict]) -> dict[str, dict[str, list[float]]]:
     """Per direction (fwd, bwd, fwdbwd), per peer (its report name, "padded" where it ran on padded
-    data): hipattn's time ÷ the peer's in each cell where both ran. A target is often set against one peer (FA2 across the board, cuDNN at long sequences), not
-    against whichever is fastest in a cell, so each peer gets its own ratios."""
+    data): hipattn's time ÷ the peer's in each cell where both ran. A target is often set against one
+    peer (FA2 across the board, cuDNN at long sequences), not against whichever is fastest in a cell,
+    so each peer gets its own ratios."""
     ratios: dict[str, dict[str, list[float]]] = {}
     for r in section_records:
         hipattn_ms = r.get("runners", {}).get("hipattn", {}).get("median_ms")
