@@ -198,20 +198,34 @@ struct Dropout<true> {
   // The keep bits of a lane's entries in a transposed m16n8 tile (keys as rows, queries as columns:
   // the backward's dK/dV kernels): bit 4 n + e for entry e of query tile n, keys key0 (e < 2) and
   // key0 + 8, queries query0 + 8 n + 2 t + (e & 1). With key0 % 16 < 8 both keys lie in one call's
-  // words (key0 % 32) / 8 and the next, at half key0 % 2: one call per query. A rolled loop, as
+  // words (key0 % 32) / 8 and the next, at half key0 % 2, and the other half of those words holds
+  // key0 ^ 1 and key0 ^ 1 + 8: the keys of lane ^ 4 (g ^ 1, the same t). So each lane of that pair calls
+  // for one of the two queries, 2 t + key0 % 2, keeps its own half and hands the other to its partner,
+  // which called for the other query: one call per query tile, and one shuffle. Every lane of the warp
+  // takes part, with key0 = (a multiple of 16) + lane / 4 and t = lane % 4. A rolled loop, as
   // m16n8_bits's: unrolled, the Philox copies made the modified kernels a third larger.
   template <int Q_TILES>
   HIPATTN_DEVICE unsigned long long transposed_m16n8_bits(int key0, int query0, int t) const {
-    static_assert(Q_TILES <= 16, "four keep bits per 8-query tile fit one 64-bit word");
-    unsigned long long bits = 0ull;
+    static_assert(Q_TILES <= 16, "two keep bits per 8-query tile and key pair fit one 32-bit word");
+    const bool high = (key0 & 1) != 0;  // this lane's half of each word; its partner's is the other
+    const int near_word = (key0 % 32) / 8;
+    unsigned int own = 0u, partners = 0u;  // bits 2 n (key0 or its partner's) and 2 n + 1 (+ 8)
 #pragma unroll 1
-    for (int call = 0; call < 2 * Q_TILES; ++call) {
-      const int n = call / 2, c = call % 2;  // query 2 t + c of query tile n
+    for (int n = 0; n < Q_TILES; ++n) {
       unsigned int x[4];
-      words(query0 + 8 * n + 2 * t + c, key0 / 32, (key0 % 8) / 2, x);
-      const bool near = kept(select_word(x, (key0 % 32) / 8), (key0 & 1) != 0);
-      const bool far = kept(select_word(x, (key0 % 32) / 8 + 1), (key0 & 1) != 0);
-      bits |= ((near ? 1ull : 0ull) | (far ? 4ull : 0ull)) << (4 * n + c);
+      words(query0 + 8 * n + 2 * t + (high ? 1 : 0), key0 / 32, (key0 % 8) / 2, x);
+      const unsigned int near = select_word(x, near_word), far = select_word(x, near_word + 1);
+      own |= ((kept(near, high) ? 1u : 0u) | (kept(far, high) ? 2u : 0u)) << (2 * n);
+      partners |= ((kept(near, !high) ? 1u : 0u) | (kept(far, !high) ? 2u : 0u)) << (2 * n);
+    }
+    // The partner's call for this lane's other query, 2 t + 1 - key0 % 2, in this lane's half.
+    const unsigned int theirs = shfl_xor(partners, 4, 32, 0xffffffffu);
+    const unsigned int even = high ? theirs : own, odd = high ? own : theirs;  // queries 2 t and 2 t + 1
+    unsigned long long bits = 0ull;
+#pragma unroll
+    for (int n = 0; n < Q_TILES; ++n) {
+      const unsigned long long e = (even >> (2 * n)) & 3u, o = (odd >> (2 * n)) & 3u;
+      bits |= ((e & 1u) | (o & 1u) << 1 | (e >> 1) << 2 | (o >> 1) << 3) << (4 * n);
     }
     return bits;
   }

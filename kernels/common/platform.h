@@ -60,6 +60,15 @@ HIPATTN_DEVICE float shfl_xor(float value, int lane_mask, int width, unsigned in
 #endif
 }
 
+HIPATTN_DEVICE unsigned int shfl_xor(unsigned int value, int lane_mask, int width, unsigned int mask) {
+#if defined(HIPATTN_AMD)
+  (void)mask;
+  return __shfl_xor(value, lane_mask, width);
+#else
+  return __shfl_xor_sync(mask, value, lane_mask, width);
+#endif
+}
+
 HIPATTN_DEVICE float bits_to_float(unsigned int bits) { return __uint_as_float(bits); }
 HIPATTN_DEVICE unsigned int float_to_bits(float value) { return __float_as_uint(value); }
 HIPATTN_DEVICE float infinity() { return bits_to_float(0x7f800000u); }
