@@ -49,18 +49,11 @@ HIPATTN_DEVICE unsigned int group_mask(int width) {
 #endif
 }
 
-// Butterfly exchange within the aligned group of `width` lanes (a power of two up to 32); every
-// lane of `mask` (from group_mask(width)) must take part.
-HIPATTN_DEVICE float shfl_xor(float value, int lane_mask, int width, unsigned int mask) {
-#if defined(HIPATTN_AMD)
-  (void)mask;
-  return __shfl_xor(value, lane_mask, width);
-#else
-  return __shfl_xor_sync(mask, value, lane_mask, width);
-#endif
-}
-
-HIPATTN_DEVICE unsigned int shfl_xor(unsigned int value, int lane_mask, int width, unsigned int mask) {
+// Butterfly exchange of a float or a 32-bit word within the aligned group of `width` lanes (a power
+// of two up to 32); every lane of `mask` (from group_mask(width)) must take part.
+template <typename V>
+HIPATTN_DEVICE V shfl_xor(V value, int lane_mask, int width, unsigned int mask) {
+  static_assert(sizeof(V) == 4, "one 32-bit register per lane");
 #if defined(HIPATTN_AMD)
   (void)mask;
   return __shfl_xor(value, lane_mask, width);
