@@ -8,6 +8,7 @@ handles, the copy kind, the host-function address, and how result codes become v
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 from support.local_rocm import use_local_rocm
@@ -259,7 +260,11 @@ def test_cuda_tensor_maps_reach_the_driver_in_the_bindings_own_integer_types(cud
     assert all(isinstance(x, driver.cuuint32_t) for x in (*args[5], *args[6]))
     assert [int(x) for x in args[3]] == [128, 16, 1000, 3] and [int(x) for x in args[5]] == [64, 1, 128, 1]
     assert args[8] == driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    assert args[9] == driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B  # the layout's default
     assert bytes(returned) == b"".join(i.to_bytes(8, "little") for i in range(16))
+
+    backend.encode_tensor_map(0xA000, dataclasses.replace(layout, l2_promotion=0))
+    assert fake.called("cuTensorMapEncodeTiled")[-1][9] == driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE
 
 
 def test_cuda_pointer_device_asks_for_the_device_ordinal(cuda):

@@ -192,3 +192,8 @@ def test_the_warp_specialised_tiles_asked_for_refuse_an_array_without_a_map(hopp
     with pytest.raises(ValueError, match="stride no tensor map takes"):
         _launch_forward(q_strides=(0, 8 * 128, 128, 1), tiles=FLASH_FORWARD_WARP_SPECIALISED_TILES[128])
     assert hopper.launches == []
+
+
+def test_a_layout_names_one_of_the_drivers_l2_promotions():
+    with pytest.raises(ValueError, match="l2_promotion must be one of"):
+        TensorMapLayout("bf16", (128, 16, 1000, 3), (256, 4096, 4096000), (64, 1, 128, 1), l2_promotion=512)

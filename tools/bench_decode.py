@@ -5,12 +5,14 @@ torch SDPA's cuDNN and flash backends, on the decode shapes of the benchmark mat
     python -m tools.bench_decode --kernel mma:2,mma:3 --num-splits 0,1,16 --min-keys 512,1024
     python -m tools.bench_decode --kernel portable:4x4+8x2,portable:4x2+8x1  # the portable kernel on NVIDIA
     python -m tools.bench_decode --kernel shipped,tma:3,tma:5,mma:3          # Hopper's two kernels
+    python -m tools.bench_decode --kernel shipped --l2-promotion 0,128,256   # the copy engine's L2 fetches
 
 A configuration is one attention row, ``shipped`` (catalog.decode.tiles_for), ``mma:STAGES`` (the
 tensor-core kernel with 64-key tiles, its threads copying), ``tma:STAGES`` (the same fed by the copy
 engine, persistent; Hopper) or ``portable:ROWSxUNROLL+...`` (the portable kernel's table, smallest rows
-first), with one ``num_splits`` (0: ops.decode.choose_splits) and one
-``MIN_KEYS_PER_SPLIT`` (ops.decode); every combination of the given lists is timed on every shape,
+first), with one ``num_splits`` (0: ops.decode.choose_splits), one ``MIN_KEYS_PER_SPLIT`` (ops.decode)
+and one L2 promotion of the copy-engine kernel's tensor maps (TensorMapLayout.l2_promotion, bytes; the
+shipped 256 by default); every combination of the given lists is timed on every shape,
 contiguous and paged (pages of 256). Times are the
 median device time per call over BACK_TO_BACK_CALLS back-to-back calls (benchlib.median_ms), eager
 (``hipattn_ms``: the host's time per call shows where it exceeds the device's) and replayed from a
@@ -21,6 +23,7 @@ is checked against cuDNN's. The matrix (tools/bench_matrix.py) is the record; th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -52,6 +55,12 @@ def _attention_rows(text: str):
                         for r, u in (item.lower().split("x") for item in detail.split("+"))), key=lambda t: t.rows)
         return lambda head_dim, rows: next((t for t in table if rows <= t.rows), table[-1])
     raise ValueError(f"unknown kernel {text!r}: shipped, mma:STAGES, tma:STAGES or portable:RxU+RxU")
+
+
+def _promoted_layout(map_layout, promotion: int, *args):
+    """``map_layout``'s layout with L2 promotion ``promotion`` (bytes), or None where it has none."""
+    layout = map_layout(*args)
+    return None if layout is None else dataclasses.replace(layout, l2_promotion=promotion)
 
 
 def _copy_bandwidth(torch) -> float:
@@ -92,6 +101,8 @@ def main() -> None:
     parser.add_argument("--kernel", default="shipped", help="comma-separated attention rows (see above)")
     parser.add_argument("--num-splits", default="0", help="comma-separated num_splits values (0: the heuristic)")
     parser.add_argument("--min-keys", default=None, help="comma-separated MIN_KEYS_PER_SPLIT values")
+    parser.add_argument("--l2-promotion", default="256",
+                        help="comma-separated L2 promotions of the tensor maps, in bytes (0, 64, 128, 256)")
     parser.add_argument("--out", default="bench_decode.json")
     args = parser.parse_args()
 
@@ -100,10 +111,14 @@ def main() -> None:
 
     import hipattn
     from hipattn import runtime
+    from hipattn.errors import CompileError
     from hipattn.ops import decode as ops
+    from hipattn.ops import tensor_map_fields
 
     kernels = args.kernel.split(",")
     shipped_tiles = ops.attention_tiles
+    shipped_map_layout = tensor_map_fields.map_layout
+    promotions = [int(x) for x in args.l2_promotion.split(",")]
     split_counts = [int(x) for x in args.num_splits.split(",")]
     min_keys = [int(x) for x in args.min_keys.split(",")] if args.min_keys else [ops.MIN_KEYS_PER_SPLIT]
     bandwidth = _copy_bandwidth(torch)
@@ -122,18 +137,25 @@ def main() -> None:
                     reference = peer().transpose(1, 2)
                 peers[name] = median_ms(peer, calls=BACK_TO_BACK_CALLS)
         shape = {"batch": batch, "kv": kv, "heads_q": heads_q, "heads_kv": heads_kv, "floor_ms": floor_ms, **peers}
-        for kernel, splits, keys in itertools.product(kernels, split_counts, min_keys):
+        for kernel, splits, keys, promotion in itertools.product(kernels, split_counts, min_keys, promotions):
             rows = _attention_rows(kernel)
             ops.attention_tiles = shipped_tiles if rows is None else (
                 lambda problem, tensor_maps=True, rows=rows: rows(problem.head_dim, problem.rows_per_kv_head))
             ops.MIN_KEYS_PER_SPLIT = keys
+            tensor_map_fields.map_layout = functools.partial(_promoted_layout, shipped_map_layout, promotion)
             runtime.active().launch_plans.clear()  # a plan replays the configuration it recorded
-            config = {"kernel": kernel, "num_splits": splits, "min_keys": keys}
+            config = {"kernel": kernel, "num_splits": splits, "min_keys": keys, "l2_promotion": promotion}
             for layout, (kc, vc, bt) in (("contiguous", (k, v, None)), ("paged", (paged["k"], paged["v"], table))):
                 out = torch.full_like(q, float("nan"))
                 call = functools.partial(hipattn.flash_attn_with_kvcache, q, kc, vc, cache_seqlens=seqlens,
                                          block_table=bt, num_splits=splits, out=out)
-                call()
+                try:
+                    call()
+                except CompileError as error:  # a row the kernel refuses (one that does not fit, say): the rest go on
+                    row = {**shape, **config, "layout": layout, "error": str(error).splitlines()[0]}
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
                 error = float((out.float() - reference.float()).norm() / reference.float().norm())
                 ms = median_ms(call, calls=BACK_TO_BACK_CALLS)
                 row = {**shape, **config, "layout": layout, "hipattn_ms": ms, "rel_l2_vs_cudnn": error,

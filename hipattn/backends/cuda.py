@@ -35,6 +35,12 @@ _TENSOR_MAP_DTYPES = {
 }
 
 
+def _l2_promotion(driver, promotion_bytes: int):
+    """CUtensorMapL2promotion for a TensorMapLayout's l2_promotion (0, 64, 128 or 256 bytes)."""
+    name = "NONE" if promotion_bytes == 0 else f"L2_{promotion_bytes}B"
+    return getattr(driver.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{name}")
+
+
 def driver_library_present() -> bool:
     """Whether libcuda can be loaded, tried with dlopen before any call into cuda-bindings.
 
@@ -317,7 +323,7 @@ class CudaBackend(Backend):
             _TENSOR_MAP_DTYPES[layout.dtype](d), len(layout.dims), address, [wide(x) for x in layout.dims],
             [wide(x) for x in layout.strides], [narrow(x) for x in layout.box], [narrow(1)] * len(layout.dims),
             d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            _l2_promotion(d, layout.l2_promotion),
             d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
         return TensorMapBytes.from_buffer_copy(ctypes.string_at(encoded.getPtr(), TENSOR_MAP_BYTES))
 

@@ -18,6 +18,8 @@ from ..jit.params import TensorMapBytes
 
 # Encoded maps kept per process: far more than the arrays one training step passes.
 MAX_CACHED_MAPS = 4096
+# The L2 promotions a map may name, in bytes (0: none): cuTensorMapEncodeTiled's CUtensorMapL2promotion.
+L2_PROMOTIONS = (0, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -26,12 +28,18 @@ class TensorMapLayout:
     elements, innermost (contiguous) first, the byte ``strides`` of every dimension but the innermost,
     and the ``box`` a copy moves, in elements per dimension. The box's rows are 128 bytes at most and
     land in shared memory in the 128-byte swizzle (common/wgmma_nvidia.h's layout); elements outside
-    the dims read as zeros."""
+    the dims read as zeros. ``l2_promotion`` is the granularity of L2's fetches for the copies, in bytes:
+    0 (what a copy asks for), 64, 128 or 256 (every kernel's maps; tools.bench_decode sweeps it)."""
 
     dtype: str
     dims: tuple[int, ...]
     strides: tuple[int, ...]
     box: tuple[int, ...]
+    l2_promotion: int = 256
+
+    def __post_init__(self) -> None:
+        if self.l2_promotion not in L2_PROMOTIONS:
+            raise ValueError(f"l2_promotion must be one of {L2_PROMOTIONS} bytes, got {self.l2_promotion!r}")
 
 
 class TensorMapCache:
