@@ -66,3 +66,19 @@ def test_an_argument_added_at_its_old_value_names_the_kernel_as_before():
     assert name(dkdv, ["block_m", 128]) != name(dkdv)
     # block_m is neutral only where it was added: the mma.sync kernels always had it.
     assert name("flash_backward_dkdv_mma", ["block_m", 64]) != name("flash_backward_dkdv_mma")
+
+
+def test_a_kernel_that_nvrtc_does_not_reproduce_is_unstable_rather_than_changed(monkeypatch):
+    first_compile = {"steady": "aaaa", "flaky": "bbbb"}
+    compiled = []
+
+    def compile_again(arch, families, only=None):
+        compiled.append(set(only))
+        flaky = "bbbb" if len(compiled) == 1 else "cccc"  # the second compile of this tree picks the other PTX
+        return {name: digest for name, digest in {"steady": "aaaa", "flaky": flaky}.items() if name in only}
+
+    monkeypatch.setattr(fingerprint, "fingerprints", compile_again)
+    # The flaky kernel agrees once, then not: unstable. The steady one is compiled every time.
+    assert fingerprint.unstable("sm_90a", None, first_compile, {"steady", "flaky"}) == {"flaky"}
+    assert compiled == [{"steady", "flaky"}, {"steady", "flaky"}] + [{"steady"}] * (fingerprint.RECOMPILES - 2)
+    assert fingerprint.unstable("sm_90a", None, first_compile, set()) == set()
