@@ -68,17 +68,20 @@ def test_an_argument_added_at_its_old_value_names_the_kernel_as_before():
     assert name("flash_backward_dkdv_mma", ["block_m", 64]) != name("flash_backward_dkdv_mma")
 
 
-def test_a_kernel_that_nvrtc_does_not_reproduce_is_unstable_rather_than_changed(monkeypatch):
-    first_compile = {"steady": "aaaa", "flaky": "bbbb"}
+def test_a_recompile_tells_the_same_kernel_an_unstable_one_and_a_changed_one_apart(monkeypatch):
+    first_compile = {"same": "aaaa", "flaky": "bbbb", "changed": "dddd"}
+    revision = {"same": "a2a2", "flaky": "b2b2", "changed": "d2d2"}
     compiled = []
 
     def compile_again(arch, families, only=None):
         compiled.append(set(only))
-        flaky = "bbbb" if len(compiled) == 1 else "cccc"  # the second compile of this tree picks the other PTX
-        return {name: digest for name, digest in {"steady": "aaaa", "flaky": flaky}.items() if name in only}
+        # NVRTC's other PTX of "same" on the second compile; "flaky" wanders; "changed" is steady.
+        later = {"same": "a2a2" if len(compiled) == 2 else "aaaa", "flaky": "cccc", "changed": "dddd"}
+        return {name: later[name] for name in only}
 
     monkeypatch.setattr(fingerprint, "fingerprints", compile_again)
-    # The flaky kernel agrees once, then not: unstable. The steady one is compiled every time.
-    assert fingerprint.unstable("sm_90a", None, first_compile, {"steady", "flaky"}) == {"flaky"}
-    assert compiled == [{"steady", "flaky"}, {"steady", "flaky"}] + [{"steady"}] * (fingerprint.RECOMPILES - 2)
-    assert fingerprint.unstable("sm_90a", None, first_compile, set()) == set()
+    reproduced, unstable = fingerprint.recompiled("sm_90a", None, first_compile, revision, set(first_compile))
+    assert (reproduced, unstable) == ({"same"}, {"flaky"})
+    assert compiled[:2] == [set(first_compile)] * 2 and compiled[2:] == [{"flaky", "changed"}] * (
+        fingerprint.RECOMPILES - 2)
+    assert fingerprint.recompiled("sm_90a", None, first_compile, revision, set()) == (set(), set())

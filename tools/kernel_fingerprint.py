@@ -19,10 +19,12 @@ last ran, and one that changes a hash must run on the GPU again. With --against,
 checked out into a temporary git worktree and fingerprinted by this script the same way (in a child
 process that imports that tree's hipattn, whichever layout it has); the exit status is 1 when any
 kernel differs or exists on one side only. A kernel whose hashes differ is compiled again on this
-tree (RECOMPILES times): where a compile's hash differs from the first, NVRTC does not reproduce its
-own PTX, the kernel is reported unstable rather than different, and with no other difference the exit
-status is 2 (identity unproven: compare the two trees' SASS, or run it on the GPU). Further compiles
-can all agree with the first by chance, so an unstable kernel may still be reported as differing.
+tree (up to RECOMPILES times): where a compile hashes as the revision's, it is the same kernel (NVRTC
+chose the other of its PTXs the first time); where compiles disagree otherwise, NVRTC does not
+reproduce its own PTX, the kernel is reported unstable rather than different, and with no other
+difference the exit status is 2 (identity unproven: compare the two trees' SASS, or run it on the
+GPU). Further compiles can all agree with the first by chance, so an unstable kernel may still be
+reported as differing.
 
 NVRTC comes from cuda-bindings (hipattn's `nvidia` extra); no GPU or driver is needed. Both sides are
 compiled by the same NVRTC, whose version is part of the output.
@@ -154,25 +156,32 @@ def fingerprints(arch: str, family_names: list[str] | None, only: set[str] | Non
 
 
 # Compiles of a kernel whose hashes differ, on this tree, before it is called different: NVRTC picks
-# one of two PTXs at random for some kernels, so each further compile has about an even chance of
-# agreeing with the first; four all agree with an unstable kernel's first about one time in sixteen.
+# one of two PTXs at random for some kernels, and not with even odds, so one more compile often
+# agrees with the first.
 RECOMPILES = 4
 
 
-def unstable(arch: str, family_names: list[str] | None, first: dict[str, str], names: set[str]) -> set[str]:
-    """Those of ``names`` whose PTX this NVRTC does not reproduce: one of RECOMPILES more compiles of
-    the same source hashes other than ``first`` did. NVRTC 13.0 vectorises some kernels' loads
-    differently from one compile to the next (the portable small-seq backward, bf16 and fp16: four
-    ld.shared.f32 as one ld.shared.v4.f32 in some compiles, as single and paired loads in others), so
-    for those a differing hash says nothing about the source."""
-    found: set[str] = set()
+def recompiled(arch: str, family_names: list[str] | None, first: dict[str, str], theirs: dict[str, str],
+               names: set[str]) -> tuple[set[str], set[str]]:
+    """(reproduced, unstable) among ``names``, the kernels whose first compile here hashed other than
+    ``theirs``: up to RECOMPILES more compiles of this tree's source each, and a kernel is reproduced
+    when one of them hashes as ``theirs`` (this source gives the other revision's PTX: the same
+    kernel), else unstable when its compiles here disagree with each other. NVRTC 13.0 vectorises some kernels' loads differently from one compile to the next
+    (the portable small-seq backward, bf16 and fp16: four ld.shared.f32 as one ld.shared.v4.f32 in
+    some compiles, as single and paired loads in others), so a single differing hash says nothing
+    about the source."""
+    reproduced: set[str] = set()
+    seen: dict[str, set[str]] = {name: {first[name]} for name in names}
     for _ in range(RECOMPILES):
-        left = names - found
+        left = names - reproduced
         if not left:
             break
         again = fingerprints(arch, family_names, only=left)
-        found |= {name for name in left if again.get(name) != first[name]}
-    return found
+        for name in left:
+            seen[name].add(again[name])
+            if again[name] == theirs[name]:
+                reproduced.add(name)
+    return reproduced, {name for name in names - reproduced if len(seen[name]) > 1}
 
 
 def nvrtc_version() -> str:
@@ -220,12 +229,14 @@ def main() -> int:
         return 0
     theirs = _fingerprints_of_revision(args.against, args.arch, family_names)
     mismatched = {spec for spec in ours.keys() & theirs.keys() if ours[spec] != theirs[spec]}
-    unreproduced = sorted(unstable(args.arch, family_names, ours, mismatched))
-    differing = sorted(mismatched - set(unreproduced))
+    reproduced, unstable = recompiled(args.arch, family_names, ours, theirs, mismatched)
+    unreproduced = sorted(unstable)
+    differing = sorted(mismatched - reproduced - unstable)
     only_ours, only_theirs = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
-    print(f"# NVRTC {nvrtc_version()}, {args.arch}: {len(ours.keys() & theirs.keys()) - len(mismatched)} kernels "
-          f"identical to {args.against}, {len(differing)} differ, {len(unreproduced)} unstable (this tree's own "
-          f"two compiles differ), {len(only_ours)} only here, {len(only_theirs)} only in {args.against}")
+    identical = len(ours.keys() & theirs.keys()) - len(mismatched) + len(reproduced)
+    print(f"# NVRTC {nvrtc_version()}, {args.arch}: {identical} kernels identical to {args.against} "
+          f"({len(reproduced)} of them on a recompile), {len(differing)} differ, {len(unreproduced)} unstable "
+          f"(this tree's own compiles differ), {len(only_ours)} only here, {len(only_theirs)} only in {args.against}")
     for label, specs in (("differs", differing), ("unstable", unreproduced), ("only here", only_ours),
                          (f"only in {args.against}", only_theirs)):
         for spec in specs:
