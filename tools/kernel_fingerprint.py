@@ -166,10 +166,10 @@ def recompiled(arch: str, family_names: list[str] | None, first: dict[str, str],
     """(reproduced, unstable) among ``names``, the kernels whose first compile here hashed other than
     ``theirs``: up to RECOMPILES more compiles of this tree's source each, and a kernel is reproduced
     when one of them hashes as ``theirs`` (this source gives the other revision's PTX: the same
-    kernel), else unstable when its compiles here disagree with each other. NVRTC 13.0 vectorises some kernels' loads differently from one compile to the next
-    (the portable small-seq backward, bf16 and fp16: four ld.shared.f32 as one ld.shared.v4.f32 in
-    some compiles, as single and paired loads in others), so a single differing hash says nothing
-    about the source."""
+    kernel), else unstable when its compiles here disagree with each other. NVRTC 13.0 vectorises
+    some kernels' loads differently from one compile to the next (the portable small-seq backward,
+    bf16 and fp16: four ld.shared.f32 as one ld.shared.v4.f32 in some compiles, as single and paired
+    loads in others), so a single differing hash says nothing about the source."""
     reproduced: set[str] = set()
     seen: dict[str, set[str]] = {name: {first[name]} for name in names}
     for _ in range(RECOMPILES):
@@ -230,20 +230,19 @@ def main() -> int:
     theirs = _fingerprints_of_revision(args.against, args.arch, family_names)
     mismatched = {spec for spec in ours.keys() & theirs.keys() if ours[spec] != theirs[spec]}
     reproduced, unstable = recompiled(args.arch, family_names, ours, theirs, mismatched)
-    unreproduced = sorted(unstable)
     differing = sorted(mismatched - reproduced - unstable)
     only_ours, only_theirs = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
     identical = len(ours.keys() & theirs.keys()) - len(mismatched) + len(reproduced)
     print(f"# NVRTC {nvrtc_version()}, {args.arch}: {identical} kernels identical to {args.against} "
-          f"({len(reproduced)} of them on a recompile), {len(differing)} differ, {len(unreproduced)} unstable "
+          f"({len(reproduced)} of them on a recompile), {len(differing)} differ, {len(unstable)} unstable "
           f"(this tree's own compiles differ), {len(only_ours)} only here, {len(only_theirs)} only in {args.against}")
-    for label, specs in (("differs", differing), ("unstable", unreproduced), ("only here", only_ours),
+    for label, specs in (("differs", differing), ("unstable", sorted(unstable)), ("only here", only_ours),
                          (f"only in {args.against}", only_theirs)):
         for spec in specs:
             print(f"{label}: {spec}")
     if differing or only_ours or only_theirs:
         return 1
-    return 2 if unreproduced else 0
+    return 2 if unstable else 0
 
 
 if __name__ == "__main__":
