@@ -100,14 +100,16 @@ def test_the_mfma_flash_kernels_match_float64_in_batch_mode_with_seqused(device)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("heads_q,heads_kv", [(4, 2), (2, 2)], ids=["gqa", "mha"])
-def test_the_mfma_flash_backward_reaches_every_key_tile_of_a_causal_batch(device, heads_q, heads_kv, deterministic):
+@pytest.mark.parametrize("heads_q,heads_kv,head_dim", [(4, 2, 64), (4, 2, 128), (2, 2, 64)],
+                         ids=["gqa-key-tile-first", "gqa-key-tile-fastest", "mha"])
+def test_the_mfma_flash_backward_reaches_every_key_tile_of_a_causal_batch(device, heads_q, heads_kv, head_dim,
+                                                                         deterministic):
     """BSHD across several 64-key tiles per sequence, causal: the dK/dV grid starts every key tile 0
-    first with grouped-query heads and walks each sequence's tiles in turn with one head per block
-    (flash/backward_common.h key_block_of); either way every (key tile, sequence, KV head) gets its
-    gradients once."""
+    first with grouped-query heads where a tile holds head_dim keys (64), and walks each sequence's
+    tiles in turn otherwise (head_dim 128, or one head per block; flash/backward_common.h
+    key_block_of); either way every (key tile, sequence, KV head) gets its gradients once."""
     check_bshd_forward_and_backward(device, np.random.default_rng(), [150, 97, 64], [170, 130, 64], 150, 170, heads_q,
-                                    heads_kv, 64, "bf16", True, deterministic=deterministic,
+                                    heads_kv, head_dim, "bf16", True, deterministic=deterministic,
                                     dq_padding_written=not deterministic)
 
 

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 64) flash_backward_dkdv_mfma(co
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
 
-  const flash::KeyBlock block = flash::key_block_of<BLOCK_N>(blockIdx.x, p);
+  const flash::KeyBlock block = flash::key_block_of<BLOCK_N, HEAD_DIM>(blockIdx.x, p);
   if (block.batch_index < 0) return;  // past the work list's last key block; before any barrier
   const int batch_index = block.batch_index;
   const Sequence seq_q = query_sequence(p, batch_index, p.max_seqlen_q);

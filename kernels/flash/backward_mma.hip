@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_backward_dkdv_mma(const Flas
   T* const shared = reinterpret_cast<T*>(shared_bytes);
   float* const stats = reinterpret_cast<float*>(shared_bytes + Tiles::kStatsOffsetBytes);
 
-  const flash::KeyBlock block = flash::key_block_of<BLOCK_N>(blockIdx.x, p);
+  const flash::KeyBlock block = flash::key_block_of<BLOCK_N, HEAD_DIM>(blockIdx.x, p);
   if (block.batch_index < 0) return;  // past the work list's last key block; before any barrier
   const int batch_index = block.batch_index;
   const Sequence seq_q = query_sequence(p, batch_index, p.max_seqlen_q);

@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   float* const stats = reinterpret_cast<float*>(shared_bytes + Tiles::kStatsOffsetBytes);
   float* const dq_staging = reinterpret_cast<float*>(shared_bytes + Tiles::kDqOffsetBytes);
 
-  const flash::KeyBlock block = flash::key_block_of<kBlockN>(blockIdx.x, p);
+  const flash::KeyBlock block = flash::key_block_of<kBlockN, HEAD_DIM>(blockIdx.x, p);
   if (block.batch_index < 0) return;  // past the work list's last key block; before any barrier
   const int batch_index = block.batch_index;
   const Sequence seq_q = query_sequence(p, batch_index, p.max_seqlen_q);

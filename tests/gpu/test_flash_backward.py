@@ -254,10 +254,13 @@ def test_batch_zero_does_nothing(deterministic):
     torch.cuda.synchronize()
 
 
+# Grouped-query heads under a causal mask: the dK/dV grid takes key tile first at head_dim 128 and key
+# tile fastest at 256 (flash/backward_common.h key_block_of).
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_bshd_with_and_without_seqused(dtype, causal, rng):
-    q, k, v = bshd_inputs(4, 300, 211, 4, 2, 128, dtype, rng)
+def test_bshd_with_and_without_seqused(dtype, causal, head_dim, rng):
+    q, k, v = bshd_inputs(4, 300, 211, 4, 2, head_dim, dtype, rng)
     dout = randn_like(q, rng)
     scale = 1.0 / math.sqrt(q.shape[-1])
     for lq, lk, seqused in with_and_without_seqused(q, k, [300, 0, 17, 129], [211, 5, 0, 64]):
@@ -265,7 +268,7 @@ def test_bshd_with_and_without_seqused(dtype, causal, rng):
             dq, dk, dv = (poisoned(x.shape, x.dtype) for x in (q, k, v))
             flash_forward_backward(q, k, v, dout, dq, dk, dv, causal=causal, deterministic=deterministic, **seqused)
             torch.cuda.synchronize()
-            case = f"bshd {dtype} causal={causal} seqused={bool(seqused)} deterministic={deterministic}"
+            case = f"bshd {dtype} d{head_dim} causal={causal} seqused={bool(seqused)} deterministic={deterministic}"
             for b in range(q.shape[0]):  # rows past seqused: dK, dV never written; dQ see _check_rows_past_the_end
                 assert torch.isnan(dk[b, lk[b]:]).all() and torch.isnan(dv[b, lk[b]:]).all(), case
                 if deterministic:
