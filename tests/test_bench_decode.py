@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from hipattn.backends.tensor_maps import TensorMapLayout
+import pytest
+
+from hipattn.catalog import decode
 from tools import bench_decode
 
-LAYOUT = TensorMapLayout("bf16", (128, 8, 4096, 64), (256, 2048, 8388608), (64, 1, 64, 1))
+
+def test_a_copy_engine_row_names_its_ring_and_v_lag():
+    tiles = bench_decode._attention_rows("tma:4v1")(128, 4)
+    assert (tiles.stages, tiles.v_lag) == (4, 1) and isinstance(tiles, decode.DecodeTmaTiles)
 
 
-def test_an_l2_promotion_configuration_changes_only_the_maps_promotion():
-    promoted = bench_decode._promoted_layout(lambda *args: LAYOUT, 0, "k_cache", "bshd", 64)
-    assert promoted.l2_promotion == 0
-    assert (promoted.dims, promoted.strides, promoted.box) == (LAYOUT.dims, LAYOUT.strides, LAYOUT.box)
-
-
-def test_an_array_without_a_map_keeps_none():
-    assert bench_decode._promoted_layout(lambda *args: None, 128, "k_cache", "bshd", 64) is None
+def test_an_unknown_kernel_row_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown kernel 'wgmma:3'"):
+        bench_decode._attention_rows("wgmma:3")

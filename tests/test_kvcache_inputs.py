@@ -19,6 +19,7 @@ from hipattn.arrays import raw_array
 from hipattn.device_array import contiguous_strides
 from hipattn.jit.cache import DiskCache
 from hipattn.jit.registry import Registry
+from hipattn.ops import decode as decode_ops
 
 
 class H200(HopperWithMaps):
@@ -143,11 +144,25 @@ def test_a_valid_call_launches_the_copy_engine_kernel_over_a_persistent_grid(bac
     assert combine_grid == (2 * 8 * 1, 1, 1), "one combine block per query row"
 
 
-def test_more_work_items_than_sms_share_the_sms(backend):
+def test_more_work_items_than_sms_share_the_sms_evenly(backend):
     hipattn.flash_attn_with_kvcache(**_call(q=lambda m, a: m.array((2, 1, 8, 128))), num_splits=40,
                                     workspace=_workspace())
     (_, grid, *_), _ = backend.launches
-    assert grid == (132, 1, 1), "160 items on 132 SMs: each block walks its items"
+    assert grid == (80, 1, 1), "160 items on 132 SMs take two rounds: 80 blocks walk two items each"
+
+
+@pytest.mark.parametrize("items, slots, blocks", [(4096, 264, 256), (512, 264, 256), (265, 264, 133),
+                                                   (264, 264, 264), (100, 264, 100)])
+def test_a_persistent_grid_is_the_fewest_blocks_that_finish_in_a_full_grids_rounds(items, slots, blocks):
+    assert decode_ops.persistent_blocks(items, slots) == blocks
+    rounds = -(-items // slots)
+    assert (rounds - 1) * blocks < items <= rounds * blocks, "every block walks rounds or rounds - 1 items"
+
+
+def test_the_cache_maps_ask_l2_for_no_more_than_the_copies_read(backend):
+    hipattn.flash_attn_with_kvcache(**_call(num_splits=1))
+    layouts = [layout for _, layout in backend.maps.encoded]
+    assert len(layouts) == 2 and all(layout.l2_promotion == 0 for layout in layouts), layouts
 
 
 def test_pages_that_split_a_tile_take_the_thread_copy_kernel(backend):

@@ -11,8 +11,8 @@ A configuration is one attention row, ``shipped`` (catalog.decode.tiles_for), ``
 tensor-core kernel with 64-key tiles, its threads copying), ``tma:STAGES`` (the same fed by the copy
 engine, persistent; Hopper) or ``portable:ROWSxUNROLL+...`` (the portable kernel's table, smallest rows
 first), with one ``num_splits`` (0: ops.decode.choose_splits), one ``MIN_KEYS_PER_SPLIT`` (ops.decode)
-and one L2 promotion of the copy-engine kernel's tensor maps (TensorMapLayout.l2_promotion, bytes; the
-shipped 256 by default); every combination of the given lists is timed on every shape,
+and one L2 promotion of the copy-engine kernel's cache maps (ops.decode.CACHE_L2_PROMOTION, bytes; the
+shipped one by default); every combination of the given lists is timed on every shape,
 contiguous and paged (pages of 256). Times are the
 median device time per call over BACK_TO_BACK_CALLS back-to-back calls (benchlib.median_ms), eager
 (``hipattn_ms``: the host's time per call shows where it exceeds the device's) and replayed from a
@@ -23,7 +23,6 @@ is checked against cuDNN's. The matrix (tools/bench_matrix.py) is the record; th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -55,12 +54,6 @@ def _attention_rows(text: str):
                         for r, u in (item.lower().split("x") for item in detail.split("+"))), key=lambda t: t.rows)
         return lambda head_dim, rows: next((t for t in table if rows <= t.rows), table[-1])
     raise ValueError(f"unknown kernel {text!r}: shipped, mma:STAGES, tma:STAGES or portable:RxU+RxU")
-
-
-def _promoted_layout(map_layout, promotion: int, *args):
-    """``map_layout``'s layout with L2 promotion ``promotion`` (bytes), or None where it has none."""
-    layout = map_layout(*args)
-    return None if layout is None else dataclasses.replace(layout, l2_promotion=promotion)
 
 
 def _copy_bandwidth(torch) -> float:
@@ -101,8 +94,8 @@ def main() -> None:
     parser.add_argument("--kernel", default="shipped", help="comma-separated attention rows (see above)")
     parser.add_argument("--num-splits", default="0", help="comma-separated num_splits values (0: the heuristic)")
     parser.add_argument("--min-keys", default=None, help="comma-separated MIN_KEYS_PER_SPLIT values")
-    parser.add_argument("--l2-promotion", default="256",
-                        help="comma-separated L2 promotions of the tensor maps, in bytes (0, 64, 128, 256)")
+    parser.add_argument("--l2-promotion", default=None,
+                        help="comma-separated L2 promotions of the cache maps, in bytes (0, 64, 128, 256)")
     parser.add_argument("--out", default="bench_decode.json")
     args = parser.parse_args()
 
@@ -113,12 +106,10 @@ def main() -> None:
     from hipattn import runtime
     from hipattn.errors import CompileError
     from hipattn.ops import decode as ops
-    from hipattn.ops import tensor_map_fields
 
     kernels = args.kernel.split(",")
     shipped_tiles = ops.attention_tiles
-    shipped_map_layout = tensor_map_fields.map_layout
-    promotions = [int(x) for x in args.l2_promotion.split(",")]
+    promotions = [int(x) for x in args.l2_promotion.split(",")] if args.l2_promotion else [ops.CACHE_L2_PROMOTION]
     split_counts = [int(x) for x in args.num_splits.split(",")]
     min_keys = [int(x) for x in args.min_keys.split(",")] if args.min_keys else [ops.MIN_KEYS_PER_SPLIT]
     bandwidth = _copy_bandwidth(torch)
@@ -142,7 +133,7 @@ def main() -> None:
             ops.attention_tiles = shipped_tiles if rows is None else (
                 lambda problem, tensor_maps=True, rows=rows: rows(problem.head_dim, problem.rows_per_kv_head))
             ops.MIN_KEYS_PER_SPLIT = keys
-            tensor_map_fields.map_layout = functools.partial(_promoted_layout, shipped_map_layout, promotion)
+            ops.CACHE_L2_PROMOTION = promotion
             runtime.active().launch_plans.clear()  # a plan replays the configuration it recorded
             config = {"kernel": kernel, "num_splits": splits, "min_keys": keys, "l2_promotion": promotion}
             for layout, (kc, vc, bt) in (("contiguous", (k, v, None)), ("paged", (paged["k"], paged["v"], table))):

@@ -20,6 +20,9 @@ from ..jit.params import TensorMapBytes
 MAX_CACHED_MAPS = 4096
 # The L2 promotions a map may name, in bytes (0: none): cuTensorMapEncodeTiled's CUtensorMapL2promotion.
 L2_PROMOTIONS = (0, 64, 128, 256)
+# What the flash kernels' maps ask for: a 128-byte box row's L2 fetch widened to 256 bytes, a whole
+# head_dim-128 row, whose other half the next box reads.
+DEFAULT_L2_PROMOTION = 256
 
 
 @dataclass(frozen=True)
@@ -29,13 +32,14 @@ class TensorMapLayout:
     and the ``box`` a copy moves, in elements per dimension. The box's rows are 128 bytes at most and
     land in shared memory in the 128-byte swizzle (common/wgmma_nvidia.h's layout); elements outside
     the dims read as zeros. ``l2_promotion`` is the granularity of L2's fetches for the copies, in bytes:
-    0 (what a copy asks for), 64, 128 or 256 (every kernel's maps; tools.bench_decode sweeps it)."""
+    0 (what a copy asks for), 64, 128 or 256 (DEFAULT_L2_PROMOTION; decode's cache maps take 0,
+    ops.decode.CACHE_L2_PROMOTION)."""
 
     dtype: str
     dims: tuple[int, ...]
     strides: tuple[int, ...]
     box: tuple[int, ...]
-    l2_promotion: int = 256
+    l2_promotion: int = DEFAULT_L2_PROMOTION
 
     def __post_init__(self) -> None:
         if self.l2_promotion not in L2_PROMOTIONS:

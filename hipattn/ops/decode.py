@@ -28,6 +28,10 @@ FILLED = 0.8
 WAVE_EFFICIENCY = 0.85
 # grid.y and grid.z are 16-bit on NVIDIA.
 MAX_GRID_YZ = 65535
+# The L2 promotion of the copy-engine kernel's cache maps (TensorMapLayout.l2_promotion): none. Decode
+# reads every byte of K and V once; with 256-byte promotion ncu counted 1.25x their sectors requested
+# from L2 (the extra quarter all hits) against 1.00x without, which is what cuDNN's kernel requests.
+CACHE_L2_PROMOTION = 0
 
 
 def row_chunks(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
@@ -140,6 +144,16 @@ def device_slots(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
     return active.compute_units(problem.device) * tiles.blocks_per_unit(active.target(problem.device), problem.head_dim)
 
 
+def persistent_blocks(items: int, slots: int) -> int:
+    """The persistent grid for ``items`` equal work items on ``slots`` block slots: as many rounds as a
+    full grid takes, and the fewest blocks that still finish in them, so that every block walks the
+    same number of items (give or take one). A full grid would leave the items of the last round to a
+    few blocks while the rest sit idle, and a few blocks cannot keep the memory system busy: 4,096
+    items on 264 slots are 16 items for 136 blocks and 15 for 128, where 256 blocks take 16 each."""
+    rounds = -(-items // slots)
+    return -(-items // rounds)
+
+
 def attention_plan(call: KvCacheCall) -> tuple[decode.AttentionTiles, int]:
     """The attention row the call runs and its split count (attention_tiles, choose_splits)."""
     tiles = attention_tiles(call.problem, cache_has_tensor_maps(call))
@@ -164,7 +178,7 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
                          f"KV head); at most {MAX_GRID_YZ * tiles.rows} fit one launch")
     maps = {}
     if tiles.tensor_map_rows():
-        maps = tensor_map_fields(active, BSHD, _cache_maps(call, tiles), tiles.tensor_map_rows())
+        maps = tensor_map_fields(active, BSHD, _cache_maps(call, tiles), tiles.tensor_map_rows(), CACHE_L2_PROMOTION)
         if maps is None:  # the driver refused an encoding: the threads copy instead, with the same splits
             tiles, maps = attention_tiles(p, tensor_maps=False), {}
     check_grid(target, blocks, tiles.threads, "sequences x KV heads")
@@ -184,9 +198,9 @@ def attend(call: KvCacheCall, q: DeviceArray, out: DeviceArray, lse: DeviceArray
                   splits=splits, softmax_scale=p.softmax_scale,
                   window_left=kernel_window_side(p.window_left, p.capacity),
                   window_right=kernel_window_side(p.window_right, p.seqlen_q))
-    # A persistent grid: a block per slot, each walking items blockIdx.x, + gridDim.x, ... of the
-    # blocks x splits x chunks (decode/forward_tma.hip).
-    grid = (min(blocks * splits * chunks, device_slots(p, tiles)), 1, 1) if tiles.persistent else (
+    # A persistent grid: each block walks items blockIdx.x, + gridDim.x, ... of the blocks x splits x
+    # chunks (decode/forward_tma.hip).
+    grid = (persistent_blocks(blocks * splits * chunks, device_slots(p, tiles)), 1, 1) if tiles.persistent else (
         blocks, splits, chunks)
     kernel.launch(grid, (tiles.threads, 1, 1), shared, stream, kernel.params.from_dict(fields))
     if splits == 1:

@@ -10,7 +10,7 @@ stride has no map, and the launcher then runs a kernel that copies with its thre
 
 from __future__ import annotations
 
-from ..backends.tensor_maps import TensorMapLayout
+from ..backends.tensor_maps import DEFAULT_L2_PROMOTION, TensorMapLayout
 from ..catalog.common import WGMMA_SWIZZLE_COLUMNS
 from ..device_array import DeviceArray, element_size
 from ..errors import DriverError
@@ -24,9 +24,10 @@ _MAX_STRIDE_BYTES = 1 << 40
 _MAX_EXTENT = 1 << 32
 
 
-def map_layout(a: DeviceArray, layout: str, box_rows: int) -> TensorMapLayout | None:
-    """The map of attention input ``a`` (``layout`` BSHD or THD) with boxes of ``box_rows`` tokens, or
-    None when no map can describe it."""
+def map_layout(a: DeviceArray, layout: str, box_rows: int,
+               l2_promotion: int = DEFAULT_L2_PROMOTION) -> TensorMapLayout | None:
+    """The map of attention input ``a`` (``layout`` BSHD or THD) with boxes of ``box_rows`` tokens and
+    L2 fetches of ``l2_promotion`` bytes (TensorMapLayout), or None when no map can describe it."""
     if layout == THD:
         (tokens, heads, head_dim), (token_stride, head_stride, _) = a.shape, a.strides
         batch, batch_stride = 1, 0
@@ -45,7 +46,7 @@ def map_layout(a: DeviceArray, layout: str, box_rows: int) -> TensorMapLayout | 
     if a.ptr % _TENSOR_MAP_UNIT or any(extent >= _MAX_EXTENT for extent in dims) or any(
             stride <= 0 or stride % _TENSOR_MAP_UNIT or stride >= _MAX_STRIDE_BYTES for stride in strides):
         return None
-    return TensorMapLayout(a.dtype, dims, tuple(strides), (WGMMA_SWIZZLE_COLUMNS, 1, box_rows, 1))
+    return TensorMapLayout(a.dtype, dims, tuple(strides), (WGMMA_SWIZZLE_COLUMNS, 1, box_rows, 1), l2_promotion)
 
 
 def has_tensor_maps(arrays: dict[str, DeviceArray], layout: str, box_rows: dict[str, int]) -> bool:
@@ -53,14 +54,15 @@ def has_tensor_maps(arrays: dict[str, DeviceArray], layout: str, box_rows: dict[
     return all(map_layout(arrays[name], layout, rows) is not None for name, rows in box_rows.items())
 
 
-def tensor_map_fields(runtime, layout: str, arrays: dict[str, DeviceArray], box_rows: dict[str, int]) -> dict | None:
+def tensor_map_fields(runtime, layout: str, arrays: dict[str, DeviceArray], box_rows: dict[str, int],
+                      l2_promotion: int = DEFAULT_L2_PROMOTION) -> dict | None:
     """``{name}_map`` of each array ``box_rows`` names (its box's rows; arrays in ``layout``, BSHD or
-    THD), encoded through ``runtime`` (cached per address and layout), or None when one of them has
-    no map."""
+    THD; L2 fetches of ``l2_promotion`` bytes), encoded through ``runtime`` (cached per address and
+    layout), or None when one of them has no map."""
     fields = {}
     for name, rows in box_rows.items():
         a = arrays[name]
-        map_of = map_layout(a, layout, rows)
+        map_of = map_layout(a, layout, rows, l2_promotion)
         if map_of is None:
             return None
         try:
