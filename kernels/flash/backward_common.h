@@ -15,33 +15,43 @@ struct KeyBlock {
 
 // The one place that maps a dK/dV block to its work.
 // Without a work list (BSHD, or THD sized from max_seqlen_k), grid.x enumerates (key tile, sequence,
-// KV head), the key tile fastest, except for grouped-query heads under a causal mask (the window's
-// right side bounded, its left not) where tiles hold at least HEAD_DIM keys: there the (sequence,
-// KV head) is fastest. Under that mask a key tile's work falls with its index (tile 0 is seen by
-// every query tile, the last by one), each block walks every query head of its group, and blocks
-// start in grid order: key tile fastest, the long tiles of the last sequences and heads start late
-// and run on alone; key tile first, every tile 0 starts in the first wave and the short tiles fill
-// the last (on an H100, 13-16% less forward+backward time at head_dims 64 and 128, 4 KV heads, S
-// 1024-8192; BENCHMARKS.md). But key tile first has each wave read many sequences' Q and dO, where
-// key tile fastest has the tiles of a few share them in L2, and a block reads Q and dO rows of
-// HEAD_DIM columns for BLOCK_N keys: head_dim 256's 64-key tiles read four times head_dim 128's
-// bytes per product, and key tile first took 1.2-1.5x the time of key tile fastest there (H100, S
-// 512-8192). With one head per block the grid has more, shorter blocks, and key tile first measured
-// 5% slower at head_dim 128, S 1024-2048 (its first wave reads more sequences' Q and dO than L2
-// holds), so MHA keeps key tile fastest.
+// KV head) in one of two orders. Under a causal mask (the window's right side bounded, its left not)
+// a key tile's work falls with its index (tile 0 is seen by every query tile, the last by one), and
+// blocks start in grid order:
+// - key tile fastest: the long tiles of the last sequences and heads start late and run on alone;
+//   but each wave's blocks belong to a few sequences, which share their Q and dO in L2;
+// - key tile first ((sequence, KV head) fastest): every tile 0 starts in the first wave and the
+//   short tiles fill the last; but each wave reads many sequences' Q and dO.
+// The imbalance grows with a block's length (with grouped-query heads each block walks every query
+// head of its group) and with the tiles per sequence; the lost reuse grows with the bytes a block
+// reads per product, Q and dO rows of HEAD_DIM columns for BLOCK_N keys. Measured on an H100
+// (BENCHMARKS.md), forward+backward:
+// - grouped-query heads, 4 KV heads: key tile first 13-16% faster at head_dims 64 and 128 (S
+//   1024-8192), and 1.2-1.5x slower at 256, whose 64-key tiles read four times head_dim 128's bytes
+//   per product (S 512-8192);
+// - one head per block: key tile first 5% slower at head_dim 128 (S 1024-2048); at head_dim 64
+//   (128-key tiles, half the bytes per product) 2-3% slower at S 512, even at S 1024, and 2-6%
+//   faster at S 2048-16384.
+// So key tile first is taken with grouped-query heads where a tile holds at least HEAD_DIM keys, and
+// with one head per block where it holds at least twice HEAD_DIM keys and a sequence at least
+// kMhaKeyTileFirstTiles tiles; everywhere else the key tile is fastest.
 // With a work list (THD: p.varlen_records, hipattn/varlen_metadata.py), grid.x enumerates (work-list
 // key block, KV head), the head fastest, so every real block comes before the idle tail of the
 // host-sized grid; the block finds its sequence by a binary search for the last record whose
 // first_key_block is not past its key block (sequences without blocks share their successor's
 // first_key_block and are never found). Every order puts a sequence's tile 0 before its later
 // tiles: under causal masking it sees the most query rows.
+constexpr unsigned int kMhaKeyTileFirstTiles = 16;
+
 template <int BLOCK_N, int HEAD_DIM>
 HIPATTN_DEVICE KeyBlock key_block_of(unsigned int block, const FlashBackwardParams& p) {
   const unsigned int heads_kv = static_cast<unsigned int>(p.heads_kv);
   if (p.varlen_records == nullptr) {
     const unsigned int n_blocks = static_cast<unsigned int>((p.max_seqlen_k + BLOCK_N - 1) / BLOCK_N);
     const bool causal = p.window_right < p.max_seqlen_q && p.window_left >= p.max_seqlen_k;
-    const bool key_tile_first = causal && p.heads_q > p.heads_kv && HEAD_DIM <= BLOCK_N;
+    const bool key_tile_first =
+        causal && (p.heads_q > p.heads_kv ? HEAD_DIM <= BLOCK_N
+                                          : 2 * HEAD_DIM <= BLOCK_N && n_blocks >= kMhaKeyTileFirstTiles);
     const unsigned int problems = static_cast<unsigned int>(p.batch) * heads_kv;
     const unsigned int problem = key_tile_first ? block % problems : block / n_blocks;
     const unsigned int n_block = key_tile_first ? block / problems : block % n_blocks;

@@ -279,6 +279,23 @@ def test_bshd_with_and_without_seqused(dtype, causal, head_dim, rng):
                              case=case)
 
 
+# One head per block under a causal mask: the dK/dV grid takes key tile first at head_dim 64 once a
+# sequence has 16 key tiles of 128 (2,100 keys: 17), key tile fastest below (600 keys: 5)
+# (flash/backward_common.h key_block_of).
+@pytest.mark.parametrize("seqlen", [600, 2100])
+def test_mha_causal_bshd_reaches_every_key_tile(seqlen, rng):
+    q, k, v = bshd_inputs(2, seqlen, seqlen, 2, 2, 64, "bf16", rng)
+    dout = randn_like(q, rng)
+    lengths = [seqlen, seqlen]
+    for deterministic in (False, True):
+        dq, dk, dv = (poisoned(x.shape, x.dtype) for x in (q, k, v))
+        flash_forward_backward(q, k, v, dout, dq, dk, dv, causal=True, deterministic=deterministic)
+        torch.cuda.synchronize()
+        thd = [rows_of_each_sequence(x, lengths) for x in (dq, dk, dv, q, k, v, dout)]
+        _check_gradients(*thd, cumulative(lengths), cumulative(lengths), causal=True, scale=1.0 / math.sqrt(64),
+                         dtype="bf16", case=f"mha bshd causal S{seqlen} deterministic={deterministic}")
+
+
 def test_softmax_scale_is_honoured(rng):
     lengths = [129, 300]
     cu = cumulative(lengths)
