@@ -23,6 +23,7 @@ SPECIALISED_ROWS = flash_forward.FLASH_FORWARD_WARP_SPECIALISED_TILES
 SPECIALISED_MODIFIED_ROWS = flash_forward.FLASH_FORWARD_WARP_SPECIALISED_MODIFIED_TILES
 DKDV_ROWS = flash_backward.FLASH_BACKWARD_DKDV_WGMMA_TILES
 DKDV_MODIFIED_ROWS = flash_backward.FLASH_BACKWARD_DKDV_WGMMA_MODIFIED_TILES
+SPECIALISED_DKDV_ROWS = flash_backward.FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES
 
 
 # ---- the forward ----------------------------------------------------------------------------------
@@ -182,8 +183,8 @@ def test_the_modified_dkdv_kernel_keeps_64_query_rows_where_the_plain_one_takes_
     assert [DKDV_MODIFIED_ROWS[d] for d in others] == [DKDV_ROWS[d] for d in others]
     assert DKDV_MODIFIED_ROWS.keys() == DKDV_ROWS.keys()
     target = Target.parse("sm_90a")
-    assert flash_backward.tiles_for(64, target, score_mods=True)[0] == DKDV_MODIFIED_ROWS[64]
-    assert flash_backward.tiles_for(64, target)[0] == DKDV_ROWS[64]
+    assert flash_backward.tiles_for(64, target, score_mods=True, tensor_maps=False)[0] == DKDV_MODIFIED_ROWS[64]
+    assert flash_backward.tiles_for(64, target, tensor_maps=False)[0] == DKDV_ROWS[64]
 
 
 def test_dkdv_shared_bytes_store_head_dim_96_in_whole_swizzle_blocks():
@@ -203,14 +204,56 @@ def test_only_sm_90a_ships_the_dkdv_kernel():
 
 
 @pytest.mark.parametrize("head_dim", FLASH_HEAD_DIMS)
-def test_sm_90a_runs_the_dkdv_kernel_where_the_table_has_the_head_dim(head_dim):
-    dkdv, dq = flash_backward.tiles_for(head_dim, Target.parse("sm_90a"))
+@pytest.mark.parametrize("score_mods", [False, True], ids=["plain", "modified"])
+def test_sm_90a_runs_the_dkdv_kernels_where_their_tables_have_the_head_dim(head_dim, score_mods):
+    target = Target.parse("sm_90a")
     mma_dkdv, mma_dq = flash_backward.FLASH_BACKWARD_MMA_TILES_HOPPER[head_dim]
-    assert dkdv == DKDV_ROWS.get(head_dim, mma_dkdv)
+    wgmma_rows = DKDV_MODIFIED_ROWS if score_mods else DKDV_ROWS
+    specialised_rows = {} if score_mods else SPECIALISED_DKDV_ROWS
+    fa2_class = wgmma_rows.get(head_dim, mma_dkdv)
+    dkdv, dq = flash_backward.tiles_for(head_dim, target, score_mods=score_mods)
+    assert dkdv == specialised_rows.get(head_dim, fa2_class)
     assert dq == mma_dq, "the deterministic dQ kernel stays mma.sync"
-    spec = dkdv.spec("bf16", head_dim, write_dq=True, score_mods=False)
-    expected = "flash_backward_dkdv_wgmma" if head_dim in DKDV_ROWS else "flash_backward_dkdv_mma"
+    assert flash_backward.tiles_for(head_dim, target, score_mods=score_mods, tensor_maps=False) == (fa2_class, mma_dq), \
+        "arrays with no tensor map take the kernel whose threads copy"
+    spec = dkdv.spec("bf16", head_dim, write_dq=True, score_mods=score_mods)
+    expected = ("flash_backward_dkdv_warp_specialised" if head_dim in specialised_rows
+                else "flash_backward_dkdv_wgmma" if head_dim in wgmma_rows else "flash_backward_dkdv_mma")
     assert spec.family.name == expected
+
+
+# ---- the warp-specialised dK/dV kernel --------------------------------------------------------------
+
+
+def test_every_warp_specialised_dkdv_row_fits_hopper():
+    assert set(SPECIALISED_DKDV_ROWS) <= {64, 96, 128}, "each consumer owns 64 keys and every column of their dK and dV"
+    for head_dim, tiles in SPECIALISED_DKDV_ROWS.items():
+        assert tiles.threads == 3 * 128 and tiles.block_n == 128, "a producer and two consumers of 64 keys"
+        assert tiles.block_m in (64, 128), "a producer thread copies one row of LSE and Delta per tile"
+        assert tiles.block_m == 64 or head_dim == 64, "128-query tiles split dQ by rows: head_dim 64 only"
+        assert tiles.shared_bytes(head_dim) <= HOPPER_SHARED_BYTES
+        assert tiles.tensor_map_rows() == {"q": tiles.block_m, "dout": tiles.block_m}
+
+
+def test_warp_specialised_dkdv_shared_bytes_formula():
+    # head_dim 128, 64-query tiles, two slots: K and V (128 rows each), two Q and two dO slots (64 rows
+    # each), two dSᵀ buffers (128 x 64), 2 bytes; LSE and Delta, two slots of 64 fp32; each consumer's 64
+    # staged dQ rows of 64 + 8 fp32; then five 8-byte mbarriers (K and V's, two per slot).
+    tiles = flash_backward.FlashDkdvWarpSpecialisedTiles(block_m=64, stages=2)
+    assert tiles.shared_bytes(128) == ((2 * 128 + 4 * 64) * 128 * 2 + 2 * 128 * 64 * 2 + 2 * 2 * 64 * 4
+                                       + 2 * 64 * 72 * 4 + 8 * 5)
+    assert tiles.shared_bytes(96) == tiles.shared_bytes(128), "head_dim 96 is stored in whole swizzle blocks"
+
+
+def test_only_sm_90a_ships_the_warp_specialised_dkdv_kernel():
+    family = flash_backward.FLASH_BACKWARD_DKDV_WARP_SPECIALISED
+    shipped = {(spec.arg("dtype"), spec.arg("head_dim"), spec.arg("write_dq"), spec.arg(SCORE_MODS_PARAM),
+                spec.arg("block_m")) for spec in family.shipped(Target.parse("sm_90a"))}
+    assert shipped == {(dtype, head_dim, write_dq, False, tiles.block_m) for dtype in DTYPES
+                       for write_dq in (False, True) for head_dim, tiles in SPECIALISED_DKDV_ROWS.items()}, \
+        "plain instantiations only: calls with score modifiers, dropout or sinks keep the wgmma kernel"
+    for arch in ("sm_80", "sm_90", "sm_100a", "gfx90a"):
+        assert list(family.shipped(Target.parse(arch))) == []
 
 
 # ---- both -----------------------------------------------------------------------------------------
@@ -219,6 +262,11 @@ def test_sm_90a_runs_the_dkdv_kernel_where_the_table_has_the_head_dim(head_dim):
 def _dkdv_layout(head_dim, tiles):
     return (f"hipattn::flash::WgmmaKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.warpgroups}, "
             f"{tiles.column_groups}, {tiles.block_m}>")
+
+
+def _specialised_dkdv_layout(head_dim, tiles):
+    return (f"hipattn::flash::WarpSpecialisedKeyBlockTiles<hipattn::bf16_t, {head_dim}, {tiles.block_m}, "
+            f"{tiles.stages}>")
 
 
 def _specialised_layout(head_dim, tiles):
@@ -235,7 +283,9 @@ def _specialised_layout(head_dim, tiles):
     (flash_forward.FLASH_FORWARD_WARP_SPECIALISED, SPECIALISED_MODIFIED_ROWS, _specialised_layout),
     (flash_backward.FLASH_BACKWARD_DKDV_WGMMA, DKDV_ROWS, _dkdv_layout),
     (flash_backward.FLASH_BACKWARD_DKDV_WGMMA, DKDV_MODIFIED_ROWS, _dkdv_layout),
-], ids=["forward", "specialised", "specialised-modified", "dkdv", "dkdv-modified"])
+    (flash_backward.FLASH_BACKWARD_DKDV_WARP_SPECIALISED, {
+        **SPECIALISED_DKDV_ROWS, 64: flash_backward.FlashDkdvWarpSpecialisedTiles(block_m=128)}, _specialised_dkdv_layout),
+], ids=["forward", "specialised", "specialised-modified", "dkdv", "dkdv-modified", "specialised-dkdv"])
 def test_kernel_layout_matches_the_launcher_bytes(family, table, layout_of):
     """One NVRTC compile of each kernel's unit with a static_assert per table row."""
     compile_with_layout_checks(nvrtc_backend(), family, Target.parse("sm_90a"), table, layout_of)
@@ -261,3 +311,24 @@ def test_no_shipped_instantiation_is_serialised_by_ptxas(family):
         assert not _SERIALISED.findall(log), f"{spec}: {_SERIALISED.findall(log)}"
         _, _, spill_stores, _ = ptxas_resources(log)
         assert spill_stores == 0, f"{spec}: {log}"
+
+
+# Bytes ptxas spills in the warp-specialised dK/dV kernel's shipped (plain) instantiations: its
+# producer's copy addresses at 24 registers (12 at head_dim 128, none at 96, compiled with the consumers'
+# code removed); its consumers, at 240, spill nothing.
+_DKDV_PRODUCER_SPILL_BYTES = 12
+
+
+@pytest.mark.nvrtc
+def test_warp_specialised_dkdv_kernel_is_not_serialised_and_its_consumers_do_not_spill():
+    backend, target = nvrtc_backend(), Target.parse("sm_90a")
+    family = flash_backward.FLASH_BACKWARD_DKDV_WARP_SPECIALISED
+    specs = [spec for spec in family.shipped(target) if spec.arg("dtype") == "bf16"]
+    assert specs
+    for spec in specs:
+        log = compile_family(backend, family, target, spec, options=("--ptxas-options=-v",)).log
+        assert "C7508" not in log, log
+        assert not _SERIALISED.findall(log), f"{spec}: {_SERIALISED.findall(log)}"
+        registers, _, spill_stores, _ = ptxas_resources(log)
+        assert registers == 65536 // (3 * 128) // 8 * 8, "the launch bound caps every thread at entry"
+        assert spill_stores <= _DKDV_PRODUCER_SPILL_BYTES, f"{spec}: {log}"

@@ -8,7 +8,8 @@ A variant is ``HEAD_DIM:BMxBNxWARPS/BMxBNxWARPS``, the dK/dV kernel's tiles then
 (catalog.flash_backward.FlashDkdvMmaTiles and FlashDqMmaTiles); a dK/dV part ``wWARPGROUPS``
 (``128:w2/128x64x8``), or ``wWARPGROUPScCOLUMN_GROUPS`` (``256:w2c2/128x32x8``), with ``mQUERY_ROWS``
 after it where the query tile is not 64 rows (``64:w2m128/128x128x8``), runs the wgmma dK/dV kernel
-(sm_90a; FlashDkdvWgmmaTiles). By default each head_dim's every-part table row is
+(sm_90a; FlashDkdvWgmmaTiles); ``sQUERY_ROWSxSTAGES`` (``128:s64x2/128x64x8``) the warp-specialised one
+(sm_90a; FlashDkdvWarpSpecialisedTiles). By default each head_dim's every-part table row is
 timed against Hopper's mma.sync rows and, where sm_90a has one, its wgmma row. Workload: bf16, batch
 mode, B = 16384 / S sequences of S tokens, 16 heads, causal and not.
 Every variant's kernels are compiled first, in parallel processes, into the disk cache.
@@ -48,10 +49,17 @@ def default_variants() -> list[str]:
 
 
 def spell(tiles) -> str:
-    """A row as a variant spells it: BMxBNxWARPS (mma.sync), or wWARPGROUPS with cCOLUMN_GROUPS where
-    there are several and mQUERY_ROWS where they are not 64 (the wgmma dK/dV kernel)."""
-    from hipattn.catalog.flash_backward import FLASH_BACKWARD_DKDV_WGMMA, FlashDkdvWgmmaTiles
+    """A row as a variant spells it: BMxBNxWARPS (mma.sync), wWARPGROUPS with cCOLUMN_GROUPS where
+    there are several and mQUERY_ROWS where they are not 64 (the wgmma dK/dV kernel), or
+    sQUERY_ROWSxSTAGES (the warp-specialised one)."""
+    from hipattn.catalog.flash_backward import (
+        FLASH_BACKWARD_DKDV_WARP_SPECIALISED,
+        FLASH_BACKWARD_DKDV_WGMMA,
+        FlashDkdvWgmmaTiles,
+    )
 
+    if tiles.family is FLASH_BACKWARD_DKDV_WARP_SPECIALISED:
+        return f"s{tiles.block_m}x{tiles.stages}"
     if tiles.family is FLASH_BACKWARD_DKDV_WGMMA:
         column_groups = f"c{tiles.column_groups}" if tiles.column_groups > 1 else ""
         rows = f"m{tiles.block_m}" if tiles.block_m != FlashDkdvWgmmaTiles.block_m else ""
@@ -60,11 +68,19 @@ def spell(tiles) -> str:
 
 
 def parse_variant(text: str):
-    from hipattn.catalog.flash_backward import FlashDkdvMmaTiles, FlashDkdvWgmmaTiles, FlashDqMmaTiles
+    from hipattn.catalog.flash_backward import (
+        FlashDkdvMmaTiles,
+        FlashDkdvWarpSpecialisedTiles,
+        FlashDkdvWgmmaTiles,
+        FlashDqMmaTiles,
+    )
 
     head_dim, tiles = text.split(":")
     dkdv_text, dq_text = tiles.split("/")
-    if dkdv_text.startswith("w"):
+    if dkdv_text.startswith("s"):
+        block_m, stages = dkdv_text[1:].split("x")
+        dkdv = FlashDkdvWarpSpecialisedTiles(int(block_m), int(stages))
+    elif dkdv_text.startswith("w"):
         groups, _, block_m = dkdv_text[1:].partition("m")
         warpgroups, _, column_groups = groups.partition("c")
         dkdv = FlashDkdvWgmmaTiles(int(warpgroups), int(column_groups or 1),

@@ -1,13 +1,15 @@
 """The general attention backward: a dK/dV kernel per key block (which also adds each key tile's share
 of dQ into an fp32 accumulator on the atomic schedule) and, for ``deterministic=True``, a dQ kernel
 per query tile. mma.sync on NVIDIA sm_80+ (larger rows on sm_90's 227 KiB), a wgmma dK/dV kernel on
-sm_90a, MFMA on AMD gfx90a/gfx94x/gfx950. One row type per kernel; ``tiles_for`` picks a target's pair."""
+sm_90a (warp-specialised, its producer copying through tensor maps, up to head_dim 128; every thread
+copying at 256 and for arrays no tensor map describes), MFMA on AMD gfx90a/gfx94x/gfx950. One row type
+per kernel; ``tiles_for`` picks a target's pair."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jit.params import ParamsStruct
+from ..jit.params import TENSOR_MAP, ParamsStruct
 from ..jit.spec import KernelFamily
 from ..jit.target import Target
 from ..varlen_metadata import VARLEN_RECORD
@@ -15,8 +17,10 @@ from .common import (
     DTYPES,
     FLASH_HEAD_DIMS,
     FLASH_ROW_PAD,
+    MBARRIER_BYTES,
     MFMA_ROW_PAD,
     WGMMA_WARPGROUP_ROWS,
+    WGMMA_WARPGROUP_THREADS,
     wgmma_row_elements,
 )
 from .fields import (
@@ -44,6 +48,12 @@ FLASH_BACKWARD_PARAMS = ParamsStruct(
     + DROPOUT_FIELDS,
 )
 
+# The warp-specialised dK/dV kernel's struct: the backward's fields, then the tensor maps its producer
+# copies Q and dO through (ops.tensor_map_fields): [batch, token, head, dim] maps whose boxes are one
+# 64-column swizzle block of a query tile's rows.
+FLASH_BACKWARD_TMA_PARAMS = ParamsStruct.extending(
+    "FlashBackwardTmaParams", FLASH_BACKWARD_PARAMS, (("q_map", TENSOR_MAP), ("dout_map", TENSOR_MAP)))
+
 
 def _dkdv_specs(rows, score_mods_values=SCORE_MODS_VALUES) -> list:
     return [row.spec(t, d, write_dq=w, score_mods=m) for t in DTYPES for d, row in rows for w in (False, True)
@@ -62,12 +72,14 @@ def _mfma_rows(row: KernelTiles, target: Target) -> list:
     return [(d, row) for d in FLASH_HEAD_DIMS] if runs_amd_mfma(target) else []
 
 
-def _family(name: str, source: str, template_params: tuple[str, ...], shipped) -> KernelFamily:
-    """A backward kernel family: all take FLASH_BACKWARD_PARAMS and the work list's record struct, and
-    are named as their templates."""
+def _family(name: str, source: str, template_params: tuple[str, ...], shipped,
+            params: ParamsStruct = FLASH_BACKWARD_PARAMS) -> KernelFamily:
+    """A backward kernel family: all take FLASH_BACKWARD_PARAMS (or a struct extending it) and the work
+    list's record struct, and are named as their templates."""
+    structs = (VARLEN_RECORD,) if params is FLASH_BACKWARD_PARAMS else (VARLEN_RECORD, FLASH_BACKWARD_PARAMS)
     return register(KernelFamily(name=name, source=source, template=f"hipattn::{name}",
                                  template_params=("dtype", "head_dim", *template_params, SCORE_MODS_PARAM),
-                                 params=FLASH_BACKWARD_PARAMS, shipped=shipped, structs=(VARLEN_RECORD,)))
+                                 params=params, shipped=shipped, structs=structs))
 
 
 # Each ships its rows (below) for both dtypes (and the dK/dV kernels with and without dQ) on the
@@ -80,6 +92,11 @@ FLASH_BACKWARD_DKDV_WGMMA = _family(
     ("warpgroups", "column_groups", "block_m", "write_dq"),
     lambda target: [spec for m in SCORE_MODS_VALUES for spec in _dkdv_specs(dkdv_wgmma_tiles(m).items(), (m,))]
     if runs_nvidia_wgmma(target) else [])
+FLASH_BACKWARD_DKDV_WARP_SPECIALISED = _family(
+    "flash_backward_dkdv_warp_specialised", "flash/backward_warp_specialised.hip", ("block_m", "stages", "write_dq"),
+    lambda target: _dkdv_specs(FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES.items(), (False,))
+    if runs_nvidia_wgmma(target) else [],
+    params=FLASH_BACKWARD_TMA_PARAMS)
 FLASH_BACKWARD_DQ_MMA = _family(
     "flash_backward_dq_mma", "flash/backward_mma.hip", ("block_m", "block_n", "warps"),
     lambda target: _dq_specs(_mma_rows(target, 1)))
@@ -172,6 +189,43 @@ class FlashDkdvWgmmaTiles(WarpgroupTiles):
 
 
 @dataclass(frozen=True)
+class FlashDkdvWarpSpecialisedTiles(KernelTiles):
+    """The warp-specialised wgmma dK/dV kernel (sm_90a): a producer warpgroup copies each query tile's
+    Q and dO (through tensor maps), LSE and Delta into a ring of ``stages`` slots, and two consumer
+    warpgroups of 64 keys each (128-key tiles) compute on them as the wgmma dK/dV kernel's warpgroups
+    with one column group do."""
+
+    block_m: int = WGMMA_WARPGROUP_ROWS  # query rows per tile: 64, or 128 (dQ split by rows)
+    stages: int = 2  # query-tile slots of the ring
+
+    family = FLASH_BACKWARD_DKDV_WARP_SPECIALISED
+
+    consumers = 2
+    block_n = WGMMA_WARPGROUP_ROWS * consumers
+
+    @property
+    def threads(self) -> int:
+        return WGMMA_WARPGROUP_THREADS * (self.consumers + 1)
+
+    def tensor_map_rows(self) -> dict[str, int]:
+        """Q and dO reach the kernel as tensor maps whose boxes hold a query tile's rows."""
+        return {"q": self.block_m, "dout": self.block_m}
+
+    def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
+        """flash::WarpSpecialisedKeyBlockTiles<...>::kBytes: K and V (128 rows each), ``stages`` slots
+        each of Q and dO (block_m rows), swizzled in whole 64-column blocks; two dSᵀ buffers (128 keys
+        by block_m); fp32 LSE and Delta, ``stages`` slots of block_m; each consumer's fp32 share of dQ
+        (64 rows of its stored columns, padded by 8 words); then the mbarriers (K and V's, and two per
+        slot)."""
+        row_elements = wgmma_row_elements(head_dim)
+        elements = (2 * self.block_n + 2 * self.stages * self.block_m) * row_elements + 2 * self.block_n * self.block_m
+        dq_by_rows = self.block_m > WGMMA_WARPGROUP_ROWS
+        dq_pitch = (row_elements if dq_by_rows else row_elements // self.consumers) + WGMMA_DQ_ROW_PAD
+        return (elements * element_bytes + self.stages * 2 * self.block_m * 4
+                + self.consumers * WGMMA_WARPGROUP_ROWS * dq_pitch * 4 + MBARRIER_BYTES * (1 + 2 * self.stages))
+
+
+@dataclass(frozen=True)
 class FlashDkdvMfmaTiles(KernelTiles):
     """The MFMA dK/dV kernel (AMD gfx90a, gfx94x, gfx950): one 64-lane wave per 16 of its block_n keys, walking
     16-row query tiles."""
@@ -211,7 +265,7 @@ class FlashDqMfmaTiles(KernelTiles):
         return 0
 
 
-FlashDkdvTiles = FlashDkdvMmaTiles | FlashDkdvWgmmaTiles | FlashDkdvMfmaTiles
+FlashDkdvTiles = FlashDkdvMmaTiles | FlashDkdvWgmmaTiles | FlashDkdvWarpSpecialisedTiles | FlashDkdvMfmaTiles
 FlashDqTiles = FlashDqMmaTiles | FlashDqMfmaTiles
 
 # The mma.sync kernels' (dK/dV, dQ) rows per head_dim: a backward runs the pair.
@@ -281,6 +335,21 @@ def dkdv_wgmma_tiles(score_mods: bool) -> dict[int, FlashDkdvWgmmaTiles]:
     return FLASH_BACKWARD_DKDV_WGMMA_MODIFIED_TILES if score_mods else FLASH_BACKWARD_DKDV_WGMMA_TILES
 
 
+# The warp-specialised dK/dV kernel at head_dims 96 and 128: 64-query tiles, two slots. On an H100
+# (tools/sweep_flash_backward.py, B = 16384 / S, 16 heads, atomic dQ) it took the backward 7-14% below
+# the wgmma kernel's time at S 4096 and 4-7% at S 1024. Head_dim 64 stays on the wgmma kernel's
+# 128-query tiles: there the consumers, at 240 registers, spill with 128-query tiles (the wgmma
+# kernel's warpgroups use 244-254) and ran 2-7% slower than it, and 64-query tiles 6-12% slower.
+# Its layout takes 128-query tiles and head_dim 64 all the same, for sweeps. Only the plain
+# instantiations ship: the modified ones (score modifiers, dropout, sinks) compile, but at head_dim 128
+# their consumers spill at 240 registers (the wgmma kernel's use 250-252), and they have not been timed
+# against the wgmma kernel's, which calls with modifiers keep.
+FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES: dict[int, FlashDkdvWarpSpecialisedTiles] = {
+    96: FlashDkdvWarpSpecialisedTiles(),
+    128: FlashDkdvWarpSpecialisedTiles(),
+}
+
+
 # Every head_dim, both dtypes. dK/dV: four waves of 16 keys each; a wave keeps its K and V fragments,
 # Kᵀ's for dQ, and dKᵀ and dVᵀ in registers, and LDS holds Qᵀ and dOᵀ of one query tile and each
 # wave's Pᵀ and dSᵀ (10 to 25 KiB). dQ: four waves of 16 rows, no LDS. hiprtc 5.2's gfx90a code
@@ -303,14 +372,20 @@ def dq_kernel_always(head_dim: int, target: Target | None) -> bool:
             and not (runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES))
 
 
-def tiles_for(head_dim: int, target: Target | None, score_mods: bool = False) -> tuple[FlashDkdvTiles, FlashDqTiles]:
-    """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: MFMA's on AMD; the wgmma dK/dV kernel on
-    sm_90a where its table has the head_dim (the row of its plain or modified instantiation, by
-    ``score_mods``), else the mma.sync rows. (On NVIDIA the deterministic schedule's dQ kernel is
-    mma.sync everywhere.)"""
+def tiles_for(head_dim: int, target: Target | None, score_mods: bool = False,
+              tensor_maps: bool = True) -> tuple[FlashDkdvTiles, FlashDqTiles]:
+    """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: MFMA's on AMD; on sm_90a the
+    warp-specialised dK/dV kernel where its table has the head_dim, Q and dO have tensor maps
+    (``tensor_maps``) and the call has no score modifiers, dropout or sinks (``score_mods``), else the
+    wgmma dK/dV kernel where its table has it (the row of its plain or modified instantiation); else
+    the mma.sync rows. (On NVIDIA the deterministic
+    schedule's dQ kernel is mma.sync everywhere.)"""
     if runs_amd_mfma(target):
         return FLASH_BACKWARD_DKDV_MFMA_TILES, FLASH_BACKWARD_DQ_MFMA_TILES
     dkdv, dq = mma_tiles_for(head_dim, target)
-    if runs_nvidia_wgmma(target) and head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES:
-        dkdv = dkdv_wgmma_tiles(score_mods)[head_dim]
+    if runs_nvidia_wgmma(target):
+        if tensor_maps and not score_mods and head_dim in FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES:
+            dkdv = FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES[head_dim]
+        elif head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES:
+            dkdv = dkdv_wgmma_tiles(score_mods)[head_dim]
     return dkdv, dq

@@ -1,5 +1,6 @@
 """Launch the general attention backward: FlashAttention-2 on NVIDIA tensor cores (sm_80+; on sm_90a the
-dK/dV kernel runs on Hopper's warpgroup tensor cores at the head_dims its table has) and on AMD matrix
+dK/dV kernel runs on Hopper's warpgroup tensor cores at the head_dims its table has, warp-specialised
+where its producer can copy Q and dO through tensor maps, ops.tensor_map_fields) and on AMD matrix
 cores (gfx90a/gfx94x/gfx950).
 
 hipattn.attention.backward calls it for every call the small-seq path cannot take (hipattn.dispatch),
@@ -44,6 +45,7 @@ from ..varlen_prep import prep_way, prepare_varlen_records
 from . import preprocess
 from .fields import put_absent_tensor, put_row_statistic, put_tensor, sequence_fields
 from .flash import ineligibility
+from .tensor_map_fields import tensor_map_fields
 
 
 # A row's spec and shared memory per (dtype, head_dim[, write_dq], score_mods), worked out once: a launch pays a
@@ -118,7 +120,18 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     if work_list:
         _check_records(varlen_records, problem)
         way = prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
+    chosen = tiles is None
     dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target, score_mods=problem.score_mods)
+    map_fields, box_rows = {}, dkdv_tiles.tensor_map_rows()
+    if box_rows:
+        map_fields = tensor_map_fields(active, problem.layout, {"q": q, "dout": dout}, box_rows)
+        if map_fields is None and not chosen:
+            raise ValueError(f"flash backward: {dkdv_tiles} copies q and dout through tensor maps, and one of them "
+                             "has a stride no tensor map takes (a positive multiple of 16 bytes)")
+        if map_fields is None:
+            dkdv_tiles = flash_backward.tiles_for(problem.head_dim, target, score_mods=problem.score_mods,
+                                                  tensor_maps=False)[0]
+            map_fields = {}
     dkdv_blocks = dkdv_grid_blocks(problem, work_list, dkdv_tiles.block_n)
     dq_blocks = dq_grid_blocks(problem, dq_tiles.block_m)
     check_grid(target, dkdv_blocks, dkdv_tiles.threads,
@@ -151,7 +164,7 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
     if dkdv_blocks:
         _launch(active, _launch_of(dkdv_tiles, problem.dtype, problem.head_dim, write_dq=atomic_dq,
                                                score_mods=problem.score_mods),
-                dkdv_tiles, dkdv_blocks, problem, stream, fields)
+                dkdv_tiles, dkdv_blocks, problem, stream, {**fields, **map_fields} if map_fields else fields)
     if atomic_dq:
         # The kernel adds unscaled dS K; the conversion applies softmax_scale once.
         preprocess.convert_dq(dq_accum, dq, problem.softmax_scale, stream)

@@ -76,6 +76,13 @@ HIPATTN_DEVICE void copy_async_16_or_zero(void* shared, const void* global, bool
                : "memory");
 }
 
+// 4 bytes global -> shared with cp.async, or 4 zero bytes when !valid: one fp32 row statistic.
+HIPATTN_DEVICE void copy_async_4_or_zero(void* shared, const void* global, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(mma::shared_address(shared)), "l"(global),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
+
 // Named barriers whose ID is a run-time value, for consumer warpgroups that take turns. ptxas then
 // reserves all 16 of the block's barriers, which costs nothing to a kernel that runs one block per SM.
 // `sync` waits until THREADS threads have arrived (itself included); `arrive` counts itself and goes on.

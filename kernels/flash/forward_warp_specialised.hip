@@ -81,20 +81,6 @@ struct WarpSpecialisedForwardTiles {
 // for its turn at the tensor cores.
 constexpr unsigned int kFirstTurnBarrier = 4;
 
-// The producer's cp.async copy of rows [0, rows) of a tile of TILE_ROWS rows starting at `first_row`, by
-// its 128 threads, the rest as TAIL says. Head_dim 256 goes in two 128-column halves (two swizzle blocks each):
-// a pass of 128 threads covers 8 rows of 128 columns at most. The stride is hidden from the optimiser
-// at each call, so that the rows' addresses are formed per tile: hoisted out of the producer's loop,
-// one 64-bit register pair per row of a pass overflowed the few registers the producer keeps.
-template <typename T, int HEAD_DIM, int TILE_ROWS, TileTail TAIL>
-HIPATTN_DEVICE void produce_tile(T* tile, const T* first_row, long long token_stride, int rows) {
-  constexpr int kPart = HEAD_DIM > 128 ? 128 : HEAD_DIM;
-  const long long stride = mma::opaque_64(token_stride);
-#pragma unroll
-  for (int c0 = 0; c0 < HEAD_DIM; c0 += kPart)
-    stage_swizzled_tile<T, kPart, TILE_ROWS, 128, TAIL>(tile + c0 * TILE_ROWS, first_row + c0, stride, rows);
-}
-
 }  // namespace flash
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PING_PONG, bool SCORE_MODS>

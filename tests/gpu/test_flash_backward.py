@@ -17,6 +17,7 @@ import torch
 from hipattn import runtime
 from hipattn.catalog.common import FLASH_HEAD_DIMS
 from hipattn.catalog.flash_backward import (
+    FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES,
     FLASH_BACKWARD_DKDV_WGMMA_TILES,
     dq_kernel_always,
     mma_tiles_for,
@@ -149,6 +150,19 @@ def test_the_mma_sync_dkdv_kernel_matches_float64(dtype, head_dim, causal, deter
     tiles = mma_tiles_for(head_dim, runtime.active().target(0))
     _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, dtype, causal, rng, deterministic=deterministic, tail_rows=3,
                  tiles=tiles, case=f"mma.sync {dtype} d{head_dim} causal={causal} deterministic={deterministic}")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", sorted(FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES))
+def test_the_wgmma_dkdv_kernel_whose_threads_copy_matches_float64(head_dim, causal, deterministic, rng):
+    """These head_dims run the warp-specialised dK/dV kernel on sm_90a where Q and dO have tensor maps;
+    the kernel whose every thread copies, which arrays without maps take, is checked here through the
+    tiles override."""
+    tiles = tiles_for(head_dim, runtime.active().target(0), tensor_maps=False)
+    assert tiles[0].family.name == "flash_backward_dkdv_wgmma"
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, "bf16", causal, rng, deterministic=deterministic, tail_rows=3,
+                 tiles=tiles, case=f"wgmma d{head_dim} causal={causal} deterministic={deterministic}")
 
 
 @pytest.mark.parametrize("window,causal", [((256, -1), False), ((100, 37), False), ((31, 31), False),
