@@ -1,8 +1,8 @@
 """The general attention backward: a dK/dV kernel per key block (which also adds each key tile's share
 of dQ into an fp32 accumulator on the atomic schedule) and, for ``deterministic=True``, a dQ kernel
 per query tile. mma.sync on NVIDIA sm_80+ (larger rows on sm_90's 227 KiB), a wgmma dK/dV kernel on
-sm_90a (warp-specialised, its producer copying through tensor maps, up to head_dim 128; every thread
-copying at 256 and for arrays no tensor map describes), MFMA on AMD gfx90a/gfx94x/gfx950. One row type
+sm_90a (warp-specialised, its producer copying through tensor maps, at head_dims 96 and 128; every
+thread copying at 64 and 256, with score modifiers, and for arrays no tensor map describes), MFMA on AMD gfx90a/gfx94x/gfx950. One row type
 per kernel; ``tiles_for`` picks a target's pair."""
 
 from __future__ import annotations
@@ -339,7 +339,8 @@ def dkdv_wgmma_tiles(score_mods: bool) -> dict[int, FlashDkdvWgmmaTiles]:
 # (tools/sweep_flash_backward.py, B = 16384 / S, 16 heads, atomic dQ) it took the backward 7-14% below
 # the wgmma kernel's time at S 4096 and 4-7% at S 1024. Head_dim 64 stays on the wgmma kernel's
 # 128-query tiles: there the consumers, at 240 registers, spill with 128-query tiles (the wgmma
-# kernel's warpgroups use 244-254) and ran 2-7% slower than it, and 64-query tiles 6-12% slower.
+# kernel's warpgroups use 244-254) and ran from 2% faster to 7% slower than it (slower in three of
+# four cells), and 64-query tiles 6-12% slower.
 # Its layout takes 128-query tiles and head_dim 64 all the same, for sweeps. Only the plain
 # instantiations ship: the modified ones (score modifiers, dropout, sinks) compile, but at head_dim 128
 # their consumers spill at 240 registers (the wgmma kernel's use 250-252), and they have not been timed

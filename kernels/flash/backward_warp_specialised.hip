@@ -13,7 +13,7 @@
 // passed at that meeting). The producer gives most of its registers to the consumers (setmaxnreg).
 //
 // The producer copies a whole query tile's Q and dO with the copy engine (FlashBackwardTmaParams' q_map
-// and dout_map, ops/tensor_map_fields.py: a box per 64-column swizzle block, landing in wgmma's
+// and dout_map, hipattn/ops/tensor_map_fields.py: a box per 64-column swizzle block, landing in wgmma's
 // 128-byte swizzled layout). A tile that ends past its sequence (the last of a sequence) must have
 // zeros there (its rows are B operands of dK and dV, met by P = 0, and 0 x NaN is NaN), so its 128
 // threads copy it with cp.async instead, zeros by copies that read nothing (as the forward's producer
