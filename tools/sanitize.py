@@ -193,11 +193,12 @@ def adds_dq_atomically(case: Case) -> bool:
     return case.kernel == "mma.sync" or not flash_backward_catalog.dq_kernel_always(case.head_dim, SANITIZER_TARGET)
 
 
-def flash_dkdv_family(head_dim: int, kernel: str) -> str:
-    """The backward's dK/dV kernel a case launches on the sanitizer's machine."""
+def flash_dkdv_family(head_dim: int, kernel: str, score_mods: bool = False) -> str:
+    """The backward's dK/dV kernel a case launches on the sanitizer's machine (contiguous arrays: on
+    Hopper they have tensor maps), for its plain or modified instantiation (``score_mods``)."""
     if kernel == "mma.sync":
         return flash_backward_catalog.FLASH_BACKWARD_DKDV_MMA.name
-    return flash_backward_catalog.tiles_for(head_dim, SANITIZER_TARGET)[0].family.name
+    return flash_backward_catalog.tiles_for(head_dim, SANITIZER_TARGET, score_mods=score_mods)[0].family.name
 
 
 def families_of(case: Case) -> tuple[str, ...]:
@@ -213,7 +214,7 @@ def families_of(case: Case) -> tuple[str, ...]:
         # (the forward is the device's own whatever the case's kernel)
         return (flash_forward_family(case.head_dim, "device", score_mods=case.dropout_p > 0),
                 *(("varlen_records",) if case.varlen_prep == "device" else ()), "bwd_dot_do_o",
-                flash_dkdv_family(case.head_dim, case.kernel),
+                flash_dkdv_family(case.head_dim, case.kernel, score_mods=case.dropout_p > 0),
                 "bwd_convert_dq" if adds_dq_atomically(case) else "flash_backward_dq_mma")
     if case.kind == "flash_forward":
         return (flash_forward_family(case.head_dim, case.kernel, score_mods=case.dropout_p > 0),)
