@@ -14,6 +14,10 @@ from hipattn import problem as problem_mod
 from hipattn.arrays import raw_array
 from hipattn.backends import tensor_maps
 from hipattn.backends.tensor_maps import TensorMapCache, TensorMapLayout
+from hipattn.catalog.flash_backward import (
+    FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES,
+    FLASH_BACKWARD_MMA_TILES_HOPPER,
+)
 from hipattn.catalog.flash_forward import (
     FLASH_FORWARD_PARAMS,
     FLASH_FORWARD_TMA_PARAMS,
@@ -24,7 +28,7 @@ from hipattn.device_array import DeviceArray, contiguous_strides
 from hipattn.jit.cache import DiskCache
 from hipattn.jit.params import TENSOR_MAP, TENSOR_MAP_BYTES, ParamsStruct, TensorMapBytes
 from hipattn.jit.registry import Registry
-from hipattn.ops import flash
+from hipattn.ops import flash, flash_backward
 from hipattn.ops.tensor_map_fields import map_layout
 from hipattn.problem import BSHD, THD
 
@@ -191,6 +195,46 @@ def test_an_array_no_map_describes_takes_the_fa2_class_kernel(hopper):
 def test_the_warp_specialised_tiles_asked_for_refuse_an_array_without_a_map(hopper):
     with pytest.raises(ValueError, match="stride no tensor map takes"):
         _launch_forward(q_strides=(0, 8 * 128, 128, 1), tiles=FLASH_FORWARD_WARP_SPECIALISED_TILES[128])
+    assert hopper.launches == []
+
+
+def _launch_backward(q_strides=None, tiles=None):
+    q = raw_array(0x100000, (2, 300, 8, 128), "bf16", 0, q_strides)
+    k, v = (raw_array(ptr, (2, 300, 2, 128), "bf16", 0) for ptr in (0x400000, 0x500000))
+    out, dout, dq = (raw_array(ptr, (2, 300, 8, 128), "bf16", 0) for ptr in (0x600000, 0xa00000, 0xb00000))
+    dk, dv = (raw_array(ptr, (2, 300, 2, 128), "bf16", 0) for ptr in (0xd00000, 0xe00000))
+    lse, softmax_d = (raw_array(ptr, (2, 8, 300), "fp32", 0) for ptr in (0x900000, 0xf00000))
+    problem = problem_mod.describe(q, k, v, causal=True)
+    # The deterministic schedule: no dq_accum to clear (the fake backend has no memset).
+    flash_backward.backward(problem, q, k, v, out, dout, lse, dq, dk, dv, 0, softmax_d=softmax_d,
+                            deterministic=True, tiles=tiles)
+
+
+def _dkdv_launch(backend):
+    (launch,) = [launch for launch in backend.launches if b"flash_backward_dkdv" in launch[0][1]]
+    return launch
+
+
+def test_hopper_runs_the_warp_specialised_backward_with_maps_of_q_and_dout(hopper):
+    _launch_backward()
+    function, _, block, _, _, params = _dkdv_launch(hopper)
+    assert b"hipattn::flash_backward_dkdv_warp_specialised<" in function[1] and block == (384, 1, 1)
+    assert [address for address, _ in hopper.maps.encoded] == [0x100000, 0xa00000]
+    for name, address in (("q_map", 0x100000), ("dout_map", 0xa00000)):
+        assert bytes(getattr(params, name)).startswith(f"{address:x}|".encode())
+
+
+def test_a_backward_array_no_map_describes_takes_the_kernel_whose_threads_copy(hopper):
+    _launch_backward(q_strides=(0, 8 * 128, 128, 1))
+    function, _, block, _, _, params = _dkdv_launch(hopper)
+    assert b"hipattn::flash_backward_dkdv_wgmma<" in function[1] and block == (256, 1, 1)
+    assert not hasattr(params, "q_map") and hopper.maps.encoded == []
+
+
+def test_the_warp_specialised_backward_asked_for_refuses_an_array_without_a_map(hopper):
+    tiles = (FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES[128], FLASH_BACKWARD_MMA_TILES_HOPPER[128][1])
+    with pytest.raises(ValueError, match="stride no tensor map takes"):
+        _launch_backward(q_strides=(0, 8 * 128, 128, 1), tiles=tiles)
     assert hopper.launches == []
 
 

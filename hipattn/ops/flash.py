@@ -21,7 +21,7 @@ from ..catalog.targets import check_grid, runs_amd_mfma, runs_nvidia_mma
 from ..jit.spec import KernelSpec
 from ..problem import Problem
 from .fields import forward_fields
-from .tensor_map_fields import tensor_map_fields
+from .tensor_map_fields import maps_or_fallback
 
 
 def ineligibility(problem: Problem, direction: str) -> str | None:
@@ -69,15 +69,10 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     blocks = grid_blocks(problem, tiles.block_m)
     if blocks == 0:
         return  # batch 0 or max_seqlen_q 0: nothing to write
-    map_fields, box_rows = {}, tiles.tensor_map_rows()
-    if box_rows:
-        map_fields = tensor_map_fields(active, problem.layout, {"q": q, "k": k, "v": v}, box_rows)
-        if map_fields is None and not chosen:
-            raise ValueError(f"flash forward: {tiles} copies q, k and v through tensor maps, and one of them has "
-                             "a stride no tensor map takes (a positive multiple of 16 bytes)")
-        if map_fields is None:
-            tiles, map_fields = flash_forward.tiles_for(problem.head_dim, target, tensor_maps=False), {}
-            blocks = grid_blocks(problem, tiles.block_m)
+    tiles, map_fields = maps_or_fallback(
+        active, problem.layout, {"q": q, "k": k, "v": v}, tiles, chosen, "flash forward",
+        lambda: flash_forward.tiles_for(problem.head_dim, target, tensor_maps=False))
+    blocks = grid_blocks(problem, tiles.block_m)
     threads = tiles.threads
     check_grid(target, blocks, threads, "query tiles x sequences x heads")
     spec, shared = _launch_of(tiles, problem.dtype, problem.head_dim, problem.score_mods)

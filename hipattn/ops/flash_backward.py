@@ -45,7 +45,7 @@ from ..varlen_prep import prep_way, prepare_varlen_records
 from . import preprocess
 from .fields import put_absent_tensor, put_row_statistic, put_tensor, sequence_fields
 from .flash import ineligibility
-from .tensor_map_fields import tensor_map_fields
+from .tensor_map_fields import maps_or_fallback
 
 
 # A row's spec and shared memory per (dtype, head_dim[, write_dq], score_mods), worked out once: a launch pays a
@@ -122,16 +122,9 @@ def backward(problem: Problem, q, k, v, out, dout, lse, dq, dk, dv, stream: int,
         way = prep_way()  # a bad HIPATTN_VARLEN_PREP raises before anything is enqueued
     chosen = tiles is None
     dkdv_tiles, dq_tiles = tiles or flash_backward.tiles_for(problem.head_dim, target, score_mods=problem.score_mods)
-    map_fields, box_rows = {}, dkdv_tiles.tensor_map_rows()
-    if box_rows:
-        map_fields = tensor_map_fields(active, problem.layout, {"q": q, "dout": dout}, box_rows)
-        if map_fields is None and not chosen:
-            raise ValueError(f"flash backward: {dkdv_tiles} copies q and dout through tensor maps, and one of them "
-                             "has a stride no tensor map takes (a positive multiple of 16 bytes)")
-        if map_fields is None:
-            dkdv_tiles = flash_backward.tiles_for(problem.head_dim, target, score_mods=problem.score_mods,
-                                                  tensor_maps=False)[0]
-            map_fields = {}
+    dkdv_tiles, map_fields = maps_or_fallback(
+        active, problem.layout, {"q": q, "dout": dout}, dkdv_tiles, chosen, "flash backward",
+        lambda: flash_backward.tiles_for(problem.head_dim, target, score_mods=problem.score_mods, tensor_maps=False)[0])
     dkdv_blocks = dkdv_grid_blocks(problem, work_list, dkdv_tiles.block_n)
     dq_blocks = dq_grid_blocks(problem, dq_tiles.block_m)
     check_grid(target, dkdv_blocks, dkdv_tiles.threads,

@@ -71,3 +71,21 @@ def tensor_map_fields(runtime, layout: str, arrays: dict[str, DeviceArray], box_
             logger.debug("no tensor map for %s (%s): %s", name, map_of, error)
             return None
     return fields
+
+
+def maps_or_fallback(runtime, layout: str, arrays: dict[str, DeviceArray], tiles, chosen: bool, what: str,
+                     fallback) -> tuple:
+    """(tiles, ``{name}_map`` fields) a launcher runs: ``tiles`` with the maps of the arrays its
+    ``tensor_map_rows`` names (none when it names none). When one of them has no map, the row the
+    target chose (``chosen``) gives way to ``fallback()``, the row whose threads copy, with no maps; a
+    row the caller asked for is refused with a ValueError naming ``what`` (the launcher and its arrays)."""
+    box_rows = tiles.tensor_map_rows()
+    if not box_rows:
+        return tiles, {}
+    fields = tensor_map_fields(runtime, layout, arrays, box_rows)
+    if fields is not None:
+        return tiles, fields
+    if not chosen:
+        raise ValueError(f"{what}: {tiles} copies {' and '.join(box_rows)} through tensor maps, and one of them "
+                         "has a stride no tensor map takes (a positive multiple of 16 bytes)")
+    return fallback(), {}
