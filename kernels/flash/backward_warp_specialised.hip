@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(384, 1)
   // ---- consumers ----
   claim_registers_to<Tiles::kConsumerRegisters>();
   const unsigned int thread = threadIdx.x - 128;
-  const Warpgroup warpgroup(p, at, batch_index, block.head_kv, seq_q, len_k, n0, first_head, thread);
+  const Warpgroup warpgroup(p, at, batch_index, seq_q, len_k, n0, first_head, thread);
   float dk[Warpgroup::kDTiles][4];
   float dv[Warpgroup::kDTiles][4];
 #pragma unroll

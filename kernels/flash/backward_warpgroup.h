@@ -162,7 +162,7 @@ struct KeyBlockWarpgroup {
 
   const FlashBackwardParams& p;
   KeyBlockTilesAt<T> at;
-  int batch_index, head_kv, len_q, len_k, diagonal, query_start;
+  int batch_index, len_q, len_k, diagonal, query_start;
   KeyWindow window;
   int warpgroup, warp, lane, g, t;
   int own_first_key, own_first_query, own_first_column, dq_first_column, dq_first_row, dq_head_columns, own_n0;
@@ -182,9 +182,9 @@ struct KeyBlockWarpgroup {
   // `thread`: the thread's index among the block's warpgroups that compute (128 per warpgroup),
   // unsigned as threadIdx is: the divisions below are then shifts.
   HIPATTN_DEVICE KeyBlockWarpgroup(const FlashBackwardParams& params, const KeyBlockTilesAt<T>& tiles,
-                                   int batch, int kv_head, const Sequence& seq_q, int keys_len, int n0,
+                                   int batch, const Sequence& seq_q, int keys_len, int n0,
                                    int first_head, unsigned int thread)
-      : p(params), at(tiles), batch_index(batch), head_kv(kv_head), len_q(seq_q.length), len_k(keys_len),
+      : p(params), at(tiles), batch_index(batch), len_q(seq_q.length), len_k(keys_len),
         diagonal(keys_len - seq_q.length), query_start(static_cast<int>(seq_q.start)), window(key_window(params)) {
     warpgroup = thread / 128;
     warp = (thread / 32) % 4;  // within the warpgroup

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_backward_dkdv_wgmma(co
   };
   load_query_tile(0);  // in one group with K and V
 
-  const Warpgroup warpgroup(p, at, batch_index, block.head_kv, seq_q, len_k, n0, first_head, threadIdx.x);
+  const Warpgroup warpgroup(p, at, batch_index, seq_q, len_k, n0, first_head, threadIdx.x);
   float dk[Warpgroup::kDTiles][4];
   float dv[Warpgroup::kDTiles][4];
 #pragma unroll
