@@ -8,9 +8,9 @@ from hipattn.catalog import decode
 from tools import bench_decode
 
 
-def test_a_copy_engine_row_names_its_ring_and_v_lag():
-    tiles = bench_decode._attention_rows("tma:4v1")(128, 4)
-    assert (tiles.stages, tiles.v_lag) == (4, 1) and isinstance(tiles, decode.DecodeTmaTiles)
+def test_a_copy_engine_row_names_its_ring():
+    tiles = bench_decode._attention_rows("tma:4")(128, 4)
+    assert tiles.stages == 4 and isinstance(tiles, decode.DecodeTmaTiles)
 
 
 def test_an_unknown_kernel_row_is_refused_by_name():

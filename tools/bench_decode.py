@@ -45,9 +45,8 @@ def _attention_rows(text: str):
     if kind == "mma":
         tiles = decode.DecodeMmaTiles(block_n=64, stages=int(detail))
         return lambda head_dim, rows: tiles
-    if kind == "tma":  # tma:STAGES, or tma:STAGESvLAG: each tile's V copied after the K of LAG tiles later
-        stages, _, lag = detail.partition("v")
-        tiles = decode.DecodeTmaTiles(stages=int(stages), v_lag=int(lag or 0))
+    if kind == "tma":
+        tiles = decode.DecodeTmaTiles(stages=int(detail))
         return lambda head_dim, rows: tiles
     if kind == "portable":
         table = sorted((decode.DecodeTiles(rows=int(r), unroll=int(u))

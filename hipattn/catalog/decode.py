@@ -178,12 +178,11 @@ DECODE_MMA_TILES: dict[int, DecodeMmaTiles] = {
 @dataclass(frozen=True)
 class DecodeTmaTiles(KernelTiles):
     """A row of the copy-engine attention kernel (Hopper): the tensor-core kernel's tiles (16 query
-    rows, four consumer warps of 16 keys per 64-key tile) and a producer warp, ``stages`` K/V slots,
-    and with ``v_lag`` each tile's V copied after the next tile's K. Its grid is persistent: the blocks
-    an SM holds (blocks_per_unit) walk the call's work items."""
+    rows, four consumer warps of 16 keys per 64-key tile) and a producer warp, and ``stages`` slots of
+    a tile's K and V. Its grid is persistent: the blocks an SM holds (blocks_per_unit) walk the call's
+    work items."""
 
     stages: int
-    v_lag: int = 0
 
     family = property(lambda self: DECODE_FORWARD_TMA)
     threads = DECODE_BLOCK_THREADS + 32
@@ -214,11 +213,11 @@ class DecodeTmaTiles(KernelTiles):
         return {"k": MMA_TILE_KEYS, "v": MMA_TILE_KEYS}
 
 
-# Three slots, each tile's V copied after the next tile's K: on the H200 (tools/bench_decode.py) a V
-# copied beside its own K, or deeper rings (four or five slots), read 3-8% slower. Head_dim 256 stays
+# Three slots: on the H200, with the cache maps' L2 promotion off (tools/bench_decode.py), two or four
+# read 1-4% slower, and copying a tile's V behind the next tile's K 1-7% slower. Head_dim 256 stays
 # with the thread-copy kernel: its consumers' O and Q fragments leave the score-modified instantiation
 # too few registers (ptxas spills).
-DECODE_TMA_TILES: dict[int, DecodeTmaTiles] = {d: DecodeTmaTiles(stages=3, v_lag=1) for d in (64, 80, 96, 128, 192)}
+DECODE_TMA_TILES: dict[int, DecodeTmaTiles] = {d: DecodeTmaTiles(stages=3) for d in (64, 80, 96, 128, 192)}
 
 
 @dataclass(frozen=True)
@@ -300,7 +299,7 @@ DECODE_FORWARD_MMA = register(KernelFamily(
     shipped=lambda target: _shipped("decode_forward_mma", target)))
 DECODE_FORWARD_TMA = register(KernelFamily(
     name="decode_forward_tma", source="decode/forward_tma.hip", template="hipattn::decode_forward_tma",
-    template_params=("dtype", "head_dim", "stages", "v_lag", SCORE_MODS_PARAM), params=DECODE_FORWARD_TMA_PARAMS,
+    template_params=("dtype", "head_dim", "stages", SCORE_MODS_PARAM), params=DECODE_FORWARD_TMA_PARAMS,
     structs=(DECODE_FORWARD_PARAMS,), shipped=lambda target: _shipped("decode_forward_tma", target)))
 DECODE_FORWARD_MFMA = register(KernelFamily(
     name="decode_forward_mfma", source="decode/forward_mfma.hip", template="hipattn::decode_forward_mfma",

@@ -8,9 +8,10 @@
 // counts its bytes in, an empty one the four consumer warps out. The blocks an SM holds walk a list of
 // work items (sequence, KV head, split, chunk of 16 query rows: item blockIdx.x, then every
 // gridDim.x-th), so an item's first tiles are copied while the consumers merge the one before, whose
-// time they also use to fetch the next item's query rows and key range. With V_LAG each tile's V is
-// copied after a later tile's K, which on the H200 is what made this kernel read faster than the
-// thread-copy one (BENCHMARKS.md).
+// time they also use to fetch the next item's query rows and key range. A tile's K and V are copied
+// side by side into one slot; three slots and two blocks an SM read the cache faster on the H200 than
+// deeper or shallower rings, than V copied a tile behind its K, and than the thread-copy kernel
+// (BENCHMARKS.md).
 //
 // Tiles are 64-key aligned in the sequence, so that a tile of a paged cache whose page size is a
 // multiple of 64 lies in one page (the launcher takes the thread-copy kernel for other page sizes), and
@@ -125,15 +126,12 @@ HIPATTN_DEVICE SplitTiles split_tiles(const KeyRange& range, int split, int spli
 
 }  // namespace decode
 
-template <typename T, int HEAD_DIM, int STAGES, int V_LAG, bool SCORE_MODS>
+template <typename T, int HEAD_DIM, int STAGES, bool SCORE_MODS>
 __global__ void __launch_bounds__(decode::TmaLayout<T, HEAD_DIM, STAGES>::kThreads,
                                   decode::TmaLayout<T, HEAD_DIM, STAGES>::kResidentBlocks)
     decode_forward_tma(const __grid_constant__ DecodeForwardTmaParams p) {
   using L = decode::TmaLayout<T, HEAD_DIM, STAGES>;
   constexpr int kBlockN = L::kBlockN;
-  // A tile's V follows the K of tile + V_LAG, whose slot the consumers free only once they are past
-  // tile + V_LAG - STAGES: that must come before the tile, or the two wait for each other.
-  static_assert(V_LAG >= 0 && V_LAG < STAGES, "fewer tiles of V lag than slots");
   extern __shared__ __align__(1024) unsigned char shared_bytes[];
   const unsigned int barriers = mma::shared_address(shared_bytes + L::kBarrierOffset);
   auto full = [&](int slot) { return barriers + 8 * slot; };
@@ -155,18 +153,6 @@ __global__ void __launch_bounds__(decode::TmaLayout<T, HEAD_DIM, STAGES>::kThrea
     // ---- producer: one thread copies every item's tiles, in the order the consumers take them ----
     if (lane != 0) return;
     int fill = 0;  // tiles copied so far: the slot is fill % STAGES, its use fill / STAGES
-    // With V_LAG, a tile's V is copied after the K of the tile V_LAG later (on the H200, with one
-    // tile of lag, decode steps read the cache 3-8% faster than with each tile's K and V side by side;
-    // why, ncu did not show). The V copies not yet issued wait in a ring of their own.
-    struct PendingV {
-      int slot, head, token, outer;
-    };
-    PendingV pending[V_LAG > 0 ? V_LAG : 1];
-    auto load_v = [&](const PendingV& v) {
-      unsigned char* const v_tile = shared_bytes + v.slot * L::kSlotBytes + L::kTileBytes;
-      for (int c = 0; c < L::kColumnBlocks; ++c)
-        load_tile(v_tile + c * kBlockN * wgmma::kRowBytes, &p.v_map, 64 * c, v.head, v.token, v.outer, full(v.slot));
-    };
     decode::KeyRange range = decode::item_key_range(p, blockIdx.x, items);
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const decode::KeyRange next_range = decode::item_key_range(p, item + gridDim.x, items);
@@ -177,24 +163,20 @@ __global__ void __launch_bounds__(decode::TmaLayout<T, HEAD_DIM, STAGES>::kThrea
       const int entry = address.pages == nullptr ? decode::cache_entry(p, w.b) : 0;
       for (int i = 0; i < split.tiles; ++i, ++fill) {
         const int slot = fill % STAGES;
-        mbarrier::wait(empty(slot), ((fill / STAGES) & 1) ^ 1);
+        // The tile's page is read from the block table before the wait for its slot, which hides the
+        // read's latency; after it, the read would delay every copy of a paged cache.
         const decode::TokenSlot at = decode::token_slot(p, address, (split.first_tile + i) * kBlockN);
+        mbarrier::wait(empty(slot), ((fill / STAGES) & 1) ^ 1);
         const int outer = address.pages != nullptr ? static_cast<int>(at.page) : entry;
         unsigned char* const k_tile = shared_bytes + slot * L::kSlotBytes;
+        unsigned char* const v_tile = k_tile + L::kTileBytes;
         mbarrier::arrive_expecting(full(slot), L::kSlotBytes);
         for (int c = 0; c < L::kColumnBlocks; ++c)
           load_tile(k_tile + c * kBlockN * wgmma::kRowBytes, &p.k_map, 64 * c, w.kv_head, at.token, outer, full(slot));
-        const PendingV v{slot, w.kv_head, at.token, outer};
-        if (V_LAG == 0) {
-          load_v(v);
-        } else {
-          if (fill >= V_LAG) load_v(pending[fill % V_LAG]);  // tile fill - V_LAG's, whose place v takes
-          pending[fill % V_LAG] = v;
-        }
+        for (int c = 0; c < L::kColumnBlocks; ++c)
+          load_tile(v_tile + c * kBlockN * wgmma::kRowBytes, &p.v_map, 64 * c, w.kv_head, at.token, outer, full(slot));
       }
     }
-    for (int lagging = fill > V_LAG ? fill - V_LAG : 0; lagging < fill; ++lagging)
-      load_v(pending[lagging % (V_LAG > 0 ? V_LAG : 1)]);
     return;
   }
 
