@@ -209,7 +209,7 @@ def test_sm_90a_runs_the_dkdv_kernels_where_their_tables_have_the_head_dim(head_
     target = Target.parse("sm_90a")
     mma_dkdv, mma_dq = flash_backward.FLASH_BACKWARD_MMA_TILES_HOPPER[head_dim]
     wgmma_rows = DKDV_MODIFIED_ROWS if score_mods else DKDV_ROWS
-    specialised_rows = {} if score_mods else SPECIALISED_DKDV_ROWS
+    specialised_rows = SPECIALISED_DKDV_ROWS
     fa2_class = wgmma_rows.get(head_dim, mma_dkdv)
     dkdv, dq = flash_backward.tiles_for(head_dim, target, score_mods=score_mods)
     assert dkdv == specialised_rows.get(head_dim, fa2_class)
@@ -249,9 +249,9 @@ def test_only_sm_90a_ships_the_warp_specialised_dkdv_kernel():
     family = flash_backward.FLASH_BACKWARD_DKDV_WARP_SPECIALISED
     shipped = {(spec.arg("dtype"), spec.arg("head_dim"), spec.arg("write_dq"), spec.arg(SCORE_MODS_PARAM),
                 spec.arg("block_m")) for spec in family.shipped(Target.parse("sm_90a"))}
-    assert shipped == {(dtype, head_dim, write_dq, False, tiles.block_m) for dtype in DTYPES
-                       for write_dq in (False, True) for head_dim, tiles in SPECIALISED_DKDV_ROWS.items()}, \
-        "plain instantiations only: calls with score modifiers, dropout or sinks keep the wgmma kernel"
+    assert shipped == {(dtype, head_dim, write_dq, mods, tiles.block_m) for dtype in DTYPES
+                       for write_dq in (False, True) for mods in (False, True)
+                       for head_dim, tiles in SPECIALISED_DKDV_ROWS.items()}
     for arch in ("sm_80", "sm_90", "sm_100a", "gfx90a"):
         assert list(family.shipped(Target.parse(arch))) == []
 
@@ -313,14 +313,16 @@ def test_no_shipped_instantiation_is_serialised_by_ptxas(family):
         assert spill_stores == 0, f"{spec}: {log}"
 
 
-# Bytes ptxas spills in the warp-specialised dK/dV kernel's shipped (plain) instantiations: its
+# Bytes ptxas may spill in the warp-specialised dK/dV kernel's shipped instantiations. Plain: its
 # producer's copy addresses at 24 registers (12 at head_dim 128, none at 96, compiled with the consumers'
-# code removed); its consumers, at 240, spill nothing.
-_DKDV_PRODUCER_SPILL_BYTES = 12
+# code removed); its consumers, at 240, spill nothing. Modified (score modifiers, dropout, sinks): up to
+# 24 in all (NVRTC 13.0: 12 at head_dim 96 and 24 at 128 with dQ), the consumers' extra state at 240
+# registers, which the H200 timed faster than the wgmma kernel's that spills none.
+_DKDV_SPILL_BYTES = {False: 12, True: 24}
 
 
 @pytest.mark.nvrtc
-def test_warp_specialised_dkdv_kernel_is_not_serialised_and_its_consumers_do_not_spill():
+def test_warp_specialised_dkdv_kernel_is_not_serialised_and_spills_at_most_its_allowance():
     backend, target = nvrtc_backend(), Target.parse("sm_90a")
     family = flash_backward.FLASH_BACKWARD_DKDV_WARP_SPECIALISED
     specs = [spec for spec in family.shipped(target) if spec.arg("dtype") == "bf16"]
@@ -331,4 +333,4 @@ def test_warp_specialised_dkdv_kernel_is_not_serialised_and_its_consumers_do_not
         assert not _SERIALISED.findall(log), f"{spec}: {_SERIALISED.findall(log)}"
         registers, _, spill_stores, _ = ptxas_resources(log)
         assert registers == 65536 // (3 * 128) // 8 * 8, "the launch bound caps every thread at entry"
-        assert spill_stores <= _DKDV_PRODUCER_SPILL_BYTES, f"{spec}: {log}"
+        assert spill_stores <= _DKDV_SPILL_BYTES[spec.arg(SCORE_MODS_PARAM)], f"{spec}: {log}"

@@ -146,8 +146,8 @@ class Case:
     heads_kv: int = 8
     # small-seq: "tensor-core" or "portable" (HIPATTN_SMALLSEQ_KERNEL=portable); flash forward and the
     # backward's dK/dV kernel: the device's own (on the H200, sm_90a: wgmma at the head_dims of its tables)
-    # or "mma.sync" (its tile row); flash forward also "fa2-class wgmma" (its row, where sm_90a runs the
-    # warp-specialised kernel)
+    # or "mma.sync" (its tile row), or "fa2-class wgmma" (the wgmma row whose threads copy, where sm_90a
+    # runs the warp-specialised kernel)
     kernel: str = "tensor-core"
     layout: str = "thd"
     cu_seqlens_q: list[int] | None = None
@@ -186,18 +186,30 @@ def flash_forward_family(head_dim: int, kernel: str, score_mods: bool = False) -
 
 def adds_dq_atomically(case: Case) -> bool:
     """Whether a flash_backward case adds dQ atomically (then bwd_convert_dq) or runs the dQ kernel, as
-    hipattn.ops.flash_backward decides on the sanitizer's machine (a tiles override, the mma.sync cases,
-    keeps the schedule `deterministic` names)."""
+    hipattn.ops.flash_backward decides on the sanitizer's machine (a tiles override, the cases that name a
+    kernel, keeps the schedule `deterministic` names)."""
     if case.deterministic:
         return False
-    return case.kernel == "mma.sync" or not flash_backward_catalog.dq_kernel_always(case.head_dim, SANITIZER_TARGET)
+    return (backward_tiles_of_kernel(case.head_dim, case.kernel) is not None
+            or not flash_backward_catalog.dq_kernel_always(case.head_dim, SANITIZER_TARGET))
+
+
+def backward_tiles_of_kernel(head_dim: int, kernel: str, score_mods: bool = False) -> tuple | None:
+    """The (dK/dV, dQ) rows a backward case's kernel names instead of the device's own (None)."""
+    mma_dkdv, mma_dq = flash_backward_catalog.mma_tiles_for(head_dim, SANITIZER_TARGET)
+    if kernel == "mma.sync":
+        return mma_dkdv, mma_dq
+    if kernel == "fa2-class wgmma":
+        return flash_backward_catalog.dkdv_wgmma_tiles(score_mods)[head_dim], mma_dq
+    return None
 
 
 def flash_dkdv_family(head_dim: int, kernel: str, score_mods: bool = False) -> str:
     """The backward's dK/dV kernel a case launches on the sanitizer's machine (contiguous arrays: on
     Hopper they have tensor maps), for its plain or modified instantiation (``score_mods``)."""
-    if kernel == "mma.sync":
-        return flash_backward_catalog.FLASH_BACKWARD_DKDV_MMA.name
+    named = backward_tiles_of_kernel(head_dim, kernel, score_mods)
+    if named is not None:
+        return named[0].family.name
     return flash_backward_catalog.tiles_for(head_dim, SANITIZER_TARGET, score_mods=score_mods)[0].family.name
 
 
@@ -315,7 +327,8 @@ def build_cases(quick: bool = False) -> list[Case]:
         for deterministic in (False, True):
             for prep in ("device", "host"):
                 for causal in (deterministic,) if quick else (False, True):
-                    for kernel in ("device", "mma.sync") if prep == "device" or not quick else ("device",):
+                    for kernel in ("device", "mma.sync", "fa2-class wgmma") if prep == "device" or not quick \
+                            else ("device",):
                         cases.append(Case(name=f"{tag} valid causal={causal} det={deterministic} prep={prep} "
                                                f"kernel={kernel}", cu_seqlens_q=backward_q, cu_seqlens_k=backward_k,
                                           causal=causal, deterministic=deterministic, varlen_prep=prep,
@@ -589,10 +602,10 @@ def run_flash_backward(runner: Runner, case: Case) -> None:
             stream = resolve_stream((qa, ka, va), None, device=problem.device)
             out_a, lse_a = array(out, "out"), array(lse, "lse")
             flash.forward(problem, qa, ka, va, out_a, lse_a, stream, dropout_seed=seed, **sequences)
-            mma_rows = flash_backward_catalog.mma_tiles_for(case.head_dim, SANITIZER_TARGET)
+            tiles = backward_tiles_of_kernel(case.head_dim, case.kernel, score_mods=case.dropout_p > 0)
             flash_backward.backward(problem, qa, ka, va, out_a, array(dout, "dout"), lse_a, array(dq, "dq"),
                                     array(dk, "dk"), array(dv, "dv"), stream, deterministic=case.deterministic,
-                                    tiles=mma_rows if case.kernel == "mma.sync" else None, dropout_seed=seed,
+                                    tiles=tiles, dropout_seed=seed,
                                     **workspace, **sequences)
     finally:
         if previous is None:

@@ -94,7 +94,7 @@ FLASH_BACKWARD_DKDV_WGMMA = _family(
     if runs_nvidia_wgmma(target) else [])
 FLASH_BACKWARD_DKDV_WARP_SPECIALISED = _family(
     "flash_backward_dkdv_warp_specialised", "flash/backward_warp_specialised.hip", ("block_m", "stages", "write_dq"),
-    lambda target: _dkdv_specs(FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES.items(), (False,))
+    lambda target: _dkdv_specs(FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES.items())
     if runs_nvidia_wgmma(target) else [],
     params=FLASH_BACKWARD_TMA_PARAMS)
 FLASH_BACKWARD_DQ_MMA = _family(
@@ -341,10 +341,10 @@ def dkdv_wgmma_tiles(score_mods: bool) -> dict[int, FlashDkdvWgmmaTiles]:
 # 128-query tiles: there the consumers, at 240 registers, spill with 128-query tiles (the wgmma
 # kernel's warpgroups use 244-254) and ran from 2% faster to 7% slower than it (slower in three of
 # four cells), and 64-query tiles 6-12% slower.
-# Its layout takes 128-query tiles and head_dim 64 all the same, for sweeps. Only the plain
-# instantiations ship: the modified ones (score modifiers, dropout, sinks) compile, but at head_dim 128
-# their consumers spill at 240 registers (the wgmma kernel's use 250-252), and they have not been timed
-# against the wgmma kernel's, which calls with modifiers keep.
+# Its layout takes 128-query tiles and head_dim 64 all the same, for sweeps. The modified
+# instantiations (score modifiers, dropout, sinks) ship too: at 240 registers they spill 12-24 bytes
+# (the wgmma kernel's use 250-252 and spill none), and still took the head_dim-128 softcap, ALiBi and
+# dropout cells of the matrix 3-7% below the wgmma kernel's forward+backward time on the H200.
 FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES: dict[int, FlashDkdvWarpSpecialisedTiles] = {
     96: FlashDkdvWarpSpecialisedTiles(),
     128: FlashDkdvWarpSpecialisedTiles(),
@@ -376,16 +376,15 @@ def dq_kernel_always(head_dim: int, target: Target | None) -> bool:
 def tiles_for(head_dim: int, target: Target | None, score_mods: bool = False,
               tensor_maps: bool = True) -> tuple[FlashDkdvTiles, FlashDqTiles]:
     """The (dK/dV, dQ) rows ``target`` runs at ``head_dim``: MFMA's on AMD; on sm_90a the
-    warp-specialised dK/dV kernel where its table has the head_dim, Q and dO have tensor maps
-    (``tensor_maps``) and the call has no score modifiers, dropout or sinks (``score_mods``), else the
-    wgmma dK/dV kernel where its table has it (the row of its plain or modified instantiation); else
-    the mma.sync rows. (On NVIDIA the deterministic
-    schedule's dQ kernel is mma.sync everywhere.)"""
+    warp-specialised dK/dV kernel where its table has the head_dim and Q and dO have tensor maps
+    (``tensor_maps``), else the wgmma dK/dV kernel where its table has it (the row of its plain or
+    modified instantiation: ``score_mods``, the call's score modifiers, dropout or sinks); else the
+    mma.sync rows. (On NVIDIA the deterministic schedule's dQ kernel is mma.sync everywhere.)"""
     if runs_amd_mfma(target):
         return FLASH_BACKWARD_DKDV_MFMA_TILES, FLASH_BACKWARD_DQ_MFMA_TILES
     dkdv, dq = mma_tiles_for(head_dim, target)
     if runs_nvidia_wgmma(target):
-        if tensor_maps and not score_mods and head_dim in FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES:
+        if tensor_maps and head_dim in FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES:
             dkdv = FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES[head_dim]
         elif head_dim in FLASH_BACKWARD_DKDV_WGMMA_TILES:
             dkdv = dkdv_wgmma_tiles(score_mods)[head_dim]

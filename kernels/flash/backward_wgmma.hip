@@ -8,9 +8,9 @@
 // and Delta are double-buffered with cp.async, so the next tile's copies overlap this tile's math, and
 // the block meets at a __syncthreads per query tile. What the warpgroups compute per query tile, and
 // how they split the keys, queries and columns, is flash/backward_warpgroup.h's. The warp-specialised
-// kernel (backward_warp_specialised.hip), whose producer warpgroup copies for the others, takes plain
+// kernel (backward_warp_specialised.hip), whose producer warpgroup copies for the others, takes the
 // calls at head_dims 96 and 128 whose Q and dO have tensor maps; this one runs the rest (head_dims 64
-// and 256, score modifiers, dropout and sinks, and arrays no tensor map describes).
+// and 256, and arrays no tensor map describes).
 #pragma once
 #include "flash/backward_warpgroup.h"
 #include "flash/stage_swizzled_cp_async.h"
