@@ -214,7 +214,7 @@ class DecodeTmaTiles(KernelTiles):
 
 
 # Three slots: on the H200, with the cache maps' L2 promotion off (tools/bench_decode.py), two or four
-# read 1-4% slower, and copying a tile's V behind the next tile's K 1-7% slower. Head_dim 256 stays
+# read 1-9% slower, and copying a tile's V behind the next tile's K 1-7% slower. Head_dim 256 stays
 # with the thread-copy kernel: its consumers' O and Q fragments leave the score-modified instantiation
 # too few registers (ptxas spills).
 DECODE_TMA_TILES: dict[int, DecodeTmaTiles] = {d: DecodeTmaTiles(stages=3) for d in (64, 80, 96, 128, 192)}
