@@ -209,15 +209,14 @@ def test_sm_90a_runs_the_dkdv_kernels_where_their_tables_have_the_head_dim(head_
     target = Target.parse("sm_90a")
     mma_dkdv, mma_dq = flash_backward.FLASH_BACKWARD_MMA_TILES_HOPPER[head_dim]
     wgmma_rows = DKDV_MODIFIED_ROWS if score_mods else DKDV_ROWS
-    specialised_rows = SPECIALISED_DKDV_ROWS
     fa2_class = wgmma_rows.get(head_dim, mma_dkdv)
     dkdv, dq = flash_backward.tiles_for(head_dim, target, score_mods=score_mods)
-    assert dkdv == specialised_rows.get(head_dim, fa2_class)
+    assert dkdv == SPECIALISED_DKDV_ROWS.get(head_dim, fa2_class), "modified calls too"
     assert dq == mma_dq, "the deterministic dQ kernel stays mma.sync"
     assert flash_backward.tiles_for(head_dim, target, score_mods=score_mods, tensor_maps=False) == (fa2_class, mma_dq), \
         "arrays with no tensor map take the kernel whose threads copy"
     spec = dkdv.spec("bf16", head_dim, write_dq=True, score_mods=score_mods)
-    expected = ("flash_backward_dkdv_warp_specialised" if head_dim in specialised_rows
+    expected = ("flash_backward_dkdv_warp_specialised" if head_dim in SPECIALISED_DKDV_ROWS
                 else "flash_backward_dkdv_wgmma" if head_dim in wgmma_rows else "flash_backward_dkdv_mma")
     assert spec.family.name == expected
 

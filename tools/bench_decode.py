@@ -6,18 +6,19 @@ torch SDPA's cuDNN and flash backends, on the decode shapes of the benchmark mat
     python -m tools.bench_decode --kernel portable:4x4+8x2,portable:4x2+8x1  # the portable kernel on NVIDIA
     python -m tools.bench_decode --kernel shipped,tma:3,tma:5,mma:3          # Hopper's two kernels
     python -m tools.bench_decode --kernel shipped --l2-promotion 0,128,256   # the copy engine's L2 fetches
+    python -m tools.bench_decode --only '^b1/' --num-splits 0,8,16,32       # the batch-1 shapes alone
 
 A configuration is one attention row, ``shipped`` (catalog.decode.tiles_for), ``mma:STAGES`` (the
 tensor-core kernel with 64-key tiles, its threads copying), ``tma:STAGES`` (the same fed by the copy
 engine, persistent; Hopper) or ``portable:ROWSxUNROLL+...`` (the portable kernel's table, smallest rows
 first), with one ``num_splits`` (0: ops.decode.choose_splits), one ``MIN_KEYS_PER_SPLIT`` (ops.decode)
 and one L2 promotion of the copy-engine kernel's cache maps (ops.decode.CACHE_L2_PROMOTION, bytes; the
-shipped one by default); every combination of the given lists is timed on every shape,
-contiguous and paged (pages of 256). Times are the
-median device time per call over BACK_TO_BACK_CALLS back-to-back calls (benchlib.median_ms), eager
-(``hipattn_ms``: the host's time per call shows where it exceeds the device's) and replayed from a
-CUDA graph (``graph_ms``: the device's time alone); each configuration's output
-is checked against cuDNN's. The matrix (tools/bench_matrix.py) is the record; this is the sweep.
+shipped one by default); every combination of the given lists is timed on every shape (or those
+``--only`` names), contiguous and paged (pages of 256). Times are the median device time per call
+over BACK_TO_BACK_CALLS back-to-back calls (benchlib.median_ms), eager (``hipattn_ms``: the host's
+time per call shows where it exceeds the device's) and replayed from a CUDA graph (``graph_ms``: the
+device's time alone); each configuration's output is checked against cuDNN's. The matrix
+(tools/bench_matrix.py) is the record; this is the sweep.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import functools
 import itertools
 import json
+import re
 
 from tools.benchlib import median_ms, write_report
 from tools.matrix.cells import DECODE_HEAD_DIM, DECODE_PAGE_SIZE, DECODE_SHAPES
@@ -53,6 +55,21 @@ def _attention_rows(text: str):
                         for r, u in (item.lower().split("x") for item in detail.split("+"))), key=lambda t: t.rows)
         return lambda head_dim, rows: next((t for t in table if rows <= t.rows), table[-1])
     raise ValueError(f"unknown kernel {text!r}: shipped, mma:STAGES, tma:STAGES or portable:RxU+RxU")
+
+
+def shape_name(batch: int, kv: int, heads_q: int, heads_kv: int) -> str:
+    """A decode shape as ``--only`` matches it: ``b{batch}/kv{KV length}/h{Hq}:{Hkv}``."""
+    return f"b{batch}/kv{kv}/h{heads_q}:{heads_kv}"
+
+
+def selected_shapes(only: str | None) -> list[tuple[int, int, int, int]]:
+    """The matrix's decode shapes whose name (shape_name) ``only`` matches (re.search); all without it.
+    A pattern that matches none is refused, so that a typo costs no GPU time."""
+    shapes = [s for s in DECODE_SHAPES if only is None or re.search(only, shape_name(*s))]
+    if not shapes:
+        names = ", ".join(shape_name(*s) for s in DECODE_SHAPES)
+        raise ValueError(f"--only {only!r} matches no decode shape; the shapes are {names}")
+    return shapes
 
 
 def _copy_bandwidth(torch) -> float:
@@ -95,8 +112,14 @@ def main() -> None:
     parser.add_argument("--min-keys", default=None, help="comma-separated MIN_KEYS_PER_SPLIT values")
     parser.add_argument("--l2-promotion", default=None,
                         help="comma-separated L2 promotions of the cache maps, in bytes (0, 64, 128, 256)")
+    parser.add_argument("--only", default=None,
+                        help="only the shapes whose name (b{batch}/kv{KV length}/h{Hq}:{Hkv}) matches this regex")
     parser.add_argument("--out", default="bench_decode.json")
     args = parser.parse_args()
+    try:
+        shapes = selected_shapes(args.only)
+    except (ValueError, re.error) as error:
+        parser.error(str(error))
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -114,7 +137,7 @@ def main() -> None:
     bandwidth = _copy_bandwidth(torch)
     generator = torch.Generator(device="cuda").manual_seed(2026)
     results = []
-    for batch, kv, heads_q, heads_kv in DECODE_SHAPES:
+    for batch, kv, heads_q, heads_kv in shapes:
         q, k, v, paged, table, seqlens = _inputs(torch, batch, kv, heads_q, heads_kv, generator)
         floor_ms = (q.nbytes * 2 + k.nbytes + v.nbytes) / bandwidth * 1e3
         views = [x.transpose(1, 2) for x in (q, k, v)]
