@@ -9,9 +9,8 @@
 // work items (sequence, KV head, split, chunk of 16 query rows: item blockIdx.x, then every
 // gridDim.x-th), so an item's first tiles are copied while the consumers merge the one before, whose
 // time they also use to fetch the next item's query rows and key range. A tile's K and V are copied
-// side by side into one slot; three slots and two blocks an SM read the cache faster on the H200 than
-// deeper or shallower rings, than V copied a tile behind its K, and than the thread-copy kernel
-// (BENCHMARKS.md).
+// side by side into one slot; three slots read the cache faster on the H200 than two or four, than V
+// copied a tile behind its K, and than the thread-copy kernel (BENCHMARKS.md).
 //
 // Tiles are 64-key aligned in the sequence, so that a tile of a paged cache whose page size is a
 // multiple of 64 lies in one page (the launcher takes the thread-copy kernel for other page sizes), and
