@@ -2,8 +2,8 @@
 of dQ into an fp32 accumulator on the atomic schedule) and, for ``deterministic=True``, a dQ kernel
 per query tile. mma.sync on NVIDIA sm_80+ (larger rows on sm_90's 227 KiB), a wgmma dK/dV kernel on
 sm_90a (warp-specialised, its producer copying through tensor maps, at head_dims 96 and 128; every
-thread copying at 64 and 256, with score modifiers, and for arrays no tensor map describes), MFMA on AMD gfx90a/gfx94x/gfx950. One row type
-per kernel; ``tiles_for`` picks a target's pair."""
+thread copying at 64 and 256, and for arrays no tensor map describes), MFMA on AMD gfx90a/gfx94x/gfx950.
+One row type per kernel; ``tiles_for`` picks a target's pair."""
 
 from __future__ import annotations
 
