@@ -155,8 +155,8 @@ def test_more_work_items_than_sms_share_the_sms_evenly(backend):
 def test_the_split_heuristic_leaves_no_sm_idle_that_a_full_wave_would_use(backend, keys, splits):
     """Batch 1, 32 query heads over 8 KV heads at head_dim 128: one copy-engine block an SM (its shared
     memory), 8 work items a split on 132 SMs. 16 splits (128 items) is the fewest whose wave is within
-    5% of the best count's; FlashAttention-2's 85% took 14 (112) at 32k and 15 at 128k. Below that,
-    every split keeps MIN_KEYS_PER_SPLIT keys."""
+    5% of the best count's; FlashAttention-2's 85% took 14 (112) at 32k and 15 at 128k. Shorter
+    caches get fewer splits, each keeping MIN_KEYS_PER_SPLIT keys."""
     cache = (1, keys, 8, 128)
     hipattn.flash_attn_with_kvcache(**_call(q=lambda m, a: m.array((1, 1, 32, 128)), k_cache=lambda m, a: m.array(cache),
                                             v_cache=lambda m, a: m.array(cache),
