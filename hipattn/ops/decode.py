@@ -47,7 +47,8 @@ def choose_splits(problem: KvCacheProblem, tiles: decode.AttentionTiles, slots: 
     KV heads, query rows, the keys the rows can see) and the device's ``slots`` (blocks it runs at once:
     compute units x blocks per unit). Every split of a sequence does equal work, so the grid runs in
     waves of ``slots`` blocks: the count is the fewest splits whose last wave is nearly as full as
-    the best count's (FlashAttention-2's rule), each split keeping MIN_KEYS_PER_SPLIT keys."""
+    the best count's (FlashAttention-2's rule, with WAVE_EFFICIENCY tighter than its 85%), each split
+    keeping MIN_KEYS_PER_SPLIT keys."""
     if problem.num_splits:
         return problem.num_splits
     blocks = problem.batch * problem.heads_kv * row_chunks(problem, tiles)
