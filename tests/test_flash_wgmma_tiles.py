@@ -295,13 +295,28 @@ def test_kernel_layout_matches_the_launcher_bytes(family, table, layout_of):
 _SERIALISED = re.compile(r"\(C751\d\)[^\n]*")
 
 
+# Bytes ptxas (NVRTC 13.0) may spill in each family's shipped instantiations, plain and modified (score
+# modifiers, dropout, sinks). The forwards spill nothing. The dK/dV kernels form a tile's visibility
+# as a word of bits before its products and read the warpgroup index from lane 0, so that the operand
+# descriptors live in uniform registers: that spills at the 255-register bound (the wgmma kernel: 80
+# bytes at head_dim 64 with dQ, 32 modified at 128) and at the warp-specialised consumers' 240 (36 and
+# 76 bytes at head_dim 128 with dQ), and ran the 36 forward+backward cells timed on an H100 in
+# 0.80-1.01x the time of the form that spilled at most 24 (BENCHMARKS.md, 2026-12-07).
+_SPILL_BYTES = {
+    flash_forward.FLASH_FORWARD_WGMMA.name: {False: 0, True: 0},
+    flash_forward.FLASH_FORWARD_WARP_SPECIALISED.name: {False: 0, True: 0},
+    flash_backward.FLASH_BACKWARD_DKDV_WGMMA.name: {False: 80, True: 32},
+    flash_backward.FLASH_BACKWARD_DKDV_WARP_SPECIALISED.name: {False: 36, True: 76},
+}
+
+
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("family", [flash_forward.FLASH_FORWARD_WGMMA, flash_forward.FLASH_FORWARD_WARP_SPECIALISED,
                                     flash_backward.FLASH_BACKWARD_DKDV_WGMMA], ids=["forward", "specialised", "dkdv"])
-def test_no_shipped_instantiation_is_serialised_by_ptxas(family):
-    """Every bf16 instantiation (fp16 compiles to the same schedule), plain and modified (score
-    modifiers, sinks and dropout), through NVRTC with ptxas's report: no wgmma serialisation warning,
-    and no spills (the modified dK/dV kernel runs at the 255-register bound)."""
+def test_no_shipped_instantiation_is_serialised_by_ptxas_or_spills_past_its_allowance(family):
+    """Every bf16 instantiation (fp16 compiles to the same schedule), plain and modified, through NVRTC
+    with ptxas's report: no wgmma serialisation warning, and no more spill stores than the family's
+    allowance."""
     backend, target = nvrtc_backend(), Target.parse("sm_90a")
     specs = [spec for spec in family.shipped(target) if spec.arg("dtype") == "bf16"]
     assert {spec.arg(SCORE_MODS_PARAM) for spec in specs} == {False, True}
@@ -309,15 +324,7 @@ def test_no_shipped_instantiation_is_serialised_by_ptxas(family):
         log = compile_family(backend, family, target, spec, options=("--ptxas-options=-v",)).log
         assert not _SERIALISED.findall(log), f"{spec}: {_SERIALISED.findall(log)}"
         _, _, spill_stores, _ = ptxas_resources(log)
-        assert spill_stores == 0, f"{spec}: {log}"
-
-
-# Bytes ptxas may spill in the warp-specialised dK/dV kernel's shipped instantiations. Plain: its
-# producer's copy addresses at 24 registers (12 at head_dim 128, none at 96, compiled with the consumers'
-# code removed); its consumers, at 240, spill nothing. Modified (score modifiers, dropout, sinks): up to
-# 24 in all (NVRTC 13.0: 12 at head_dim 96 and 24 at 128 with dQ), the consumers' extra state at 240
-# registers, which the H200 timed faster than the wgmma kernel's that spills none.
-_DKDV_SPILL_BYTES = {False: 12, True: 24}
+        assert spill_stores <= _SPILL_BYTES[family.name][spec.arg(SCORE_MODS_PARAM)], f"{spec}: {log}"
 
 
 @pytest.mark.nvrtc
@@ -332,4 +339,4 @@ def test_warp_specialised_dkdv_kernel_is_not_serialised_and_spills_at_most_its_a
         assert not _SERIALISED.findall(log), f"{spec}: {_SERIALISED.findall(log)}"
         registers, _, spill_stores, _ = ptxas_resources(log)
         assert registers == 65536 // (3 * 128) // 8 * 8, "the launch bound caps every thread at entry"
-        assert spill_stores <= _DKDV_SPILL_BYTES[spec.arg(SCORE_MODS_PARAM)], f"{spec}: {log}"
+        assert spill_stores <= _SPILL_BYTES[family.name][spec.arg(SCORE_MODS_PARAM)], f"{spec}: {log}"

@@ -342,9 +342,9 @@ def dkdv_wgmma_tiles(score_mods: bool) -> dict[int, FlashDkdvWgmmaTiles]:
 # kernel's warpgroups use 244-254) and ran from 2% faster to 7% slower than it (slower in three of
 # four cells), and 64-query tiles 6-12% slower.
 # Its layout takes 128-query tiles and head_dim 64 all the same, for sweeps. The modified
-# instantiations (score modifiers, dropout, sinks) ship too: at 240 registers they spill 12-24 bytes
-# (the wgmma kernel's use 250-252 and spill none), and still took the head_dim-128 softcap, ALiBi and
-# dropout cells of the matrix 3-7% below the wgmma kernel's forward+backward time on the H200.
+# instantiations (score modifiers, dropout, sinks) ship too: they spill at 240 registers (as the wgmma
+# kernel's do at 255; tests/test_flash_wgmma_tiles.py bounds both), and took the head_dim-128 softcap,
+# ALiBi and dropout cells of the matrix 3-7% below the wgmma kernel's forward+backward time on the H200.
 FLASH_BACKWARD_DKDV_WARP_SPECIALISED_TILES: dict[int, FlashDkdvWarpSpecialisedTiles] = {
     96: FlashDkdvWarpSpecialisedTiles(),
     128: FlashDkdvWarpSpecialisedTiles(),

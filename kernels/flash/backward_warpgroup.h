@@ -36,6 +36,7 @@
 #include "common/score_mods.h"
 #include "common/wgmma_nvidia.h"
 #include "flash/backward_common.h"
+#include "flash/tile_visibility.h"
 
 namespace hipattn {
 namespace flash {
@@ -90,20 +91,22 @@ struct KeepBitsWord<true> {
 };
 
 // Pᵀ of a warpgroup's 64 keys x its queries, from Sᵀ in the accumulators (this lane's keys `key` and
-// key + 8; its queries m0 + 8n + 2t and the next, for query tile n): P = exp2(score - LSE), 0 where the
-// pair is not visible (by selection: a stale NaN is discarded, never multiplied). Pᵀ goes to `p_packed`
-// in T, the A operand of dV += Pᵀ dO; `s` keeps P times d(score)/d(s), what dSᵀ needs of the entry (no
-// array of gradients stays live). A functor for Scores::visit: with modifiers, the softcap's presence
-// is one branch around the tile, so that ALiBi alone forms no tanh (a branch per score if-converts into
+// key + 8; its queries m0 + 8n + 2t and the next, for query tile n): P = exp2(score - LSE), then 0
+// where the pair is not visible (`visible`, transposed_visible_bits' word; by selection: a stale NaN is
+// overwritten, never multiplied). The exponentials stay straight-line in every tile: a test around
+// each compiled into a branch per entry, unmasked tiles included. Pᵀ goes to `p_packed` in T, the A
+// operand of dV += Pᵀ dO; `s` keeps P times d(score)/d(s), what dSᵀ needs of the entry (no array of
+// gradients stays live). A functor for Scores::visit: with modifiers, the softcap's presence is one
+// branch around the tile, so that ALiBi alone forms no tanh (a branch per score if-converts into
 // forming both).
-template <typename T, int Q_TILES>
+template <typename T, int Q_TILES, typename Bits>
 struct TransposedProbabilities {
   float (&s)[Q_TILES][4];
   unsigned int (&p_packed)[Q_TILES][2];
   const float* lse_slot;  // the tile's LSE, one per query
   bool masked;            // some pair of the tile may be invisible
-  int key, m0, t, len_q, len_k, diagonal;
-  KeyWindow window;
+  Bits visible;           // with `masked`: which are visible
+  int key, m0, t, diagonal;
 
   template <typename Score>
   HIPATTN_DEVICE void operator()(const Score& score) const {
@@ -117,17 +120,24 @@ struct TransposedProbabilities {
       float probability[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int query = m0 + column + (e & 1);
-        const int row_key = key + 8 * (e / 2);
-        const bool visible =
-            !masked || (query < len_q && row_key < len_k && key_in_window(query, row_key, diagonal, window));
         const float offset = base + static_cast<float>(8 * (e / 2) - 8 * n - (e & 1));
         float gradient = 1.0f;  // d(score)/d(scaled dot product), dSᵀ's factor: 1 but with softcap
-        probability[e] = visible ? fast_exp2(score(s[n][e], offset, gradient) - lse_log2[e & 1]) : 0.0f;
+        probability[e] = fast_exp2(score(s[n][e], offset, gradient) - lse_log2[e & 1]);
         s[n][e] = probability[e] * gradient;
       }
       p_packed[n][0] = mma::pack2<T>(probability[0], probability[1]);  // key row g
       p_packed[n][1] = mma::pack2<T>(probability[2], probability[3]);  // key row g + 8
+    }
+    if (masked) {
+      unsigned int mask[2 * Q_TILES];
+      m16n8_masks(visible, mask);  // pair 2n + r: the visibility of p_packed[n][r]
+#pragma unroll
+      for (int n = 0; n < Q_TILES; ++n) {
+        p_packed[n][0] &= mask[2 * n];
+        p_packed[n][1] &= mask[2 * n + 1];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = ((visible >> (4 * n + e)) & 1u) != 0u ? s[n][e] : 0.0f;
+      }
     }
   }
 };
@@ -186,7 +196,9 @@ struct KeyBlockWarpgroup {
                                    int first_head, unsigned int thread)
       : p(params), at(tiles), batch_index(batch), len_q(seq_q.length), len_k(keys_len),
         diagonal(keys_len - seq_q.length), query_start(static_cast<int>(seq_q.start)), window(key_window(params)) {
-    warpgroup = thread / 128;
+    // Read from lane 0, so that the compiler knows it is the same over the warp: the descriptors and
+    // offsets formed from it then live in uniform registers, which the wgmmas read.
+    warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(thread / 128), 0);
     warp = (thread / 32) % 4;  // within the warpgroup
     lane = thread % 32;
     g = lane / 4;  // accumulator rows g and g + 8 of the warp's 16
@@ -243,6 +255,14 @@ struct KeyBlockWarpgroup {
     const int q0 = m0 + own_first_query;  // the warpgroup's first query
     const KeepBits kept_bits = static_cast<KeepBits>(
         dropout.active() ? dropout.template transposed_m16n8_bits<kQTiles>(key, q0, t) : ~0ull);
+    // The tile needs the mask when it reaches past either sequence or past a side of the window: its
+    // first row's last key or its last row's first key lies outside. Its entries' visibility is formed
+    // here too, before the products are issued, where its bounds cost no registers that Sᵀ needs.
+    const bool masked = q0 + kOwnQueries > len_q || own_n0 + 64 > len_k ||
+                        !key_in_window(q0, own_n0 + 63, diagonal, window) ||
+                        !key_in_window(q0 + kOwnQueries - 1, own_n0, diagonal, window);
+    const KeepBits visible =
+        masked ? transposed_visible_bits<KeepBits, kQTiles>(key, q0, t, len_q, len_k, diagonal, window) : ~KeepBits{0};
     const int score_bytes = score_offset * static_cast<int>(sizeof(T));
 
     // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, 64 keys x the warpgroup's queries, two groups ----
@@ -261,17 +281,12 @@ struct KeyBlockWarpgroup {
                                     wgmma::advance(do_rows, slot * kSlotBytes + wgmma::k_major_step<kBlockM>(ks)),
                                     ks > 0);
     wgmma::commit();
-    // ---- Pᵀ, while dPᵀ is in flight. The warpgroup's tile needs the mask when it reaches past either
-    // sequence or past a side of the window: its first row's last key or its last row's first key lies
-    // outside. ----
+    // ---- Pᵀ, while dPᵀ is in flight ----
     wgmma::wait<1>();
     wgmma::pin(s);
-    const bool masked = q0 + kOwnQueries > len_q || own_n0 + 64 > len_k ||
-                        !key_in_window(q0, own_n0 + 63, diagonal, window) ||
-                        !key_in_window(q0 + kOwnQueries - 1, own_n0, diagonal, window);
     unsigned int p_packed[kQTiles][2];  // Pᵀ in T: the A operand of dV += Pᵀ dO
-    scores.visit(TransposedProbabilities<T, kQTiles>{s, p_packed, lse_slot + own_first_query, masked, key, q0, t,
-                                                     len_q, len_k, diagonal, window});
+    scores.visit(TransposedProbabilities<T, kQTiles, KeepBits>{s, p_packed, lse_slot + own_first_query, masked,
+                                                               visible, key, q0, t, diagonal});
     // Dropout, one branch per tile (selects per entry, which ptxas if-converts, ran with dropout off
     // too, and cost the modified kernel 3-4% on the H200): dV takes the kept probabilities, their
     // 1 / (1 - dropout_p) applied to dV once in the epilogue; a dropped entry's s is negated, which
