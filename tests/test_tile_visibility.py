@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from support.emulation import RUNTIME_DIR, RUNTIME_HEADER, compiler, needs_compiler
+from support.emulation import EMULATED_ARCHS, RUNTIME_DIR, RUNTIME_HEADER, compiler, needs_compiler
 
 from hipattn.jit.sources import kernels_dir
 
@@ -20,9 +20,11 @@ CHECK_PROGRAM = Path(__file__).parent / "support" / "tile_visibility_check.cpp"
 
 def test_every_bit_of_the_visibility_word_follows_the_mask_rule(tmp_path):
     program = tmp_path / "tile_visibility_check"
-    subprocess.run([compiler(), "-std=c++17", "-O1", "-DHIPATTN_EMULATION", "-DHIPATTN_EMULATED_NVIDIA",
-                    "-include", str(RUNTIME_HEADER), f"-I{kernels_dir()}", f"-I{RUNTIME_DIR}", str(CHECK_PROGRAM),
-                    "-o", str(program)], check=True, capture_output=True, text=True)
+    # Built as the emulated sm_80's kernels are, so that platform.h takes NVIDIA's branches.
+    built = subprocess.run([compiler(), "-std=c++17", "-O1", *EMULATED_ARCHS["sm_80"].defines,
+                            "-include", str(RUNTIME_HEADER), f"-I{kernels_dir()}", f"-I{RUNTIME_DIR}",
+                            str(CHECK_PROGRAM), "-o", str(program)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
     done = subprocess.run([str(program), "200000", "2026"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
     # Three tile widths (4, 8 and 16 query tiles, four entries each) per random draw.
