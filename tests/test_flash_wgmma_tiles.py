@@ -90,10 +90,10 @@ def test_every_warp_specialised_row_fits_hopper(table):
 
 
 def test_warp_specialised_shared_bytes_formula():
-    # head_dim 128, 128-key tiles, two consumers, two stages: Q (128 rows), two K and two V slots (128 rows
-    # each), 2 bytes; then nine 8-byte mbarriers (Q's, and four per slot).
+    # head_dim 128, 128-key tiles, two consumers, two stages: two Q slots (128 rows each), two K and two V
+    # slots (128 rows each), 2 bytes; then twelve 8-byte mbarriers (two per Q slot, four per K/V slot).
     tiles = flash_forward.FlashForwardWarpSpecialisedTiles(block_n=128, consumers=2, stages=2)
-    assert tiles.shared_bytes(128) == (128 + 4 * 128) * 128 * 2 + 8 * 9
+    assert tiles.shared_bytes(128) == (2 * 128 + 4 * 128) * 128 * 2 + 8 * 12
     assert tiles.shared_bytes(96) == tiles.shared_bytes(128), "head_dim 96 is stored in whole swizzle blocks"
 
 

@@ -20,6 +20,7 @@ from hipattn.device_array import contiguous_strides
 from hipattn.jit.cache import DiskCache
 from hipattn.jit.registry import Registry
 from hipattn.ops import decode as decode_ops
+from hipattn.ops import persistent
 
 
 class H200(HopperWithMaps):
@@ -170,7 +171,7 @@ def test_the_split_heuristic_leaves_no_sm_idle_that_a_full_wave_would_use(backen
 @pytest.mark.parametrize("items, slots, blocks", [(4096, 264, 256), (512, 264, 256), (265, 264, 133),
                                                    (264, 264, 264), (100, 264, 100)])
 def test_a_persistent_grid_is_the_fewest_blocks_that_finish_in_a_full_grids_rounds(items, slots, blocks):
-    assert decode_ops.persistent_blocks(items, slots) == blocks
+    assert persistent.persistent_blocks(items, slots) == blocks
     rounds = -(-items // slots)
     assert (rounds - 1) * blocks < items <= rounds * blocks, "every block walks rounds or rounds - 1 items"
 

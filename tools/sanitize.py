@@ -171,6 +171,11 @@ class Case:
     families: tuple[str, ...] = field(default=())
 
 
+# A flash forward case's kernel that is the device's own on a grid of PERSISTENT_BLOCKS blocks, each walking
+# many of the call's work items (the warp-specialised kernel's, on sm_90a).
+PERSISTENT_KERNEL = "persistent"
+PERSISTENT_BLOCKS = 2
+
 # The forward rows a case's kernel names instead of the device's own (FORWARD_TILES_OF_KERNEL[kernel][head_dim]).
 FORWARD_TILES_OF_KERNEL = {"mma.sync": flash_forward_catalog.FLASH_FORWARD_MMA_TILES,
                            "fa2-class wgmma": flash_forward_catalog.FLASH_FORWARD_WGMMA_TILES}
@@ -304,8 +309,10 @@ def build_cases(quick: bool = False) -> list[Case]:
     for flash_q, flash_k, base in _flash_configurations("flash_forward", [0, 1, 70, 33], [5, 64, 0, 40], quick):
         dtype, head_dim, hq, hkv = base["dtype"], base["head_dim"], base["heads_q"], base["heads_kv"]
         for causal in (False, True):
-            # The FA2-class wgmma forward, which H100/H200 run for arrays without tensor maps, at every head_dim.
-            for kernel in ("device", "mma.sync", "fa2-class wgmma"):
+            # The FA2-class wgmma forward, which H100/H200 run for arrays without tensor maps, at every head_dim;
+            # and the warp-specialised one on a persistent grid of two blocks that walk every item.
+            walks = head_dim in flash_forward_catalog.FLASH_FORWARD_WARP_SPECIALISED_TILES
+            for kernel in ("device", "mma.sync", "fa2-class wgmma") + (PERSISTENT_KERNEL,) * walks:
                 cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid causal={causal} kernel={kernel}",
                                   cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal, kernel=kernel, **base))
                 cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid window (20, 7) causal={causal} "
@@ -550,7 +557,8 @@ def run_flash_forward(runner: Runner, case: Case) -> None:
         stream = resolve_stream((qa, ka, va), None, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
                       stream, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka, dropout_seed=seed,
-                      tiles=FORWARD_TILES_OF_KERNEL.get(case.kernel, {}).get(case.head_dim))
+                      tiles=FORWARD_TILES_OF_KERNEL.get(case.kernel, {}).get(case.head_dim),
+                      blocks=PERSISTENT_BLOCKS if case.kernel == PERSISTENT_KERNEL else None)
     # The flash kernels pass max_seqlen as their tile (no tile limit of their own).
     rows_q = rows_a_kernel_may_write(case.cu_seqlens_q, None, BATCH, case.max_seqlen_q, case.total_q, case.max_seqlen_q)
     runner.check_outputs({

@@ -121,7 +121,8 @@ class FlashForwardWgmmaTiles(WarpgroupTiles):
 class FlashForwardWarpSpecialisedTiles(KernelTiles):
     """The warp-specialised wgmma forward's BLOCK_N, CONSUMERS, STAGES and PING_PONG (sm_90a): one
     producer warpgroup stages Q, K and V, and ``consumers`` warpgroups of 64 query rows compute on them,
-    taking turns at the tensor cores when ``ping_pong``."""
+    taking turns at the tensor cores when ``ping_pong``. Its blocks walk work items (``walks_items``),
+    so a persistent grid can launch it (ops.flash.forward_grid)."""
 
     block_n: int  # keys per tile of the inner loop: one wgmma's N for S (64 or 128)
     consumers: int  # computing warpgroups, 64 query rows each
@@ -129,6 +130,7 @@ class FlashForwardWarpSpecialisedTiles(KernelTiles):
     ping_pong: bool = True  # the consumers issue their products in turn (two consumers at least)
 
     family = FLASH_FORWARD_WARP_SPECIALISED
+    walks_items = True
 
     @property
     def block_m(self) -> int:
@@ -143,10 +145,11 @@ class FlashForwardWarpSpecialisedTiles(KernelTiles):
         return {"q": self.block_m, "k": self.block_n, "v": self.block_n}
 
     def shared_bytes(self, head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
-        """flash::WarpSpecialisedForwardTiles<...>::kBytes: the FA2-class wgmma forward's tiles, then the
-        ring's mbarriers (Q's, and four per slot)."""
-        rows = self.block_m + 2 * self.stages * self.block_n
-        return rows * wgmma_row_elements(head_dim) * element_bytes + MBARRIER_BYTES * (1 + 4 * self.stages)
+        """flash::WarpSpecialisedForwardTiles<...>::kBytes: two Q slots (a persistent block copies the
+        next item's Q while this one's output leaves through the other), the K and V slots as the
+        FA2-class wgmma forward's, then the mbarriers (two per Q slot, four per K/V slot)."""
+        rows = 2 * self.block_m + 2 * self.stages * self.block_n
+        return rows * wgmma_row_elements(head_dim) * element_bytes + MBARRIER_BYTES * (4 + 4 * self.stages)
 
 
 @dataclass(frozen=True)

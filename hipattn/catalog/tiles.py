@@ -24,6 +24,10 @@ class KernelTiles(ABC):
     """A tile row (subclasses are frozen dataclasses whose fields are the kernel's template arguments,
     unless they say otherwise in ``template_args``). ``threads`` is a block's thread count."""
 
+    # Whether the kernel's blocks walk work items blockIdx.x, + gridDim.x, ..., so that its launcher
+    # may run fewer blocks than items (a persistent grid); otherwise a block takes one item.
+    walks_items = False
+
     @property
     @abstractmethod
     def family(self) -> KernelFamily:

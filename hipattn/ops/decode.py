@@ -17,6 +17,7 @@ from ..device_array import DeviceArray
 from ..kvcache_problem import KvCacheCall, KvCacheProblem
 from ..problem import BSHD
 from .fields import kernel_window_side, put_absent_tensor, put_tensor, score_mod_fields
+from .persistent import persistent_blocks
 from .tensor_map_fields import has_tensor_maps, tensor_map_fields
 
 # The split heuristic (choose_splits) gives no split fewer keys than this: below it, a block's pipeline
@@ -146,16 +147,6 @@ def device_slots(problem: KvCacheProblem, tiles: decode.AttentionTiles) -> int:
     """Blocks of ``tiles`` the call's device runs at once."""
     active = runtime.active()
     return active.compute_units(problem.device) * tiles.blocks_per_unit(active.target(problem.device), problem.head_dim)
-
-
-def persistent_blocks(items: int, slots: int) -> int:
-    """The persistent grid for ``items`` equal work items on ``slots`` block slots: as many rounds as a
-    full grid takes, and the fewest blocks that still finish in them, so that every block walks the
-    same number of items (give or take one). A full grid would leave the items of the last round to a
-    few blocks while the rest sit idle, and a few blocks cannot keep the memory system busy: 4,096
-    items on 264 slots are 16 items for 136 blocks and 15 for 128, where 256 blocks take 16 each."""
-    rounds = -(-items // slots)
-    return -(-items // rounds)
 
 
 def attention_plan(call: KvCacheCall) -> tuple[decode.AttentionTiles, int]:

@@ -19,8 +19,9 @@ from ..catalog.common import FLASH_HEAD_DIMS
 from ..catalog.flash_forward import FlashForwardTiles
 from ..catalog.targets import check_grid, runs_amd_mfma, runs_nvidia_mma
 from ..jit.spec import KernelSpec
-from ..problem import Problem
+from ..problem import BSHD, Problem
 from .fields import forward_fields
+from .persistent import persistent_blocks
 from .tensor_map_fields import maps_or_fallback
 
 
@@ -42,21 +43,43 @@ def _launch_of(tiles: FlashForwardTiles, dtype: str, head_dim: int, score_mods: 
 
 
 def grid_blocks(problem: Problem, block_m: int) -> int:
-    """Query tiles of ``block_m`` rows for max_seqlen_q, times batch, times query heads: grid.x."""
+    """Query tiles of ``block_m`` rows for max_seqlen_q, times batch, times query heads: the work
+    items, and grid.x where a block takes one."""
     return -(-problem.max_seqlen_q // block_m) * problem.batch * problem.heads_q
+
+
+def items_cost_the_same(problem: Problem, seqused_q, seqused_k) -> bool:
+    """Whether every work item of ``problem`` visits the same keys (bar a sequence's partial last query
+    tile): a batch of equal sequences (no cu_seqlens, no seqused) with neither a causal mask nor a
+    window. A persistent grid, whose blocks walk items in a fixed stride, is then as balanced as the
+    hardware's scheduling of one block per item; where items differ, the hardware's is kept."""
+    return (problem.layout == BSHD and seqused_q is None and seqused_k is None
+            and problem.window_left < 0 and problem.window_right < 0)
+
+
+def forward_grid(problem: Problem, tiles: FlashForwardTiles, equal_items: bool, compute_units: int) -> int:
+    """grid.x for ``tiles``' kernel: a block per work item, or, for a kernel whose blocks walk items
+    (``walks_items``) when they cost the same, persistent blocks over the device's ``compute_units``
+    (one block each: the kernel's tiles fill an SM)."""
+    items = grid_blocks(problem, tiles.block_m)
+    if not (equal_items and tiles.walks_items):
+        return items
+    return persistent_blocks(items, compute_units)
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None, alibi_slopes=None, dropout_seed=None, learnable_sink=None,
-            tiles: FlashForwardTiles | None = None) -> None:
-    """Enqueue O and LSE: one block per (query tile, sequence, query head).
+            tiles: FlashForwardTiles | None = None, blocks: int | None = None) -> None:
+    """Enqueue O and LSE: a work item per (query tile, sequence, query head), a block per item or, on the
+    warp-specialised kernel where items cost the same, persistent blocks that walk them (forward_grid).
 
     Rows beyond a sequence's length are not written (as flash-attn). A row that sees no key gets
     O = 0 and LSE = +inf. ``dropout_seed``: the seed array of a call with dropout (hipattn.dropout);
     ``learnable_sink``: fp32 [Hq] sink logits, or None.
     ``tiles`` overrides the table row for head_dim, and with it the kernel
     (tools/bench_flash.py sweeps tiles this way, and times mma.sync against wgmma on one device);
-    the default is the row the device's target runs (catalog.flash_forward.tiles_for).
+    the default is the row the device's target runs (catalog.flash_forward.tiles_for). ``blocks``
+    overrides the grid of a kernel whose blocks walk items (tests run few blocks over many items).
     """
     reason = ineligibility(problem, "forward")
     if reason is not None:
@@ -66,15 +89,19 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     chosen = tiles is None
     if chosen:
         tiles = flash_forward.tiles_for(problem.head_dim, target, score_mods=problem.score_mods)
-    blocks = grid_blocks(problem, tiles.block_m)
-    if blocks == 0:
+    if grid_blocks(problem, tiles.block_m) == 0:
         return  # batch 0 or max_seqlen_q 0: nothing to write
     tiles, map_fields = maps_or_fallback(
         active, problem.layout, {"q": q, "k": k, "v": v}, tiles, chosen, "flash forward",
         lambda: flash_forward.tiles_for(problem.head_dim, target, tensor_maps=False))
-    blocks = grid_blocks(problem, tiles.block_m)
     threads = tiles.threads
-    check_grid(target, blocks, threads, "query tiles x sequences x heads")
+    check_grid(target, grid_blocks(problem, tiles.block_m), threads, "query tiles x sequences x heads")
+    if blocks is None:
+        blocks = forward_grid(problem, tiles, items_cost_the_same(problem, seqused_q, seqused_k),
+                              active.compute_units(problem.device))
+    elif not tiles.walks_items or blocks < 1:
+        raise ValueError(f"flash forward: blocks={blocks} needs a kernel whose blocks walk work items and at "
+                         f"least one block; {type(tiles).__name__} takes one item per block")
     spec, shared = _launch_of(tiles, problem.dtype, problem.head_dim, problem.score_mods)
     kernel = active.kernel(spec, problem.device)
     kernel.reserve_dynamic_shared_memory(shared)

@@ -32,8 +32,17 @@ struct ForwardBlock {
   const void* v;
 };
 
-// The block's problem: the query tile varies fastest over blockIdx.x, heaviest (last) first.
-// `empty` blocks (tile past the sequence's length) return before any barrier.
+// The work items of a forward: query tiles of BLOCK_M rows for max_seqlen_q, times sequences, times
+// query heads (the host's grid for one item per block: hipattn/ops/flash.py, grid_blocks).
+template <int BLOCK_M>
+HIPATTN_DEVICE unsigned int forward_items(const FlashForwardParams& p) {
+  const unsigned int m_blocks = static_cast<unsigned int>((p.max_seqlen_q + BLOCK_M - 1) / BLOCK_M);
+  return m_blocks * static_cast<unsigned int>(p.batch) * static_cast<unsigned int>(p.heads_q);
+}
+
+// Work item `item`'s problem (a block's blockIdx.x, or one of the items a persistent block walks):
+// the query tile varies fastest, heaviest (last) first. An `empty` item (tile past the sequence's
+// length) has nothing to compute or store; a block skips it before any barrier.
 //
 // Tiles are counted from the sequence's start, or with END_ALIGNED from its end, so that a partial
 // tile (len_q not a multiple of BLOCK_M) holds the first rows rather than the last. Its cost is then
@@ -41,11 +50,11 @@ struct ForwardBlock {
 // S = 1024 and 192-row tiles, a third of the causal work went to such padding), and without a mask
 // the same.
 template <typename T, int BLOCK_M, int BLOCK_N, bool END_ALIGNED = false>
-HIPATTN_DEVICE ForwardBlock forward_block(const FlashForwardParams& p, bool& empty) {
+HIPATTN_DEVICE ForwardBlock forward_block(const FlashForwardParams& p, unsigned int item, bool& empty) {
   ForwardBlock b;
   const int m_blocks = (p.max_seqlen_q + BLOCK_M - 1) / BLOCK_M;
-  const unsigned int problem = blockIdx.x / static_cast<unsigned int>(m_blocks);
-  const int from_last = static_cast<int>(blockIdx.x % static_cast<unsigned int>(m_blocks));  // 0: the last rows
+  const unsigned int problem = item / static_cast<unsigned int>(m_blocks);
+  const int from_last = static_cast<int>(item % static_cast<unsigned int>(m_blocks));  // 0: the last rows
   b.head = static_cast<int>(problem % static_cast<unsigned int>(p.heads_q));
   b.batch_index = static_cast<int>(problem / static_cast<unsigned int>(p.heads_q));
   b.head_kv = b.head / (p.heads_q / p.heads_kv);

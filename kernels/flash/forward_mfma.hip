@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 64) flash_forward_mfma(const Fl
 
   // ---- which (query tile, sequence, head), and the keys its rows see (flash/forward_block.h) ----
   bool empty;
-  const flash::ForwardBlock b = flash::forward_block<T, BLOCK_M, BLOCK_N>(p, empty);
+  const flash::ForwardBlock b = flash::forward_block<T, BLOCK_M, BLOCK_N>(p, blockIdx.x, empty);
   if (empty) return;  // uniform over the block, before any barrier
   const int len_q = b.seq_q.length;
   const int len_k = b.seq_k.length;

@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2 / M_TILES) flash_forward_mma(const
   T* const shared = reinterpret_cast<T*>(shared_bytes);
 
   bool empty;
-  const flash::ForwardBlock b = flash::forward_block<T, BLOCK_M, BLOCK_N>(p, empty);
+  const flash::ForwardBlock b = flash::forward_block<T, BLOCK_M, BLOCK_N>(p, blockIdx.x, empty);
   if (empty) return;  // uniform over the block, before any barrier
   const int len_q = b.seq_q.length;
   const int len_k = b.seq_k.length;

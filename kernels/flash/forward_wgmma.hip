@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS) flash_forward_wgmma(const Fl
 
   bool empty;
   // Tiles counted from the sequence's end: 192-row tiles leave a partial one at most lengths.
-  const flash::ForwardBlock b = flash::forward_block<T, kBlockM, BLOCK_N, true>(p, empty);
+  const flash::ForwardBlock b = flash::forward_block<T, kBlockM, BLOCK_N, true>(p, blockIdx.x, empty);
   if (empty) return;  // uniform over the block, before any barrier
   const int len_k = b.seq_k.length;
   T* const q_tile = shared;

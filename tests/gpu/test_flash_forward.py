@@ -33,15 +33,16 @@ LENGTHS_Q = [0, 1, 17, 18, 1000, 65, 200, 129, 5, 333, 40]
 LENGTHS_K = [9, 1, 18, 17, 1000, 63, 129, 200, 0, 40, 333]
 
 
-def flash_forward(q, k, v, out, lse, *, stream=None, tiles=None, **call):
+def flash_forward(q, k, v, out, lse, *, stream=None, tiles=None, blocks=None, **call):
     """What attention.forward does, with ops.flash.forward in place of dispatch's choice. ``call``:
-    describe_call's keyword arguments; ``tiles`` picks a kernel other than the device's own."""
+    describe_call's keyword arguments; ``tiles`` picks a kernel other than the device's own, ``blocks``
+    the grid of a kernel whose blocks walk work items."""
     (qa, ka, va), sequences, problem = gpu.describe_call(q, k, v, **call)
     assert tuple(lse.shape) == problem_mod.lse_shape(problem)
     with on_device(get_backend(), problem.device):
         launch_stream = resolve_stream((qa, ka, va), stream, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
-                      launch_stream, tiles=tiles, **sequences)
+                      launch_stream, tiles=tiles, blocks=blocks, **sequences)
     return problem
 
 
@@ -98,7 +99,7 @@ def _check(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, case, window=
 
 
 def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal, rng, *, bound_slack=0,
-                 tail_rows=0, tiles=None, case="", window=(-1, -1), softcap=0.0, alibi=None):
+                 tail_rows=0, tiles=None, blocks=None, case="", window=(-1, -1), softcap=0.0, alibi=None):
     """THD with cu_seqlens; `tail_rows` extra rows past the last sequence must stay untouched."""
     cu_q, cu_k = gpu.cumulative(lengths_q), gpu.cumulative(lengths_k)
     t = gpu.TORCH_DTYPE[dtype]
@@ -111,7 +112,8 @@ def _varlen_case(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causa
     flash_forward(q, k, v, out, lse, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                   cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
                   max_seqlen_q=max(lengths_q, default=0) + bound_slack,
-                  max_seqlen_k=max(lengths_k, default=0) + bound_slack, causal=causal, tiles=tiles, window_size=window,
+                  max_seqlen_k=max(lengths_k, default=0) + bound_slack, causal=causal, tiles=tiles, blocks=blocks,
+                  window_size=window,
                   softcap=softcap, alibi_slopes=alibi)
     torch.cuda.synchronize()
     nq, nk = cu_q[-1], cu_k[-1]
@@ -154,10 +156,52 @@ def _hopper_rows_not_picked() -> list:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim,tiles", _hopper_rows_not_picked())
 def test_the_hopper_kernels_a_call_does_not_pick_match_float64(head_dim, tiles, causal, rng):
-    if not runs_nvidia_wgmma(runtime.active().target(torch.cuda.current_device())):
-        pytest.skip("the wgmma kernels run on sm_90a (H100, H200) only")
+    _needs_wgmma()
     _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, "bf16", causal, rng, tail_rows=3, tiles=tiles,
                  case=f"{tiles} causal={causal}")
+
+
+def _needs_wgmma() -> None:
+    if not runs_nvidia_wgmma(runtime.active().target(torch.cuda.current_device())):
+        pytest.skip("the wgmma kernels run on sm_90a (H100, H200) only")
+
+
+@pytest.mark.parametrize("softcap,alibi", [(0.0, None), (30.0, "sequences")], ids=["plain", "softcap-alibi"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("blocks", [1, 3, 7])
+@pytest.mark.parametrize("head_dim", sorted(FLASH_FORWARD_WARP_SPECIALISED_TILES))
+def test_a_few_persistent_blocks_walk_every_item(head_dim, blocks, causal, softcap, alibi, rng):
+    """The warp-specialised kernel's blocks walk work items blockIdx.x, + gridDim.x, ...: a grid of a few
+    blocks over a varlen call's 352 items (empty ones, rows that see no key, partial tiles, Q longer and
+    shorter than KV), so that its K/V ring and the consumers' turns run on across items and its two Q
+    slots alternate; plain and modified instantiations."""
+    _needs_wgmma()
+    _varlen_case(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, "bf16", causal, rng, tail_rows=3, blocks=blocks,
+                 softcap=softcap, alibi=gpu.alibi_slopes(alibi, len(LENGTHS_Q), 4),
+                 case=f"d{head_dim} blocks={blocks} causal={causal} softcap={softcap} alibi={alibi}")
+
+
+@pytest.mark.parametrize("head_dim", sorted(FLASH_FORWARD_WARP_SPECIALISED_TILES))
+def test_a_batch_of_equal_sequences_runs_on_a_persistent_grid(head_dim, rng):
+    """A non-causal BSHD call with more items than SMs: the device's grid is persistent (fewer blocks than
+    items, each walking the same number give or take one), and every row is right."""
+    _needs_wgmma()
+    batch, seqlen, heads = 3, 1000, 16
+    q, k, v = gpu.bshd_inputs(batch, seqlen, seqlen, heads, 4, head_dim, "bf16", rng)
+    out = gpu.poisoned(q.shape, q.dtype)
+    lse = gpu.poisoned((batch, heads, seqlen), torch.float32)
+    problem = flash_forward(q, k, v, out, lse)
+    tiles = FLASH_FORWARD_WARP_SPECIALISED_TILES[head_dim]
+    items = flash.grid_blocks(problem, tiles.block_m)
+    units = runtime.active().compute_units(problem.device)
+    grid = flash.forward_grid(problem, tiles, True, units)
+    assert items > units and grid <= units and -(-items // grid) == -(-items // units)
+    torch.cuda.synchronize()
+    lengths = [seqlen] * batch
+    thd = [gpu.rows_of_each_sequence(x, lengths) for x in (out, q, k, v)]
+    _check(thd[0], gpu.rows_of_each_sequence(lse, lengths, dim=1), *thd[1:], gpu.cumulative(lengths),
+           gpu.cumulative(lengths), causal=False, scale=1.0 / math.sqrt(head_dim), dtype="bf16",
+           case=f"persistent bshd d{head_dim}")
 
 
 # flash-attn's sliding windows (-1: no bound on that side): a long left side with none on the right,
