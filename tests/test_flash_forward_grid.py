@@ -1,7 +1,8 @@
 """The flash forward's grid on Hopper, no GPU: the warp-specialised kernel's blocks walk work items, so
-where every item costs the same its launcher runs a persistent grid over the SMs (ops.flash.forward_grid);
-where items differ, or the kernel takes one item per block, a block per item. Launches are recorded by a
-fake sm_90a backend with 132 SMs (tests/support/fake_backend.py)."""
+in a batch of equal sequences its launcher runs a persistent grid over the SMs (ops.flash.forward_grid),
+its blocks taking single items, or under a causal mask or window pairs of query tiles from both ends;
+where sequences differ, or the kernel takes one item per block, a block per item. Launches are recorded
+by a fake sm_90a backend with 132 SMs (tests/support/fake_backend.py)."""
 
 from __future__ import annotations
 
@@ -62,18 +63,33 @@ def test_equal_items_run_on_the_fewest_blocks_that_finish_in_a_full_grids_rounds
     items = -(-1000 // BLOCK_M) * 4 * 16
     assert b"flash_forward_warp_specialised<" in name
     assert grid == persistent_blocks(items, SMS) == 128 and items == 512
+    assert hopper.launches[0][5].pair_query_tiles == 0
 
 
-@pytest.mark.parametrize("call", [{"causal": True}, {"window_size": (256, -1)}, {"window_size": (-1, 100)},
-                                  {"varlen": True}], ids=["causal", "left-window", "right-window", "varlen"])
-def test_items_of_different_costs_get_a_block_each(hopper, call):
+@pytest.mark.parametrize("call", [{"causal": True}, {"window_size": (256, -1)}, {"window_size": (-1, 100)}],
+                         ids=["causal", "left-window", "right-window"])
+def test_masked_items_run_persistent_in_pairs_of_query_tiles(hopper, call):
+    """Under a causal mask or a window a query tile's cost depends on where it sits: the blocks take a
+    head's tiles in pairs from both ends (8 tiles: 4 pairs per head), each pair costing the same."""
     _forward(**call)
-    assert _launched(hopper)[1] == 8 * 4 * 16
+    ((_, grid, _, _, _, params),) = hopper.launches
+    pairs = 4 * 4 * 16
+    assert grid[0] == persistent_blocks(pairs, SMS) == 128 and params.pair_query_tiles == 1
 
 
-def test_seqused_gives_items_different_costs(hopper):
-    _forward(seqused_k=raw_array(0x30_0000_0000, (4,), "int32", 0))
-    assert _launched(hopper)[1] == 8 * 4 * 16
+def test_an_odd_tile_count_rounds_the_pairs_up(hopper):
+    _forward(seqlen=5 * BLOCK_M - 3, causal=True)
+    ((_, grid, _, _, _, _),) = hopper.launches
+    assert grid[0] == persistent_blocks(3 * 4 * 16, SMS)
+
+
+@pytest.mark.parametrize("call", [{"varlen": True}, {"varlen": True, "causal": True},
+                                  {"seqused_k": raw_array(0x30_0000_0000, (4,), "int32", 0)}],
+                         ids=["varlen", "varlen-causal", "seqused"])
+def test_sequences_of_different_lengths_get_a_block_per_item(hopper, call):
+    _forward(**call)
+    ((_, grid, _, _, _, params),) = hopper.launches
+    assert grid[0] == 8 * 4 * 16 and params.pair_query_tiles == 0
 
 
 def test_fewer_items_than_sms_get_a_block_each(hopper):
@@ -88,9 +104,11 @@ def test_the_fa2_class_kernel_takes_one_item_per_block(hopper):
     assert b"flash_forward_wgmma<" in name and grid == -(-1000 // FLASH_FORWARD_WGMMA_TILES[128].block_m) * 4 * 16
 
 
-def test_a_grid_asked_for_is_the_grid_launched(hopper):
-    _forward(causal=True, blocks=3)
-    assert _launched(hopper)[1] == 3
+@pytest.mark.parametrize("call,paired", [({"causal": True}, 1), ({}, 0), ({"varlen": True, "causal": True}, 0)],
+                         ids=["causal", "unmasked", "varlen"])
+def test_a_grid_asked_for_is_the_grid_launched_with_the_calls_schedule(hopper, call, paired):
+    _forward(blocks=3, **call)
+    assert _launched(hopper)[1] == 3 and hopper.launches[0][5].pair_query_tiles == paired
 
 
 @pytest.mark.parametrize("blocks,strides", [(0, None), (3, (0, 16 * 128, 128, 1))], ids=["no-blocks", "fa2-class"])

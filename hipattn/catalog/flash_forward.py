@@ -32,10 +32,13 @@ from .index import register
 from .targets import runs_amd_mfma, runs_nvidia_mma, runs_nvidia_wgmma
 from .tiles import ELEMENT_BYTES, KernelTiles, WarpgroupTiles
 
+# pair_query_tiles: 1 when a block that walks work items (the warp-specialised kernel) takes a
+# sequence's query tiles in pairs, heaviest with lightest (kernels/flash/forward_block.h, ItemWalk);
+# the other forwards read it as 0 and take one item per block.
 FLASH_FORWARD_PARAMS = ParamsStruct(
     "FlashForwardParams",
     strided("q") + strided("k") + strided("v") + strided("o") + row_statistic("lse", "ptr") + SEQUENCE_FIELDS
-    + (("heads_q", "i32"),) + SCORE_MOD_FIELDS
+    + (("heads_q", "i32"), ("pair_query_tiles", "i32")) + SCORE_MOD_FIELDS
     + DROPOUT_FIELDS + SINK_FIELDS,
 )
 

@@ -48,30 +48,44 @@ def grid_blocks(problem: Problem, block_m: int) -> int:
     return -(-problem.max_seqlen_q // block_m) * problem.batch * problem.heads_q
 
 
-def items_cost_the_same(problem: Problem, seqused_q, seqused_k) -> bool:
-    """Whether every work item of ``problem`` visits the same keys (bar a sequence's partial last query
-    tile): a batch of equal sequences (no cu_seqlens, no seqused) with neither a causal mask nor a
-    window. A persistent grid, whose blocks walk items in a fixed stride, is then as balanced as the
-    hardware's scheduling of one block per item; where items differ, the hardware's is kept."""
-    return (problem.layout == BSHD and seqused_q is None and seqused_k is None
-            and problem.window_left < 0 and problem.window_right < 0)
+# How a persistent grid's blocks take a call's work items (ops.flash.forward_grid).
+ONE_ITEM_PER_BLOCK, EQUAL_ITEMS, PAIRED_TILES = "one item per block", "equal items", "paired tiles"
 
 
-def forward_grid(problem: Problem, tiles: FlashForwardTiles, equal_items: bool, compute_units: int) -> int:
-    """grid.x for ``tiles``' kernel: a block per work item, or, for a kernel whose blocks walk items
-    (``walks_items``) when they cost the same, persistent blocks over the device's ``compute_units``
-    (one block each: the kernel's tiles fill an SM)."""
+def item_schedule(problem: Problem, seqused_q, seqused_k) -> str:
+    """How blocks that walk work items should take ``problem``'s: in a batch of equal sequences (no
+    cu_seqlens, no seqused) without a causal mask or window every item costs the same (EQUAL_ITEMS);
+    with one, a query tile's cost grows along the sequence, and a pair of tiles from both ends costs
+    the same as any other pair (PAIRED_TILES). Where sequences differ (varlen, seqused) no fixed
+    stride balances them, and the hardware's scheduling of a block per item is kept."""
+    if problem.layout != BSHD or seqused_q is not None or seqused_k is not None:
+        return ONE_ITEM_PER_BLOCK
+    if problem.window_left < 0 and problem.window_right < 0:
+        return EQUAL_ITEMS
+    return PAIRED_TILES
+
+
+def forward_grid(problem: Problem, tiles: FlashForwardTiles, schedule: str, compute_units: int) -> tuple[int, bool]:
+    """(grid.x, whether the blocks take query tiles in pairs) for ``tiles``' kernel: a block per work
+    item, or, for a kernel whose blocks walk items (``walks_items``) under a ``schedule``
+    (item_schedule) that balances them, persistent blocks over the device's ``compute_units`` (one
+    block each: the kernel's tiles fill an SM), walking single items or pairs of query tiles."""
     items = grid_blocks(problem, tiles.block_m)
-    if not (equal_items and tiles.walks_items):
-        return items
-    return persistent_blocks(items, compute_units)
+    if schedule == ONE_ITEM_PER_BLOCK or not tiles.walks_items:
+        return items, False
+    if schedule == EQUAL_ITEMS:
+        return persistent_blocks(items, compute_units), False
+    query_tiles = -(-problem.max_seqlen_q // tiles.block_m)
+    pairs = -(-query_tiles // 2) * problem.batch * problem.heads_q
+    return persistent_blocks(pairs, compute_units), True
 
 
 def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None, alibi_slopes=None, dropout_seed=None, learnable_sink=None,
             tiles: FlashForwardTiles | None = None, blocks: int | None = None) -> None:
     """Enqueue O and LSE: a work item per (query tile, sequence, query head), a block per item or, on the
-    warp-specialised kernel where items cost the same, persistent blocks that walk them (forward_grid).
+    warp-specialised kernel where a fixed stride balances them, persistent blocks that walk them
+    (forward_grid).
 
     Rows beyond a sequence's length are not written (as flash-attn). A row that sees no key gets
     O = 0 and LSE = +inf. ``dropout_seed``: the seed array of a call with dropout (hipattn.dropout);
@@ -79,7 +93,8 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
     ``tiles`` overrides the table row for head_dim, and with it the kernel
     (tools/bench_flash.py sweeps tiles this way, and times mma.sync against wgmma on one device);
     the default is the row the device's target runs (catalog.flash_forward.tiles_for). ``blocks``
-    overrides the grid of a kernel whose blocks walk items (tests run few blocks over many items).
+    overrides the grid of a kernel whose blocks walk items (tests run few blocks over many items),
+    which then take query tiles in pairs where item_schedule says so.
     """
     reason = ineligibility(problem, "forward")
     if reason is not None:
@@ -96,18 +111,21 @@ def forward(problem: Problem, q, k, v, out, lse, stream: int, *, cu_seqlens_q=No
         lambda: flash_forward.tiles_for(problem.head_dim, target, tensor_maps=False))
     threads = tiles.threads
     check_grid(target, grid_blocks(problem, tiles.block_m), threads, "query tiles x sequences x heads")
+    schedule = item_schedule(problem, seqused_q, seqused_k)
     if blocks is None:
-        blocks = forward_grid(problem, tiles, items_cost_the_same(problem, seqused_q, seqused_k),
-                              active.compute_units(problem.device))
+        blocks, paired = forward_grid(problem, tiles, schedule, active.compute_units(problem.device))
     elif not tiles.walks_items or blocks < 1:
         raise ValueError(f"flash forward: blocks={blocks} needs a kernel whose blocks walk work items and at "
                          f"least one block; {type(tiles).__name__} takes one item per block")
+    else:
+        paired = schedule == PAIRED_TILES
     spec, shared = _launch_of(tiles, problem.dtype, problem.head_dim, problem.score_mods)
     kernel = active.kernel(spec, problem.device)
     kernel.reserve_dynamic_shared_memory(shared)
     fields = forward_fields(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                             alibi_slopes, learnable_sink)
     fields["heads_q"] = problem.heads_q
+    fields["pair_query_tiles"] = int(paired)
     fields.update(dropout.fields(problem.dropout_p, dropout_seed))
     fields.update(map_fields)
     kernel.launch((blocks, 1, 1), (threads, 1, 1), shared, stream, kernel.params.from_dict(fields))

@@ -32,13 +32,43 @@ struct ForwardBlock {
   const void* v;
 };
 
-// The work items of a forward: query tiles of BLOCK_M rows for max_seqlen_q, times sequences, times
-// query heads (the host's grid for one item per block: hipattn/ops/flash.py, grid_blocks).
+// The work items of a forward are query tiles of BLOCK_M rows for max_seqlen_q, times sequences, times
+// query heads (the host's grid for one item per block: hipattn/ops/flash.py, grid_blocks), numbered
+// as forward_block reads them. A block that walks items takes units blockIdx.x, + gridDim.x, ...: a
+// unit is one item, or with p.pair_query_tiles the pair of one (sequence, head)'s query tiles f and
+// m - 1 - f counted from its end (the middle one alone when m is odd). Under a causal mask a tile's
+// keys grow linearly along the sequence, so every pair costs the same, and a fixed stride over
+// pairs is balanced where one over single tiles is not; the pairs of one head stay next to each
+// other, so the blocks running together still share its K and V in L2.
 template <int BLOCK_M>
-HIPATTN_DEVICE unsigned int forward_items(const FlashForwardParams& p) {
-  const unsigned int m_blocks = static_cast<unsigned int>((p.max_seqlen_q + BLOCK_M - 1) / BLOCK_M);
-  return m_blocks * static_cast<unsigned int>(p.batch) * static_cast<unsigned int>(p.heads_q);
-}
+struct ItemWalk {
+  unsigned int m_blocks;  // query tiles per (sequence, head)
+  unsigned int per_head;  // units per (sequence, head)
+  unsigned int units;
+  bool paired;
+
+  HIPATTN_DEVICE explicit ItemWalk(const FlashForwardParams& p)
+      : m_blocks(static_cast<unsigned int>((p.max_seqlen_q + BLOCK_M - 1) / BLOCK_M)),
+        per_head(p.pair_query_tiles ? (m_blocks + 1) / 2 : m_blocks),
+        units(per_head * static_cast<unsigned int>(p.batch) * static_cast<unsigned int>(p.heads_q)),
+        paired(p.pair_query_tiles != 0) {}
+
+  // The block's step-th item (its units blockIdx.x, + gridDim.x, ..., each in one or two steps): false
+  // past its last unit; kNoItem for the missing half of an odd count's middle tile.
+  enum : unsigned int { kNoItem = 0xffffffffu };  // an enumerator: no storage in the PTX
+  HIPATTN_DEVICE bool at(unsigned int step, unsigned int& item) const {
+    const unsigned int unit = blockIdx.x + (paired ? step / 2 : step) * gridDim.x;
+    if (unit >= units) return false;
+    if (!paired) {
+      item = unit;
+      return true;
+    }
+    const unsigned int first = unit % per_head;
+    const unsigned int from_last = step % 2 == 0 ? first : m_blocks - 1 - first;
+    item = step % 2 == 1 && from_last == first ? kNoItem : unit / per_head * m_blocks + from_last;
+    return true;
+  }
+};
 
 // Work item `item`'s problem (a block's blockIdx.x, or one of the items a persistent block walks):
 // the query tile varies fastest, heaviest (last) first. An `empty` item (tile past the sequence's

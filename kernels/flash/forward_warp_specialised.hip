@@ -34,11 +34,13 @@
 // modifiers, dropout and sinks enter through the same code as there (flash/online_softmax_m16n8.h,
 // common/score_mods.h, common/dropout.h, common/sink.h).
 //
-// The grid may be persistent: a block walks work items (query tile, sequence, head) blockIdx.x,
-// + gridDim.x, ... The K/V ring and the turns run on from one item into the next, and Q has two slots,
-// so that the producer copies the next item's Q and first key tiles while the consumers finish this
-// one's last products and write its output; a block per item pays those copies unoverlapped. The
-// host picks the grid (hipattn/ops/flash.py): persistent where every item costs the same.
+// The grid may be persistent: a block walks work items (query tile, sequence, head), in units of one
+// item or of a pair of query tiles from both ends of a sequence (flash/forward_block.h, ItemWalk). The
+// K/V ring and the turns run on from one item into the next, and Q has two slots, so that the
+// producer copies the next item's Q and first key tiles while the consumers finish this one's last
+// products and write its output; a block per item pays those copies unoverlapped. The host picks the
+// grid (hipattn/ops/flash.py, forward_grid): persistent for a batch of equal sequences, in pairs under
+// a causal mask or a window.
 #pragma once
 #include "common/async_pipeline_nvidia.h"
 #include "flash/forward_warpgroup.h"
@@ -101,12 +103,13 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   extern __shared__ __align__(1024) unsigned char shared_bytes[];
   T* const shared = reinterpret_cast<T*>(shared_bytes);
 
-  // The block walks items blockIdx.x, blockIdx.x + gridDim.x, ... (one item when the grid has one
-  // block per item). Both roles derive every item's problem themselves, skip the same empty ones, and
-  // count the same two positions: `visited`, the items visited (item v uses Q slot v % 2, its
-  // (v / 2)-th use), and `ring`, the key tiles of the items before (the item's key tile i is ring
-  // position ring + i: slot (ring + i) % STAGES, its ((ring + i) / STAGES)-th use).
-  const unsigned int items = flash::forward_items<kBlockM>(p);
+  // The block walks units blockIdx.x, blockIdx.x + gridDim.x, ..., each one item or a pair of them
+  // (flash/forward_block.h, ItemWalk; one item when the grid has one block per item). Both roles
+  // derive every item's problem themselves, skip the same empty ones, and count the same two
+  // positions: `visited`, the items visited (item v uses Q slot v % 2, its (v / 2)-th use), and
+  // `ring`, the key tiles of the items before (the item's key tile i is ring position ring + i: slot
+  // (ring + i) % STAGES, its ((ring + i) / STAGES)-th use).
+  const flash::ItemWalk<kBlockM> walk(p);
   T* const k_slots = shared + Tiles::kKOffset;
   T* const v_slots = shared + Tiles::kVOffset;
   auto q_tile = [&](int visited) { return shared + (visited % 2) * Tiles::kQElements; };
@@ -154,7 +157,9 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
       }
     };
     int visited = 0, ring = 0;
-    for (unsigned int item = blockIdx.x; item < items; item += gridDim.x) {
+    unsigned int item;
+    for (unsigned int step = 0; walk.at(step, item); ++step) {
+      if (item == walk.kNoItem) continue;
       bool empty;
       // Tiles counted from the sequence's end: a partial tile holds the first rows (flash/forward_block.h).
       const flash::ForwardBlock b = flash::forward_block<T, kBlockM, BLOCK_N, true>(p, item, empty);
@@ -231,7 +236,9 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   using ScoreSteps = typename Products::ScoreSteps;
   using ValueSteps = typename Products::ValueSteps;
   int visited = 0, ring = 0;
-  for (unsigned int item = blockIdx.x; item < items; item += gridDim.x) {
+  unsigned int item;
+  for (unsigned int step = 0; walk.at(step, item); ++step) {
+    if (item == walk.kNoItem) continue;
     bool empty;
     const flash::ForwardBlock b = flash::forward_block<T, kBlockM, BLOCK_N, true>(p, item, empty);
     if (empty) continue;

@@ -181,6 +181,29 @@ def test_a_few_persistent_blocks_walk_every_item(head_dim, blocks, causal, softc
                  case=f"d{head_dim} blocks={blocks} causal={causal} softcap={softcap} alibi={alibi}")
 
 
+@pytest.mark.parametrize("window,causal", [((-1, -1), True), ((200, 0), True), ((100, 37), False)],
+                         ids=["causal", "causal-window", "window"])
+@pytest.mark.parametrize("blocks", [None, 1, 3], ids=["device-grid", "1-block", "3-blocks"])
+@pytest.mark.parametrize("head_dim", sorted(FLASH_FORWARD_WARP_SPECIALISED_TILES))
+def test_blocks_take_a_batchs_query_tiles_in_pairs(head_dim, blocks, window, causal, rng):
+    """A batch of equal sequences under a causal mask or a window: persistent blocks take each head's
+    query tiles in pairs from both ends (here an odd count, five, the middle one alone; Q shorter than
+    KV), on the device's grid and on one and three blocks."""
+    _needs_wgmma()
+    block_m = FLASH_FORWARD_WARP_SPECIALISED_TILES[head_dim].block_m
+    batch, heads, seqlen_q, seqlen_k = 3, 8, 5 * block_m - 3, 900
+    q, k, v = gpu.bshd_inputs(batch, seqlen_q, seqlen_k, heads, 2, head_dim, "bf16", rng)
+    out = gpu.poisoned(q.shape, q.dtype)
+    lse = gpu.poisoned((batch, heads, seqlen_q), torch.float32)
+    flash_forward(q, k, v, out, lse, causal=causal, window_size=window, blocks=blocks)
+    torch.cuda.synchronize()
+    lengths_q, lengths_k = [seqlen_q] * batch, [seqlen_k] * batch
+    thd = [gpu.rows_of_each_sequence(x, n) for x, n in ((out, lengths_q), (q, lengths_q), (k, lengths_k), (v, lengths_k))]
+    _check(thd[0], gpu.rows_of_each_sequence(lse, lengths_q, dim=1), *thd[1:], gpu.cumulative(lengths_q),
+           gpu.cumulative(lengths_k), causal=causal, scale=1.0 / math.sqrt(head_dim), dtype="bf16", window=window,
+           case=f"pairs d{head_dim} blocks={blocks} window={window} causal={causal}")
+
+
 @pytest.mark.parametrize("head_dim", sorted(FLASH_FORWARD_WARP_SPECIALISED_TILES))
 def test_a_batch_of_equal_sequences_runs_on_a_persistent_grid(head_dim, rng):
     """A non-causal BSHD call with more items than SMs: the device's grid is persistent (fewer blocks than
@@ -194,8 +217,8 @@ def test_a_batch_of_equal_sequences_runs_on_a_persistent_grid(head_dim, rng):
     tiles = FLASH_FORWARD_WARP_SPECIALISED_TILES[head_dim]
     items = flash.grid_blocks(problem, tiles.block_m)
     units = runtime.active().compute_units(problem.device)
-    grid = flash.forward_grid(problem, tiles, True, units)
-    assert items > units and grid <= units and -(-items // grid) == -(-items // units)
+    grid, paired = flash.forward_grid(problem, tiles, flash.EQUAL_ITEMS, units)
+    assert items > units and grid <= units and -(-items // grid) == -(-items // units) and not paired
     torch.cuda.synchronize()
     lengths = [seqlen] * batch
     thd = [gpu.rows_of_each_sequence(x, lengths) for x in (out, q, k, v)]
