@@ -6,7 +6,8 @@ small-seq path cannot take comes here (hipattn.dispatch).
 
 The caller has validated the problem (problem.describe), made the device current and resolved the
 stream; everything here is enqueued on that stream, nothing synchronizes, and the grid is sized from
-host-known facts only (batch, heads and max_seqlen_q), so a call can be captured into a graph.
+host-known facts only (batch, heads, max_seqlen_q, the layout and mask, the device's SM count), so a
+call can be captured into a graph.
 """
 
 from __future__ import annotations
