@@ -308,10 +308,10 @@ def build_cases(quick: bool = False) -> list[Case]:
     # The flash forward, called directly (dispatch would send short sequences elsewhere): valid, then adversarial.
     for flash_q, flash_k, base in _flash_configurations("flash_forward", [0, 1, 70, 33], [5, 64, 0, 40], quick):
         dtype, head_dim, hq, hkv = base["dtype"], base["head_dim"], base["heads_q"], base["heads_kv"]
+        walks = head_dim in flash_forward_catalog.FLASH_FORWARD_WARP_SPECIALISED_TILES
         for causal in (False, True):
             # The FA2-class wgmma forward, which H100/H200 run for arrays without tensor maps, at every head_dim;
             # and the warp-specialised one on a persistent grid of two blocks that walk every item.
-            walks = head_dim in flash_forward_catalog.FLASH_FORWARD_WARP_SPECIALISED_TILES
             for kernel in ("device", "mma.sync", "fa2-class wgmma") + (PERSISTENT_KERNEL,) * walks:
                 cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid causal={causal} kernel={kernel}",
                                   cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal, kernel=kernel, **base))
@@ -320,6 +320,12 @@ def build_cases(quick: bool = False) -> list[Case]:
                                   window=(20, 7), kernel=kernel, **base))
             cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} valid dropout 0.17 causal={causal}",
                               cu_seqlens_q=flash_q, cu_seqlens_k=flash_k, causal=causal, dropout_p=0.17, **base))
+        # A batch of equal sequences under a causal mask or a window: the persistent blocks take each
+        # head's query tiles in pairs from both ends (three tiles of 128 rows, Q shorter than KV).
+        for causal, window in ((True, (-1, -1)), (False, (20, 7))) if walks else ():
+            cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} bshd pairs window {window} causal={causal} "
+                                   f"kernel={PERSISTENT_KERNEL}", layout="bshd", causal=causal, window=window,
+                              kernel=PERSISTENT_KERNEL, **{**base, "max_seqlen_q": 333, "max_seqlen_k": 400}))
         bad_q, bad_k = adversarial_cu_seqlens(base["total_q"]), adversarial_cu_seqlens(base["total_k"])
         for i, name in enumerate(bad_q):
             cases.append(Case(name=f"flash {dtype} d{head_dim} h{hq}/{hkv} {name}" + " dropout 0.17" * (i % 2),
@@ -535,30 +541,40 @@ def _dropout_seed(runner: Runner, case: Case):
 
 
 def run_flash_forward(runner: Runner, case: Case) -> None:
+    """The flash forward, THD with the case's cu_seqlens, or a BSHD batch of BATCH equal sequences of the
+    case's max_seqlen (every row written)."""
     from hipattn import arrays, runtime
     from hipattn import problem as problem_mod
     from hipattn.ops import flash
     from hipattn.streams import on_device, resolve_stream
 
     torch = runner.torch
-    q = runner.input((case.total_q, case.heads_q, case.head_dim), case.dtype)
-    k = runner.input((case.total_k, case.heads_kv, case.head_dim), case.dtype)
-    v = runner.input((case.total_k, case.heads_kv, case.head_dim), case.dtype)
-    cu_q, cu_k = runner.int32(case.cu_seqlens_q), runner.int32(case.cu_seqlens_k)
+    bshd = case.layout == "bshd"
+    tokens_q, tokens_k = ((BATCH, case.max_seqlen_q), (BATCH, case.max_seqlen_k)) if bshd else (
+        (case.total_q,), (case.total_k,))
+    q = runner.input((*tokens_q, case.heads_q, case.head_dim), case.dtype)
+    k = runner.input((*tokens_k, case.heads_kv, case.head_dim), case.dtype)
+    v = runner.input((*tokens_k, case.heads_kv, case.head_dim), case.dtype)
     out = runner.output("out", tuple(q.shape), case.dtype)
-    lse = runner.output("lse", (case.heads_q, case.total_q), "fp32")
+    lse = runner.output("lse", (BATCH, case.heads_q, case.max_seqlen_q) if bshd else (case.heads_q, case.total_q),
+                        "fp32")
     qa, ka, va = (arrays.as_device_array(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-    cu_qa, cu_ka = arrays.as_device_array(cu_q, "cu_seqlens_q"), arrays.as_device_array(cu_k, "cu_seqlens_k")
+    sequences = {} if bshd else {
+        name: arrays.as_device_array(runner.int32(values), name)
+        for name, values in (("cu_seqlens_q", case.cu_seqlens_q), ("cu_seqlens_k", case.cu_seqlens_k))}
+    bounds = {} if bshd else {"max_seqlen_q": case.max_seqlen_q, "max_seqlen_k": case.max_seqlen_k}
     seed = _dropout_seed(runner, case)
-    problem = problem_mod.describe(qa, ka, va, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka, max_seqlen_q=case.max_seqlen_q,
-                                   max_seqlen_k=case.max_seqlen_k, causal=case.causal, window_size=case.window,
+    problem = problem_mod.describe(qa, ka, va, **sequences, **bounds, causal=case.causal, window_size=case.window,
                                    dropout_p=case.dropout_p, dropout_seed=seed)
     with on_device(runtime.active().backend, problem.device):
         stream = resolve_stream((qa, ka, va), None, device=problem.device)
         flash.forward(problem, qa, ka, va, arrays.as_device_array(out, "out"), arrays.as_device_array(lse, "lse"),
-                      stream, cu_seqlens_q=cu_qa, cu_seqlens_k=cu_ka, dropout_seed=seed,
+                      stream, dropout_seed=seed, **sequences,
                       tiles=FORWARD_TILES_OF_KERNEL.get(case.kernel, {}).get(case.head_dim),
                       blocks=PERSISTENT_BLOCKS if case.kernel == PERSISTENT_KERNEL else None)
+    if bshd:
+        runner.check_outputs({})  # every row is written: the guards and the NaN check remain
+        return
     # The flash kernels pass max_seqlen as their tile (no tile limit of their own).
     rows_q = rows_a_kernel_may_write(case.cu_seqlens_q, None, BATCH, case.max_seqlen_q, case.total_q, case.max_seqlen_q)
     runner.check_outputs({
