@@ -4,9 +4,9 @@ Argument names and order follow flash-attn 2's ``flash_attn_func`` and ``flash_a
 Given torch tensors that require grad (with grad mode on), the calls record autograd through
 ``hipattn.torch``, so ``import hipattn as flash_attn`` trains unchanged; every other
 input kind takes the raw-array path, which records nothing. Arguments hipattn does not support
-raise ValueError naming them: paged KV (``block_table``) here (``hipattn.flash_attn_with_kvcache``
-takes it). ``window_size`` is flash-attn's sliding window, ``softcap`` and ``alibi_slopes`` its score
-modifiers, ``dropout_p`` its dropout (with a seed: hipattn.dropout).
+raise ValueError naming them. ``window_size`` is flash-attn's sliding window, ``softcap`` and
+``alibi_slopes`` its score modifiers, ``dropout_p`` its dropout (with a seed: hipattn.dropout), and
+``block_table`` its paged KV, which takes torch tensors (hipattn.torch_paged gathers the pages).
 """
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ from . import attention
 from .dropout import check_dropout_p
 
 
-def reject_paged_kv(block_table) -> None:
-    """flash_attn_varlen_func's ``block_table`` (paged KV), which only flash_attn_with_kvcache takes."""
-    if block_table is not None:
-        raise ValueError("hipattn does not support: block_table in flash_attn_varlen_func (paged KV is not supported "
-                         "there; hipattn.flash_attn_with_kvcache takes it)")
+def _gathers_pages_in_torch(stream: Any, block_table: Any, q: Any) -> bool:
+    """Whether a paged call (``block_table``) goes to hipattn.torch, which gathers the pages with torch
+    operations (hipattn.torch_paged); any other array kind, or a stream= beside torch tensors, is refused."""
+    if block_table is None:
+        return False
+    if stream is None and type(q).__module__.startswith("torch"):
+        return True
+    raise ValueError("block_table (paged KV) in flash_attn_varlen_func takes torch tensors on torch's current stream "
+                     "(select another with `with torch.cuda.stream(s):`): hipattn.torch gathers the pages; "
+                     "hipattn.flash_attn_with_kvcache takes paged caches of any array kind")
 
 
 def _draws_seed_in_torch(stream: Any, dropout_p: float, dropout_seed: Any, q: Any) -> bool:
@@ -98,15 +103,19 @@ def flash_attn_varlen_func(
     torch's generator for torch tensors, else passed as ``dropout_seed`` (a one-element int64
     device array; hipattn.backward takes the same one). learnable_sink, fp32 [nheads]
     (FlashAttention-4's), adds a logit per query head to every row's softmax denominator, with no value.
+    block_table, int32 [batch, pages], reads k and v as paged caches [num_blocks, page_size, nheads_k,
+    headdim] (flash-attn's paged KV; key j of sequence b is row j % page_size of page
+    block_table[b, j // page_size], cu_seqlens_k giving the lengths): torch tensors only, whose pages
+    hipattn.torch gathers into packed keys of batch * max_seqlen_k rows before the kernels run
+    (hipattn.torch_paged).
     Returns out [total_q, nheads, headdim]; with return_attn_probs=True, (out, softmax_lse, None)
     where softmax_lse is fp32 [nheads, total_q] (+inf for a row that sees no key); hipattn.torch returns
     flash-attn's S_dmask in place of None for calls with dropout. Torch tensors that require grad, or
     that need a seed drawn, go through hipattn.torch (see the module docstring); for other inputs
     hipattn.backward computes the gradients from out and softmax_lse.
     """
-    reject_paged_kv(block_table)
     dropout_p = check_dropout_p(dropout_p)
-    if (_records_gradients(stream, q, k, v, learnable_sink)
+    if (_gathers_pages_in_torch(stream, block_table, q) or _records_gradients(stream, q, k, v, learnable_sink)
             or _draws_seed_in_torch(stream, dropout_p, dropout_seed, q)):
         from . import torch as autograd_api
 

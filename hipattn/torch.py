@@ -32,8 +32,7 @@ from typing import Optional
 
 import torch
 
-from . import attention, kvcache, torch_attn_probs, torch_sdpa
-from .api import reject_paged_kv
+from . import attention, kvcache, torch_attn_probs, torch_paged, torch_sdpa
 from .catalog.common import FLASH_HEAD_DIMS
 from .catalog.decode import DECODE_HEAD_DIMS
 from .dropout import check_dropout_p
@@ -282,14 +281,17 @@ def flash_attn_varlen_func(
     seed from torch's generator (hipattn.dropout); S_dmask is None without dropout, else
     flash-attn's testing output (hipattn.torch_attn_probs: it synchronizes, for testing only).
     ``learnable_sink`` (FlashAttention-4's): fp32 [Hq] logits that join each row's softmax denominator
-    with no value; they get a gradient when they require one.
+    with no value; they get a gradient when they require one. ``block_table`` (flash-attn's paged KV):
+    k and v are then paged caches, gathered into packed keys first (hipattn.torch_paged), through which
+    the caches get their gradients.
     """
-    reject_paged_kv(block_table)
     causal, deterministic = _host_arguments(max_seqlen_q, max_seqlen_k, causal, deterministic)
     dropout_p = check_dropout_p(dropout_p)
     _check_slopes(alibi_slopes, learnable_sink)
     scale = _scale(q, softmax_scale)
     window, softcap = check_window(window_size, causal), check_softcap(softcap)
+    if block_table is not None:
+        k, v = torch_paged.packed_keys_and_values(k, v, block_table, cu_seqlens_k, max_seqlen_k)
     seed = _dropout_seed(q, dropout_p)
     original = (q, k)
     (q, k, v), head_dim = _padded_attention(q, k, v)

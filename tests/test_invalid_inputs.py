@@ -471,8 +471,8 @@ CASES = [
     case("window_size of three", forward_thd, TypeError, "window_size must be a pair of ints", window_size=(1, 2, 3)),
     case("window_size of bools", forward_bshd, TypeError, "window_size must be a pair of ints",
          window_size=(True, 0)),
-    case("block_table", varlen_api, ValueError, "block_table in flash_attn_varlen_func (paged KV is not supported",
-         block_table=thd_array((BATCH, 4), "int32")),
+    case("block_table of raw arrays", varlen_api, ValueError,
+         "block_table (paged KV) in flash_attn_varlen_func takes torch tensors", block_table=thd_array((BATCH, 4), "int32")),
     # forward outputs
     case("out of the wrong shape", forward_thd, ValueError, "out has shape (10, 4, 128); expected (10, 4, 64)",
          GUARDED, out=thd_array((TOTAL_Q, HEADS_Q, 128))),

@@ -15,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import hipattn  # noqa: E402
 import hipattn.torch as hat  # noqa: E402
 from hipattn import attention, kvcache  # noqa: E402
 
@@ -272,11 +273,102 @@ def test_learnable_sinks_get_the_gradient_of_attention_with_a_sink(kernels, varl
 
 
 def test_unsupported_arguments_are_named():
-    q, k, v, cu_q, cu_k = _varlen([3, 2], [1, 4])
-    with pytest.raises(ValueError, match="block_table in flash_attn_varlen_func"):
-        hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"dropout_p is 1\.0; it must be in \[0, 1\)"):
         hat.flash_attn_func(torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), dropout_p=1.0)
+
+
+PAGE = 4
+
+
+def _paged(lengths_k, spare_pages=3, heads_kv=2, head_dim=64):
+    """Paged caches of PAGE keys a page holding the keys of _varlen's k and v, every sequence's pages
+    at shuffled places among spare ones, and its block table (one spare column)."""
+    _, k, v, _, cu_k = _varlen([1] * len(lengths_k), lengths_k, heads_kv, heads_kv, head_dim)
+    pages = -(-max(lengths_k) // PAGE) + 1
+    places = torch.randperm(len(lengths_k) * pages + spare_pages)[:len(lengths_k) * pages].reshape(-1, pages)
+    k_cache = torch.randn(len(lengths_k) * pages + spare_pages, PAGE, heads_kv, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    for b, length in enumerate(lengths_k):
+        for j in range(length):
+            k_cache[places[b, j // PAGE], j % PAGE] = k[int(cu_k[b]) + j].detach()
+            v_cache[places[b, j // PAGE], j % PAGE] = v[int(cu_k[b]) + j].detach()
+    return k, v, k_cache.requires_grad_(), v_cache.requires_grad_(), places.to(torch.int32), cu_k
+
+
+def test_a_paged_varlen_call_attends_to_the_keys_its_block_table_names(kernels):
+    lengths_q, lengths_k = [3, 7, 0, 5], [4, 10, 2, 0]
+    q, _, _, cu_q, _ = _varlen(lengths_q, lengths_k)
+    k, v, k_cache, v_cache, table, cu_k = _paged(lengths_k)
+    want, want_lse, _ = hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 10, causal=True, return_attn_probs=True)
+    got, lse, _ = hat.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 7, 10, causal=True,
+                                             return_attn_probs=True, block_table=table)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(lse, want_lse)
+
+
+def test_a_paged_varlen_call_gives_each_page_the_gradient_of_its_keys(kernels, monkeypatch):
+    lengths_q, lengths_k = [3, 7, 5], [4, 10, 6]
+    q, _, _, cu_q, _ = _varlen(lengths_q, lengths_k)
+    k, v, k_cache, v_cache, table, cu_k = _paged(lengths_k)
+    backward = kernels.backward
+
+    def leaves_rows_past_every_sequence_unwritten(dout, q, k, v, *args, **kwargs):
+        grads = backward(dout, q, k, v, *args, **kwargs)
+        for grad in grads[1:]:
+            grad[int(kwargs["cu_seqlens_k"][-1]):] = float("nan")  # as the kernels leave them
+        return grads
+
+    monkeypatch.setattr(attention, "backward", leaves_rows_past_every_sequence_unwritten)
+    weights = torch.randn(q.shape)
+    (hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 10) * weights).sum().backward()
+    want = (k.grad, v.grad)
+    (hat.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 7, 10, block_table=table) * weights).sum().backward()
+    for cache, grad in zip((k_cache, v_cache), want, strict=True):
+        expected = torch.zeros_like(cache)
+        for b, length in enumerate(lengths_k):
+            for j in range(length):
+                expected[table[b, j // PAGE], j % PAGE] = grad[int(cu_k[b]) + j]
+        torch.testing.assert_close(cache.grad, expected)  # spare pages and unused rows: exactly 0, no NaN
+
+
+def test_a_block_table_entry_outside_the_cache_reads_a_page_of_it_instead_of_faulting(kernels):
+    q, _, _, cu_q, _ = _varlen([2, 3], [5, 3])
+    _, _, k_cache, v_cache, table, cu_k = _paged([5, 3])
+    table[0, 1], table[1, 0] = 10**6, -7
+    out = hat.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 3, 5, block_table=table)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    (lambda a: {**a, "block_table": a["block_table"][:, :2]}, ValueError, r"needs 3 pages of 4 keys, but block_table rows name 2"),
+    (lambda a: {**a, "block_table": a["block_table"].long()}, ValueError, "block_table must be an int32 tensor"),
+    (lambda a: {**a, "block_table": a["block_table"][:1]}, ValueError, "block_table has 1 rows but cu_seqlens_k describes 2"),
+    (lambda a: {**a, "v": a["v"][:, :2]}, ValueError, "v has shape"),
+    (lambda a: {**a, "k": a["k"][0]}, ValueError, r"with block_table it is a paged cache"),
+    (lambda a: {**a, "block_table": a["block_table"].numpy()}, TypeError, "block_table must be a torch tensor"),
+    (lambda a: {**a, "cu_k": a["cu_k"].long()}, ValueError, "cu_seqlens_k must be an int32 tensor"),
+])
+def test_paged_arguments_are_checked_before_anything_runs(kernels, change, error, message):
+    q, _, _, cu_q, _ = _varlen([2, 3], [9, 3])
+    _, _, k_cache, v_cache, table, cu_k = _paged([9, 3])
+    arguments = change({"k": k_cache, "v": v_cache, "block_table": table, "cu_k": cu_k})
+    with pytest.raises(error, match=message):
+        hat.flash_attn_varlen_func(q, arguments["k"], arguments["v"], cu_q, arguments["cu_k"], 3, 9,
+                                   block_table=arguments["block_table"])
+    assert kernels.forward_calls == 0
+
+
+def test_the_plain_api_sends_paged_torch_calls_to_hipattn_torch_and_refuses_other_arrays(kernels):
+    q, _, _, cu_q, _ = _varlen([2, 3], [5, 3])
+    _, _, k_cache, v_cache, table, cu_k = _paged([5, 3])
+    with torch.no_grad():
+        out = hipattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 3, 5, block_table=table)
+    assert out.shape == q.shape and kernels.forward_calls == 1
+    with pytest.raises(ValueError, match="block_table \\(paged KV\\) in flash_attn_varlen_func takes torch tensors"):
+        hipattn.flash_attn_varlen_func(q.detach().numpy(), k_cache.detach().numpy(), v_cache.detach().numpy(),
+                                       cu_q.numpy(), cu_k.numpy(), 3, 5, block_table=table.numpy())
+    with pytest.raises(ValueError, match="takes torch tensors on torch's current stream"):
+        hipattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 3, 5, block_table=table, stream=0)
 
 
 def test_dropout_draws_its_seed_from_torchs_generator_and_the_backward_gets_the_same(kernels):

@@ -81,3 +81,30 @@ def test_a_v_head_dim_other_than_qks_trains_through_padding(lengths_q, lengths_k
         return hat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
 
     _check_gradients(step, rng, lengths_q, lengths_k, head_dims=(192, 128))
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("lengths_q,lengths_k", [((17, 3, 0, 9, 12), (5, 17, 4, 0, 11)),
+                                                 ((300, 3, 0, 90, 129), (50, 170, 4, 0, 611))],
+                         ids=["small-seq", "flash"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_paged_cache_trains_through_its_block_table(lengths_q, lengths_k, page_size, compiled, rng):
+    """flash-attn's paged varlen call (block_table): the keys and values sit in pages at shuffled places
+    of a cache with spare pages; output and gradients match float64 on the packed keys, and the
+    gradients reach k and v through the cache."""
+    pages = -(-max(lengths_k) // page_size)
+    blocks = len(lengths_k) * pages + 3
+    places = torch.randperm(blocks, generator=rng, device="cuda")[:len(lengths_k) * pages]
+    table = places.reshape(len(lengths_k), pages).to(torch.int32)
+    # The cache row of every packed key: its sequence's page for it, and its place in the page.
+    keys = [torch.arange(n, device="cuda") for n in lengths_k]
+    rows = torch.cat([table[b, j // page_size].long() * page_size + j % page_size for b, j in enumerate(keys)])
+
+    def step(q, k, v, cu_q, cu_k):
+        def paged(x):
+            return x.new_zeros(blocks * page_size, *x.shape[1:]).index_copy(0, rows, x).unflatten(0, (blocks, page_size))
+
+        return hat.flash_attn_varlen_func(q, paged(k), paged(v), cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                          causal=True, block_table=table)
+
+    _check_gradients(torch.compile(step, fullgraph=True) if compiled else step, rng, lengths_q, lengths_k)
