@@ -38,12 +38,13 @@ def _check(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k: int) -> in
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]) or v_cache.dim() != 4:
         raise ValueError(f"v has shape {tuple(v_cache.shape)}; with block_table it must be a paged cache of k's "
                          f"blocks, page size and heads {tuple(k_cache.shape[:3])}")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2:
-        raise ValueError(f"block_table must be an int32 tensor [batch, pages]; got {block_table.dtype} of shape "
-                         f"{tuple(block_table.shape)}")
-    if cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.dim() != 1 or cu_seqlens_k.shape[0] < 1:
-        raise ValueError(f"cu_seqlens_k must be an int32 tensor [batch + 1]; got {cu_seqlens_k.dtype} of shape "
-                         f"{tuple(cu_seqlens_k.shape)}")
+    for t, name in ((block_table, "block_table"), (cu_seqlens_k, "cu_seqlens_k")):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected int32")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected [batch, pages]")
+    if cu_seqlens_k.dim() != 1 or cu_seqlens_k.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_k has shape {tuple(cu_seqlens_k.shape)}; expected [batch + 1]")
     batch = cu_seqlens_k.shape[0] - 1
     if block_table.shape[0] != batch:
         raise ValueError(f"block_table has {block_table.shape[0]} rows but cu_seqlens_k describes {batch} sequences; "
@@ -72,10 +73,12 @@ def packed_keys_and_values(k_cache: Tensor, v_cache: Tensor, block_table: Tensor
     device = k_cache.device
     rows = torch.arange(batch * max_seqlen_k, device=device)
     starts = cu_seqlens_k.to(torch.long)
-    # The sequence whose range holds each row: the first whose end lies past it. Its key there counts
-    # only below the length max_seqlen_k bounds (as the kernels bound it); clamps keep malformed
-    # offsets indexing inside the arrays.
-    sequence = torch.searchsorted(starts[1:], rows, right=True).clamp_(0, max(batch - 1, 0))
+    # The sequence whose range holds each row: the last whose start is not past it. Its key there
+    # counts only below the length max_seqlen_k bounds (as the kernels bound it); clamps keep malformed
+    # offsets indexing inside the arrays. The search runs over every start rather than over the ends
+    # (starts[1:]): Inductor's GPU lowering of searchsorted read a sliced sequence from the start of its
+    # buffer (torch 2.11), one sequence off for every row.
+    sequence = (torch.searchsorted(starts, rows, right=True) - 1).clamp_(0, max(batch - 1, 0))
     key = rows - starts[sequence]
     inside = (key >= 0) & (key < (starts[1:] - starts[:-1]).clamp(0, max_seqlen_k)[sequence])
     key = torch.where(inside, key, 0)

@@ -341,12 +341,13 @@ def test_a_block_table_entry_outside_the_cache_reads_a_page_of_it_instead_of_fau
 
 @pytest.mark.parametrize(("change", "error", "message"), [
     (lambda a: {**a, "block_table": a["block_table"][:, :2]}, ValueError, r"needs 3 pages of 4 keys, but block_table rows name 2"),
-    (lambda a: {**a, "block_table": a["block_table"].long()}, ValueError, "block_table must be an int32 tensor"),
+    (lambda a: {**a, "block_table": a["block_table"].long()}, TypeError, "block_table has dtype torch.int64; expected int32"),
+    (lambda a: {**a, "block_table": a["block_table"][0]}, ValueError, r"block_table has shape \(4,\); expected \[batch, pages\]"),
     (lambda a: {**a, "block_table": a["block_table"][:1]}, ValueError, "block_table has 1 rows but cu_seqlens_k describes 2"),
     (lambda a: {**a, "v": a["v"][:, :2]}, ValueError, "v has shape"),
     (lambda a: {**a, "k": a["k"][0]}, ValueError, r"with block_table it is a paged cache"),
     (lambda a: {**a, "block_table": a["block_table"].numpy()}, TypeError, "block_table must be a torch tensor"),
-    (lambda a: {**a, "cu_k": a["cu_k"].long()}, ValueError, "cu_seqlens_k must be an int32 tensor"),
+    (lambda a: {**a, "cu_k": a["cu_k"].long()}, TypeError, "cu_seqlens_k has dtype torch.int64; expected int32"),
 ])
 def test_paged_arguments_are_checked_before_anything_runs(kernels, change, error, message):
     q, _, _, cu_q, _ = _varlen([2, 3], [9, 3])
